@@ -1,0 +1,1 @@
+"""fairseq-alma: Anytime Learning at Macroscale with Switch Transformers (a fairseq user dir)."""

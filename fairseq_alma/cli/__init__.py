@@ -1,0 +1,1 @@
+"""cli of fairseq-alma."""

@@ -1,0 +1,1 @@
+"""growth of fairseq-alma."""

@@ -1,0 +1,1 @@
+"""modules of fairseq-alma."""

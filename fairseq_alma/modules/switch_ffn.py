@@ -1,0 +1,184 @@
+"""Switch FFN: a top-1 mixture of FFN experts (Fedus et al. 2021; ALMA paper §5, App. B.2).
+
+Why this layout:
+- Expert weights are stacked tensors ``[E_max, ...]`` instead of a ModuleList.  Growth (ALMA
+  gMoE for LMs, Table 2: 4 -> 6 -> 8 -> 12 experts) then only switches on pre-allocated slots,
+  so fairseq's optimizer and DDP keep the same parameter list (see DESIGN.md).
+- Kept tokens are sorted by expert once and each expert runs two dense matmuls over its
+  contiguous segment.  Dropped tokens and empty slots cost nothing, and no
+  tokens x experts x capacity tensor exists (the fairseq ``moe`` branch's dense one-hot dispatch
+  is 4x slower than a dense FFN on CPU; see benchmarks/switch_ffn.py).
+- Router logits and softmax are float32 even under --fp16/--bf16 (Switch §2.4: selective
+  precision), and the balance loss is *returned*, never stored on the module.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .switch_routing import Top1Routing, balance_loss, route_top1, router_z_loss, routing_diagnostics
+
+
+@dataclass
+class SwitchAux:
+    """What one SwitchFFN call reports besides its output.
+
+    ``balance_loss`` keeps its graph (the criterion adds it to the training loss);
+    ``z_loss`` is None unless enabled; ``diagnostics`` are detached summable statistics.
+    """
+
+    balance_loss: Tensor
+    z_loss: Optional[Tensor]
+    diagnostics: dict[str, Tensor] = field(default_factory=dict)
+
+
+def _activation(name: str):
+    if name == "relu":
+        return F.relu
+    if name == "gelu":
+        return F.gelu
+    if name == "silu":
+        return F.silu
+    raise ValueError(f"unknown activation {name!r}: use relu, gelu or silu")
+
+
+class SwitchFFN(nn.Module):
+    """Top-1 routed FFN experts with capacity, load balancing and diagnostics.
+
+    Args:
+        embed_dim: model width d.
+        ffn_dim: hidden width of every expert (the dense FFN's width).
+        num_experts: experts active at construction.
+        capacity_factor: training capacity factor (paper: 1.0).
+        eval_capacity_factor: capacity factor when ``not self.training``.  Default None = no
+            limit: at evaluation every token reaches its expert, so perplexity does not depend
+            on how the evaluation batches happen to be composed (alma-score and fairseq-eval-lm
+            batch differently yet must agree), and nothing is gained on CPU from dropping.
+            Set e.g. 2.0 (ST-MoE) to bound GPU memory and time on large evaluation batches.
+        activation_fn: relu (fairseq's transformer default), gelu or silu.
+        activation_dropout: dropout after the activation inside each expert.
+        jitter_eps: multiplicative router input noise U(1-eps, 1+eps) in training (Switch §2.4);
+            0 disables it.
+        max_experts: allocated expert slots (>= num_experts); slots beyond the active count are
+            switched on by growth.  Defaults to num_experts.
+        z_loss: also return the ST-MoE router z-loss.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        ffn_dim: int,
+        num_experts: int,
+        capacity_factor: float = 1.0,
+        eval_capacity_factor: Optional[float] = None,
+        activation_fn: str = "relu",
+        activation_dropout: float = 0.0,
+        jitter_eps: float = 0.0,
+        max_experts: Optional[int] = None,
+        z_loss: bool = False,
+    ) -> None:
+        super().__init__()
+        max_experts = num_experts if max_experts is None else max_experts
+        if num_experts < 1:
+            raise ValueError(f"num_experts must be >= 1 (got {num_experts})")
+        if max_experts < num_experts:
+            raise ValueError(f"max_experts ({max_experts}) must be >= num_experts ({num_experts})")
+        for name, value in (("capacity_factor", capacity_factor), ("eval_capacity_factor", eval_capacity_factor)):
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be > 0 (got {value})")
+        self.embed_dim = embed_dim
+        self.ffn_dim = ffn_dim
+        self.max_experts = max_experts
+        self.capacity_factor = capacity_factor
+        self.eval_capacity_factor = eval_capacity_factor
+        self.activation = _activation(activation_fn)
+        self.activation_dropout = activation_dropout
+        self.jitter_eps = jitter_eps
+        self.use_z_loss = z_loss
+
+        self.router = nn.Linear(embed_dim, max_experts, bias=False)
+        self.fc1_weight = nn.Parameter(torch.empty(max_experts, ffn_dim, embed_dim))  # (E, f, d)
+        self.fc1_bias = nn.Parameter(torch.empty(max_experts, ffn_dim))  # (E, f)
+        self.fc2_weight = nn.Parameter(torch.empty(max_experts, embed_dim, ffn_dim))  # (E, d, f)
+        self.fc2_bias = nn.Parameter(torch.empty(max_experts, embed_dim))  # (E, d)
+        # Active expert count; a buffer so it is saved in checkpoints and restored on load.
+        self.register_buffer("num_active", torch.tensor(num_experts, dtype=torch.long))
+        self.reset_parameters()
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.num_active)
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's default init for every expert and the router (what fairseq's FFN uses)."""
+        nn.init.kaiming_uniform_(self.router.weight, a=math.sqrt(5))
+        for weight, bias in ((self.fc1_weight, self.fc1_bias), (self.fc2_weight, self.fc2_bias)):
+            bound = 1.0 / math.sqrt(weight.shape[-1])
+            for e in range(self.max_experts):
+                nn.init.kaiming_uniform_(weight.data[e], a=math.sqrt(5))
+            nn.init.uniform_(bias, -bound, bound)
+
+    def expert_parameter_count(self) -> int:
+        """Parameters of one expert (both linear layers with biases)."""
+        return 2 * self.embed_dim * self.ffn_dim + self.ffn_dim + self.embed_dim
+
+    def router_logits(self, tokens: Tensor) -> Tensor:
+        """(T, d) -> (T, E_active) float32 logits, with jitter noise in training."""
+        x = tokens.float()
+        if self.training and self.jitter_eps > 0:
+            x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_eps, 1.0 + self.jitter_eps)
+        weight = self.router.weight[: self.num_experts].float()
+        return F.linear(x, weight)
+
+    def forward(self, x: Tensor, padding_mask: Optional[Tensor] = None) -> tuple[Tensor, SwitchAux]:
+        """x: (..., d); padding_mask: same leading shape, True at padding.  Returns (y, aux)."""
+        shape = x.shape
+        tokens = x.reshape(-1, self.embed_dim)  # (T, d)
+        valid = None if padding_mask is None else ~padding_mask.reshape(-1)
+        logits = self.router_logits(tokens)  # (T, E) fp32
+        capacity_factor = self.capacity_factor if self.training else self.eval_capacity_factor
+        routing = route_top1(logits, capacity_factor, valid)
+        y = self.dispatch(tokens, routing)
+        aux = SwitchAux(
+            balance_loss=balance_loss(routing, valid),
+            z_loss=router_z_loss(logits, valid) if self.use_z_loss else None,
+            diagnostics=routing_diagnostics(routing, valid),
+        )
+        return y.reshape(shape), aux
+
+    def dispatch(self, tokens: Tensor, routing: Top1Routing) -> Tensor:
+        """Run each kept token through its expert; dropped and padding tokens get 0.
+
+        Kept tokens are gathered in expert-major order (one index_select), every expert
+        multiplies its contiguous segment, and results are copied back by index.
+        """
+        num_experts = self.num_experts
+        kept = routing.keep.nonzero().squeeze(1)  # (K,)
+        kept_expert = routing.expert.index_select(0, kept)  # (K,)
+        order = torch.argsort(kept_expert, stable=True)
+        index = kept.index_select(0, order)  # (K,) token ids, grouped by expert
+        counts = torch.bincount(kept_expert, minlength=num_experts).tolist()
+        x_sorted = tokens.index_select(0, index)  # (K, d)
+
+        outputs = []
+        start = 0
+        for e, count in enumerate(counts):
+            if count == 0:
+                continue
+            seg = x_sorted[start : start + count]  # (c, d)
+            h = self.activation(F.linear(seg, self.fc1_weight[e], self.fc1_bias[e]))  # (c, f)
+            h = F.dropout(h, p=self.activation_dropout, training=self.training)
+            outputs.append(F.linear(h, self.fc2_weight[e], self.fc2_bias[e]))  # (c, d)
+            start += count
+        if not outputs:  # every token dropped or padding
+            return tokens.new_zeros(tokens.shape) + 0.0 * tokens
+        # Output of a kept token = gate probability x expert(x); 0 elsewhere (residual passes it).
+        gate = routing.gate.index_select(0, index).to(tokens.dtype).unsqueeze(-1)  # (K, 1)
+        y_sorted = torch.cat(outputs) * gate  # (K, d)
+        return tokens.new_zeros(tokens.shape).index_copy(0, index, y_sorted)  # (T, d)

@@ -1,0 +1,152 @@
+"""Switch Transformer top-1 routing as pure functions over router logits.
+
+Why pure functions: the maths of routing (which token goes where, which tokens overflow, the
+balance loss) is what users and reviewers want to check against the Switch paper (Fedus et al.
+2021, §2.1-2.2) and the ALMA paper (§5, App. B.2). Keeping it free of module state makes it
+testable on hand-made logits and lets the layer (``switch_ffn.py``) only gather and scatter.
+
+Nothing here builds a tokens x experts x capacity tensor: assignments are (expert, slot) index
+pairs computed with one stable sort, as in MegaBlocks / Tutel's "fast dispatch".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Top1Routing:
+    """Where every token goes.  T = number of token positions handed to the router.
+
+    Attributes:
+        expert: (T,) long, the chosen expert of each token (argmax of the router); for padding
+            positions the value is ``num_experts`` (an id no expert has).
+        slot: (T,) long, 0-based arrival order of the token among the tokens choosing the same
+            expert (token order = the order of the flattened input).
+        keep: (T,) bool, token is not padding and ``slot < capacity``.
+        gate: (T,) float32, router probability of the chosen expert (0 for padding).
+        probs: (T, E) float32 router probabilities (rows of padding are not used anywhere).
+        capacity: slots per expert, or None for "no limit" (evaluation default).
+    """
+
+    expert: Tensor
+    slot: Tensor
+    keep: Tensor
+    gate: Tensor
+    probs: Tensor
+    capacity: Optional[int]
+
+
+def expert_capacity(num_tokens: int, num_experts: int, capacity_factor: Optional[float]) -> Optional[int]:
+    """Slots per expert: ``C = int(capacity_factor * ceil(tokens / E))`` (Switch eq. 3).
+
+    ``num_tokens`` counts real (non-padding) tokens only.  ``None`` means unlimited capacity.
+    """
+    if capacity_factor is None:
+        return None
+    if capacity_factor <= 0:
+        raise ValueError(f"capacity_factor must be > 0 (got {capacity_factor})")
+    return int(capacity_factor * math.ceil(num_tokens / num_experts))
+
+
+def route_top1(
+    logits: Tensor,
+    capacity_factor: Optional[float],
+    valid: Optional[Tensor] = None,
+) -> Top1Routing:
+    """Top-1 routing with a hard capacity per expert; first come, first served in token order.
+
+    Args:
+        logits: (T, E) router logits; computed and kept in float32 by the caller.
+        capacity_factor: multiplies the uniform share ``ceil(T_valid / E)``; None = no limit.
+        valid: (T,) bool, False at padding positions.  Padding takes no part in routing,
+            capacity or the balance loss.
+    """
+    num_tokens, num_experts = logits.shape
+    probs = torch.softmax(logits.float(), dim=-1)  # (T, E) fp32
+    gate, expert = probs.max(dim=-1)  # (T,), (T,)
+    if valid is None:
+        valid = torch.ones(num_tokens, dtype=torch.bool, device=logits.device)
+    else:
+        valid = valid.reshape(num_tokens)
+        expert = torch.where(valid, expert, torch.full_like(expert, num_experts))
+        gate = gate * valid
+    num_valid = int(valid.sum())
+    capacity = expert_capacity(num_valid, num_experts, capacity_factor)
+
+    slot = arrival_slots(expert, num_experts + 1)
+    keep = valid if capacity is None else valid & (slot < capacity)
+    return Top1Routing(expert=expert, slot=slot, keep=keep, gate=gate, probs=probs, capacity=capacity)
+
+
+def arrival_slots(expert: Tensor, num_bins: int) -> Tensor:
+    """0-based rank of each token among earlier tokens with the same expert id.
+
+    One stable sort groups tokens by expert while keeping token order inside each group; a
+    token's slot is its position in the sorted order minus the start of its group.
+    """
+    order = torch.argsort(expert, stable=True)  # (T,)
+    counts = torch.bincount(expert, minlength=num_bins)  # (bins,)
+    starts = torch.cumsum(counts, 0) - counts  # (bins,) first sorted position of each expert
+    rank_sorted = torch.arange(expert.numel(), device=expert.device) - starts[expert[order]]
+    slot = torch.empty_like(expert)
+    slot[order] = rank_sorted
+    return slot
+
+
+def balance_loss(routing: Top1Routing, valid: Optional[Tensor] = None) -> Tensor:
+    """Switch load-balancing loss ``E * sum_i f_i * P_i`` over non-padding tokens.
+
+    f_i is the fraction of tokens whose argmax is expert i (before capacity is applied, as in
+    the Switch reference implementation) and P_i the mean router probability of expert i.
+    It equals 1.0 for perfectly uniform routing and grows as the load concentrates.
+    """
+    probs = routing.probs
+    num_experts = probs.shape[-1]
+    if valid is None:
+        valid = routing.expert < num_experts
+    n = valid.sum().clamp(min=1).to(probs.dtype)
+    counts = torch.bincount(routing.expert[valid], minlength=num_experts).to(probs.dtype)
+    f = counts / n  # (E,)
+    p_mean = (probs * valid.unsqueeze(-1).to(probs.dtype)).sum(0) / n  # (E,)
+    return num_experts * torch.sum(f * p_mean)
+
+
+def router_z_loss(logits: Tensor, valid: Optional[Tensor] = None) -> Tensor:
+    """ST-MoE router z-loss: mean over tokens of logsumexp(logits)^2 (Zoph et al. 2022)."""
+    z = torch.logsumexp(logits.float(), dim=-1) ** 2  # (T,)
+    if valid is None:
+        return z.mean()
+    valid = valid.reshape(-1)
+    return (z * valid).sum() / valid.sum().clamp(min=1)
+
+
+def routing_diagnostics(routing: Top1Routing, valid: Optional[Tensor] = None) -> dict[str, Tensor]:
+    """Summable statistics of one routing call (detached, float32).
+
+    Values are sums or per-layer numbers so that fairseq can add them across batches and
+    workers: ``tokens`` and ``dropped`` are counts, ``entropy_sum`` is the summed router
+    entropy, ``load_max``/``load_min`` are the most/least loaded expert's share of the tokens
+    times E (1.0 = perfectly balanced), ``unused`` counts experts that received no token.
+    """
+    probs = routing.probs.detach()
+    num_experts = probs.shape[-1]
+    if valid is None:
+        valid = routing.expert < num_experts
+    n = valid.sum()
+    counts = torch.bincount(routing.expert[valid], minlength=num_experts).float()
+    share = counts * num_experts / n.clamp(min=1).float()
+    entropy = -(probs * torch.log(probs.clamp(min=1e-9))).sum(-1)  # (T,)
+    return {
+        "tokens": n.float(),
+        "dropped": (valid & ~routing.keep).sum().float(),
+        "entropy_sum": (entropy * valid).sum().float(),
+        "load_max": share.max(),
+        "load_min": share.min(),
+        "unused": (counts == 0).sum().float(),
+    }
