@@ -1,1 +1,3 @@
-"""models of fairseq-alma."""
+"""Registered models: the Switch Transformer LM (and, later, ensemble wrappers)."""
+
+from . import switch_transformer_lm  # noqa: F401

@@ -1,1 +1,1 @@
-"""tasks of fairseq-alma."""
+"""Registered tasks."""

@@ -1,0 +1,296 @@
+"""Switch Transformer decoder-only language model (ALMA paper §5, App. B.2; Fedus et al. 2021).
+
+Every ``--moe-freq``-th block has a top-1 Switch FFN instead of the dense FFN (2 = every other
+block, as in Switch).  The decoder returns the blocks' auxiliary outputs (balance loss and
+routing diagnostics) in ``extra["moe_aux"]``; ``switch_cross_entropy`` turns them into the
+training loss and logged metrics.  Nothing is kept in module or global state between calls.
+
+Presets: ``switch_transformer_lm_base`` (6 x 512, FFN 2048, 8 heads) and ``_large`` (12 x 768,
+FFN 3072, 12 heads) reproduce Table 2's parameter counts with a 50k dictionary (tests check
+within 3%); ``_tiny`` is for CPU tests and the demo.
+"""
+
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from fairseq import utils
+from fairseq.utils import safe_getattr
+from fairseq.dataclass import ChoiceEnum, FairseqDataclass
+from fairseq.models import FairseqIncrementalDecoder, FairseqLanguageModel, register_model, register_model_architecture
+from fairseq.modules import LayerNorm, PositionalEmbedding
+from omegaconf import II
+from torch import Tensor, nn
+
+from ..errors import UsageError, require
+from ..modules.switch_decoder_layer import DenseFFN, SwitchDecoderLayer
+from ..modules.switch_ffn import SwitchFFN
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_TARGET_POSITIONS = 1024
+# Criteria that consume extra["moe_aux"]; training with any other would silently drop the
+# balance loss, so build_model refuses it.
+MOE_AWARE_CRITERIA = ("switch_cross_entropy",)
+
+
+@dataclass
+class SwitchTransformerLMConfig(FairseqDataclass):
+    activation_fn: ChoiceEnum(["relu", "gelu", "silu"]) = field(default="relu", metadata={"help": "FFN and expert activation"})
+    dropout: float = field(default=0.1, metadata={"help": "dropout on residual branches and embeddings"})
+    attention_dropout: float = field(default=0.0, metadata={"help": "dropout on attention weights"})
+    activation_dropout: float = field(default=0.0, metadata={"help": "dropout after the FFN/expert activation"})
+    decoder_embed_dim: int = field(default=512, metadata={"help": "model width d"})
+    decoder_ffn_embed_dim: int = field(default=2048, metadata={"help": "FFN width, also of every expert"})
+    decoder_layers: int = field(default=6, metadata={"help": "number of decoder blocks"})
+    decoder_attention_heads: int = field(default=8, metadata={"help": "attention heads"})
+    decoder_post_norm: bool = field(
+        default=False, metadata={"help": "post-LayerNorm blocks (fairseq transformer_lm default) instead of pre-LN"}
+    )
+    untie_embeddings: bool = field(
+        default=False, metadata={"help": "separate output projection (default: shared input/output embeddings)"}
+    )
+    decoder_learned_pos: bool = field(default=False, metadata={"help": "learned instead of sinusoidal positions"})
+    no_scale_embedding: bool = field(default=False, metadata={"help": "do not scale embeddings by sqrt(d)"})
+    moe_experts: int = field(default=8, metadata={"help": "experts per MoE block (paper: 4, 8 or 12)"})
+    moe_max_experts: Optional[int] = field(
+        default=None,
+        metadata={"help": "expert slots allocated per MoE block for growth (--grow-experts); default --moe-experts"},
+    )
+    moe_freq: int = field(default=2, metadata={"help": "every N-th block is a Switch block (2 = every other, as in Switch)"})
+    capacity_factor: float = field(default=1.0, metadata={"help": "training capacity factor (paper: 1.0)"})
+    eval_capacity_factor: Optional[float] = field(
+        default=None,
+        metadata={
+            "help": "capacity factor at evaluation; default: no limit, so perplexity does not depend on how "
+            "evaluation batches are composed (e.g. 2.0 bounds GPU time on huge batches)"
+        },
+    )
+    moe_jitter_eps: float = field(default=0.0, metadata={"help": "multiplicative router jitter noise in training (0 = off)"})
+    max_target_positions: Optional[int] = field(default=None, metadata={"help": "max tokens per sequence"})
+    tokens_per_sample: int = II("task.tokens_per_sample")
+
+
+class SwitchTransformerDecoder(FairseqIncrementalDecoder):
+    """Token + position embeddings, blocks, final LayerNorm (pre-LN), output projection."""
+
+    def __init__(self, cfg: SwitchTransformerLMConfig, dictionary: Any) -> None:
+        super().__init__(dictionary)
+        d = cfg.decoder_embed_dim
+        self.padding_idx = dictionary.pad()
+        self.embed_tokens = nn.Embedding(len(dictionary), d, padding_idx=self.padding_idx)
+        nn.init.normal_(self.embed_tokens.weight, mean=0, std=d**-0.5)
+        nn.init.constant_(self.embed_tokens.weight[self.padding_idx], 0)
+        self.embed_scale = 1.0 if cfg.no_scale_embedding else math.sqrt(d)
+        self.max_target_positions = cfg.max_target_positions
+        self.embed_positions = PositionalEmbedding(
+            cfg.max_target_positions, d, self.padding_idx, learned=cfg.decoder_learned_pos
+        )
+        self.dropout = cfg.dropout
+        normalize_before = not cfg.decoder_post_norm
+        self.layers = nn.ModuleList(
+            SwitchDecoderLayer(
+                d,
+                cfg.decoder_attention_heads,
+                self._build_ffn(cfg, i),
+                dropout=cfg.dropout,
+                attention_dropout=cfg.attention_dropout,
+                normalize_before=normalize_before,
+            )
+            for i in range(cfg.decoder_layers)
+        )
+        self.layer_norm = LayerNorm(d) if normalize_before else None
+        if cfg.untie_embeddings:
+            self.output_projection = nn.Linear(d, len(dictionary), bias=False)
+            nn.init.normal_(self.output_projection.weight, mean=0, std=d**-0.5)
+        else:
+            self.output_projection = None
+
+    @staticmethod
+    def _build_ffn(cfg: SwitchTransformerLMConfig, layer: int) -> nn.Module:
+        if (layer + 1) % cfg.moe_freq == 0:
+            return SwitchFFN(
+                cfg.decoder_embed_dim,
+                cfg.decoder_ffn_embed_dim,
+                cfg.moe_experts,
+                capacity_factor=cfg.capacity_factor,
+                eval_capacity_factor=cfg.eval_capacity_factor,
+                activation_fn=str(cfg.activation_fn),
+                activation_dropout=cfg.activation_dropout,
+                jitter_eps=cfg.moe_jitter_eps,
+                max_experts=cfg.moe_max_experts,
+                z_loss=True,
+            )
+        return DenseFFN(cfg.decoder_embed_dim, cfg.decoder_ffn_embed_dim, str(cfg.activation_fn), cfg.activation_dropout)
+
+    def moe_layers(self) -> List[SwitchFFN]:
+        return [layer.ffn for layer in self.layers if layer.is_moe]
+
+    def forward(
+        self,
+        prev_output_tokens: Tensor,
+        encoder_out: Optional[Dict[str, List[Tensor]]] = None,
+        incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None,
+        features_only: bool = False,
+        src_lengths: Optional[Any] = None,
+        **unused: Any,
+    ) -> Tuple[Tensor, Dict[str, Any]]:
+        x, extra = self.extract_features(prev_output_tokens, incremental_state)
+        if not features_only:
+            x = self.output_layer(x)
+        return x, extra
+
+    def extract_features(
+        self,
+        prev_output_tokens: Tensor,
+        incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None,
+        **unused: Any,
+    ) -> Tuple[Tensor, Dict[str, Any]]:
+        positions = self.embed_positions(prev_output_tokens, incremental_state=incremental_state)  # (B, T, C)
+        if incremental_state is not None:
+            prev_output_tokens = prev_output_tokens[:, -1:]
+            positions = positions[:, -1:]
+        x = self.embed_scale * self.embed_tokens(prev_output_tokens) + positions  # (B, T, C)
+        x = nn.functional.dropout(x, p=self.dropout, training=self.training)
+        x = x.transpose(0, 1)  # (T, B, C)
+
+        padding_mask = prev_output_tokens.eq(self.padding_idx)  # (B, T)
+        padding_mask = padding_mask if padding_mask.any() else None
+        seq_len = x.size(0)
+        attn_mask = None if incremental_state is not None else self.causal_mask(seq_len, x)
+
+        moe_aux = []
+        inner_states: List[Optional[Tensor]] = [x]
+        for layer in self.layers:
+            x, aux = layer(x, attn_mask, padding_mask, incremental_state)
+            if aux is not None:
+                moe_aux.append(aux)
+            inner_states.append(x)
+        if self.layer_norm is not None:
+            x = self.layer_norm(x)
+        x = x.transpose(0, 1)  # (B, T, C)
+        return x, {"attn": [None], "inner_states": inner_states, "moe_aux": moe_aux}
+
+    @staticmethod
+    def causal_mask(seq_len: int, like: Tensor) -> Tensor:
+        """(T, T) additive mask with -inf above the diagonal."""
+        return torch.triu(utils.fill_with_neg_inf(torch.zeros(seq_len, seq_len, device=like.device)), 1).to(like.dtype)
+
+    def output_layer(self, features: Tensor) -> Tensor:
+        weight = self.embed_tokens.weight if self.output_projection is None else self.output_projection.weight
+        return nn.functional.linear(features, weight)
+
+    def max_positions(self) -> int:
+        return self.max_target_positions
+
+
+def _root_config(cfg: Any) -> Any:
+    """The whole fairseq config a model/task node belongs to (fairseq keeps parents on merge)."""
+    node = cfg
+    get_parent = getattr(node, "_get_parent", None)
+    while get_parent is not None and get_parent() is not None:
+        node = get_parent()
+        get_parent = getattr(node, "_get_parent", None)
+    return node
+
+
+def validate_config(cfg: SwitchTransformerLMConfig) -> None:
+    """One-line errors naming the flag and the accepted values (issue: bad input)."""
+    require(cfg.moe_experts >= 1, f"--moe-experts must be an integer >= 1 (got {cfg.moe_experts})")
+    require(cfg.moe_freq >= 1, f"--moe-freq must be an integer >= 1 (got {cfg.moe_freq})")
+    require(cfg.capacity_factor > 0, f"--capacity-factor must be > 0, e.g. 1.0 (got {cfg.capacity_factor})")
+    require(
+        cfg.eval_capacity_factor is None or cfg.eval_capacity_factor > 0,
+        f"--eval-capacity-factor must be > 0, or left unset for no limit (got {cfg.eval_capacity_factor})",
+    )
+    require(
+        cfg.moe_max_experts is None or cfg.moe_max_experts >= cfg.moe_experts,
+        f"--moe-max-experts must be >= --moe-experts ({cfg.moe_experts}) (got {cfg.moe_max_experts})",
+    )
+    require(
+        cfg.decoder_embed_dim % cfg.decoder_attention_heads == 0,
+        f"--decoder-embed-dim ({cfg.decoder_embed_dim}) must be divisible by --decoder-attention-heads "
+        f"({cfg.decoder_attention_heads})",
+    )
+    root = _root_config(cfg)
+    criterion = root.get("criterion") if hasattr(root, "get") else None
+    name = criterion.get("_name") if criterion is not None and hasattr(criterion, "get") else None
+    if name is not None and name not in MOE_AWARE_CRITERIA:
+        raise UsageError(
+            f"--criterion {name} ignores the Switch balance loss of --arch switch_transformer_lm*: "
+            f"use --criterion {' or '.join(MOE_AWARE_CRITERIA)}"
+        )
+
+
+@register_model("switch_transformer_lm", dataclass=SwitchTransformerLMConfig)
+class SwitchTransformerLanguageModel(FairseqLanguageModel):
+    """Decoder-only Switch Transformer LM."""
+
+    @classmethod
+    def build_model(cls, cfg: SwitchTransformerLMConfig, task: Any) -> "SwitchTransformerLanguageModel":
+        validate_config(cfg)
+        if cfg.max_target_positions is None:
+            cfg.max_target_positions = getattr(cfg, "tokens_per_sample", DEFAULT_MAX_TARGET_POSITIONS)
+        model = cls(SwitchTransformerDecoder(cfg, task.target_dictionary))
+        model.log_parameter_counts()
+        return model
+
+    def moe_layers(self) -> List[SwitchFFN]:
+        return self.decoder.moe_layers()
+
+    def parameter_counts(self) -> Dict[str, int]:
+        """Shared, per-expert and active parameter counts (|θ_t| counts active experts only)."""
+        total = sum(p.numel() for p in self.parameters())
+        moe = self.moe_layers()
+        expert_slots = sum(layer.max_experts * layer.expert_parameter_count() for layer in moe)
+        shared = total - expert_slots
+        per_expert = sum(layer.expert_parameter_count() for layer in moe)
+        active_experts = sum(layer.num_experts * layer.expert_parameter_count() for layer in moe)
+        return {
+            "shared": shared,
+            "per_expert": per_expert,
+            "experts": moe[0].num_experts if moe else 0,
+            "active": shared + active_experts,
+            "allocated": total,
+        }
+
+    def log_parameter_counts(self) -> None:
+        c = self.parameter_counts()
+        logger.info(
+            "switch_transformer_lm: %.2fM shared + %.2fM per expert x %d experts = %.2fM active parameters "
+            "(%.2fM allocated)",
+            c["shared"] / 1e6,
+            c["per_expert"] / 1e6,
+            c["experts"],
+            c["active"] / 1e6,
+            c["allocated"] / 1e6,
+        )
+
+
+def _preset(cfg: Any, layers: int, dim: int, ffn: int, heads: int) -> None:
+    """Fill size flags the user did not give (fairseq parses model flags with defaults removed)."""
+    cfg.decoder_layers = safe_getattr(cfg, "decoder_layers", layers)
+    cfg.decoder_embed_dim = safe_getattr(cfg, "decoder_embed_dim", dim)
+    cfg.decoder_ffn_embed_dim = safe_getattr(cfg, "decoder_ffn_embed_dim", ffn)
+    cfg.decoder_attention_heads = safe_getattr(cfg, "decoder_attention_heads", heads)
+
+
+@register_model_architecture("switch_transformer_lm", "switch_transformer_lm_base")
+def switch_transformer_lm_base(cfg: Any) -> None:
+    """Paper §5 base: 6 layers, d 512, FFN 2048, 8 heads (≈40M shared + ≈6M per expert, 50k BPE)."""
+    _preset(cfg, 6, 512, 2048, 8)
+
+
+@register_model_architecture("switch_transformer_lm", "switch_transformer_lm_large")
+def switch_transformer_lm_large(cfg: Any) -> None:
+    """Paper §5 large: 12 layers, d 768, FFN 3072, 12 heads (≈96M shared + ≈28M per expert)."""
+    _preset(cfg, 12, 768, 3072, 12)
+
+
+@register_model_architecture("switch_transformer_lm", "switch_transformer_lm_tiny")
+def switch_transformer_lm_tiny(cfg: Any) -> None:
+    """CPU tests and the demo: 2 layers, d 64, FFN 128, 4 heads (one dense + one Switch block)."""
+    _preset(cfg, 2, 64, 128, 4)
