@@ -1,0 +1,7 @@
+"""Vision side of ALMA (paper §4-§6.1, App. A-C): data, backbones, the six learners, stage
+training with best-validation selection, FLOP counting and an in-process stream runner.
+
+Nothing is imported here (importing ``fairseq_alma`` must stay cheap); import the submodule:
+``data`` (loaders), ``learners`` (``LearnerSpec``, ``build_learner``), ``stage_trainer``
+(``train_stage``, ``evaluate``), ``stream_runner`` (``run_stream``, ``train_one_stage``).
+"""
