@@ -1,0 +1,170 @@
+"""Resource profiles: what one run asks Slurm for, kept apart from what the run computes.
+
+A run config says *what* to train (paper values); a profile in ``slurm/profiles/NAME.yaml`` says
+*where*: nodes, GPUs per node, CPUs, memory, time limit, partition... and how long before the time
+limit Slurm warns the job (SIGUSR1) so the trainer can save and the job can requeue itself
+(issue 5: preemption). Nothing cluster-specific lives in Python; a new cluster is a new profile.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+from .yaml_files import read_yaml_mapping
+
+# The repository's slurm/ folder (scripts and profiles), next to the fairseq_alma package.
+SLURM_DIR = Path(__file__).resolve().parents[2] / "slurm"
+PROFILES_DIR = SLURM_DIR / "profiles"
+
+_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
+_MEM = re.compile(r"^\d+[KMGT]?$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class ResourceProfile:
+    """One Slurm resource request; see slurm/profiles/*.yaml for documented examples."""
+
+    name: str
+    description: str = ""
+    nodes: int = 1
+    gpus_per_node: int = 0
+    ntasks_per_node: int | None = None  # CPU profiles only; on GPUs it is one task per GPU
+    cpus_per_task: int = 1
+    mem: str | None = None  # per node, Slurm syntax (64G); None = the cluster's default
+    time: str = "01:00:00"
+    partition: str | None = None
+    constraint: str | None = None
+    account: str | None = None
+    signal_seconds: int = 120  # SIGUSR1 this long before the time limit
+    save_grace_seconds: int = 90  # how long the job waits for the trainer to save
+    extra_sbatch: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def device(self) -> str:
+        """``gpu`` (NCCL, one task per GPU) or ``cpu`` (gloo, --cpu)."""
+        return "gpu" if self.gpus_per_node > 0 else "cpu"
+
+    @property
+    def tasks_per_node(self) -> int:
+        """Processes per node: one per GPU, or ``ntasks_per_node`` on CPU nodes."""
+        if self.gpus_per_node > 0:
+            return self.gpus_per_node
+        return self.ntasks_per_node or 1
+
+    @property
+    def world_size(self) -> int:
+        """Total number of training processes of one run."""
+        return self.nodes * self.tasks_per_node
+
+    def sbatch_options(self) -> list[str]:
+        """The ``#SBATCH`` options (without the prefix) this profile asks for."""
+        options = [
+            f"--nodes={self.nodes}",
+            f"--ntasks-per-node={self.tasks_per_node}",
+            f"--cpus-per-task={self.cpus_per_task}",
+            f"--time={self.time}",
+        ]
+        if self.gpus_per_node:
+            options.append(f"--gpus-per-node={self.gpus_per_node}")
+        for option, value in (
+            ("mem", self.mem),
+            ("partition", self.partition),
+            ("constraint", self.constraint),
+            ("account", self.account),
+        ):
+            if value is not None:
+                options.append(f"--{option}={value}")
+        options.append(f"--signal=B:USR1@{self.signal_seconds}")
+        return options + list(self.extra_sbatch)
+
+
+def _positive_int(where: str, key: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{where}: {key} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def parse_profile(data: dict[str, Any], name: str, where: str) -> ResourceProfile:
+    """Validate a profile mapping (from a file or a config's inline ``resources:``)."""
+    allowed = {f.name for f in fields(ResourceProfile)} - {"name"}
+    for key in data:
+        if key not in allowed:
+            raise ConfigError(
+                f"{where}: unknown profile key '{key}' (allowed: {', '.join(sorted(allowed))})"
+            )
+    values = dict(data)
+    for key in ("nodes", "cpus_per_task", "signal_seconds", "save_grace_seconds"):
+        if key in values:
+            _positive_int(where, key, values[key])
+    if "gpus_per_node" in values:
+        _positive_int(where, "gpus_per_node", values["gpus_per_node"], minimum=0)
+    if values.get("ntasks_per_node") is not None:
+        _positive_int(where, "ntasks_per_node", values["ntasks_per_node"])
+        if values.get("gpus_per_node"):
+            raise ConfigError(
+                f"{where}: ntasks_per_node is for CPU profiles; GPU runs use one task per GPU"
+            )
+    for key in ("description", "mem", "time", "partition", "constraint", "account"):
+        if values.get(key) is not None and not isinstance(values[key], str):
+            raise ConfigError(f"{where}: {key} must be text (quote it), got {values[key]!r}")
+    if "time" in values and not _TIME.match(values["time"]):
+        raise ConfigError(f"{where}: time '{values['time']}' is not Slurm syntax (HH:MM:SS)")
+    if values.get("mem") is not None and not _MEM.match(values["mem"]):
+        raise ConfigError(f"{where}: mem '{values['mem']}' is not Slurm syntax (e.g. 64G)")
+    extra = values.get("extra_sbatch") or []
+    if not isinstance(extra, list) or not all(
+        isinstance(line, str) and line.startswith("--") and "\n" not in line for line in extra
+    ):
+        raise ConfigError(f"{where}: extra_sbatch must be a list of sbatch options like --qos=high")
+    values["extra_sbatch"] = tuple(extra)
+    env = values.get("env") or {}
+    if not isinstance(env, dict) or not all(_ENV_NAME.match(str(k)) for k in env):
+        raise ConfigError(f"{where}: env must map variable names to values")
+    values["env"] = {str(k): str(v) for k, v in env.items()}
+    profile = ResourceProfile(name=name, **values)
+    if profile.save_grace_seconds >= profile.signal_seconds:
+        raise ConfigError(
+            f"{where}: save_grace_seconds ({profile.save_grace_seconds}) must be smaller than "
+            f"signal_seconds ({profile.signal_seconds}) so the job requeues before its time limit"
+        )
+    return profile
+
+
+def profile_path(name_or_path: str) -> Path:
+    """``gpu-node-8`` -> slurm/profiles/gpu-node-8.yaml; a path (with / or .yaml) stays as is."""
+    if "/" in name_or_path or name_or_path.endswith((".yaml", ".yml")):
+        return Path(name_or_path)
+    return PROFILES_DIR / f"{name_or_path}.yaml"
+
+
+def load_profile(name_or_path: str | Path) -> ResourceProfile:
+    """Load a profile by name (from slurm/profiles/) or by path."""
+    path = profile_path(str(name_or_path))
+    if not path.is_file():
+        known = sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
+        raise ConfigError(
+            f"resource profile {path} not found (profiles in {PROFILES_DIR}: {', '.join(known)})"
+        )
+    return parse_profile(read_yaml_mapping(path, "resource profile"), path.stem, str(path))
+
+
+def resolve_profile(
+    cli_profile: str | None, resources: str | dict[str, Any] | None, config_path: Path
+) -> ResourceProfile:
+    """The profile of a sweep: ``--profile`` wins over the config's ``resources:``."""
+    if cli_profile is not None:
+        return load_profile(cli_profile)
+    if isinstance(resources, str):
+        return load_profile(resources)
+    if isinstance(resources, dict):
+        return parse_profile(resources, "inline", f"{config_path}: resources")
+    raise ConfigError(
+        f"{config_path}: no resources: set 'resources: PROFILE' or pass --profile "
+        f"slurm/profiles/NAME.yaml"
+    )

@@ -1,0 +1,205 @@
+"""Run configs: one YAML file describes one experiment of the paper and the runs it expands to.
+
+A run config (issue 5, train_configs/) is::
+
+    include: base.yaml            # optional; merged first, this file wins
+    description: SM_w1 base, 8 experts (paper §5, Table 2)
+    data: data-bin/wikitext       # fairseq-train's positional DATA (relative to the cwd)
+    args: {moe-experts: 8, lr: 0.0005, fp16: true}   # fairseq-train flags, no leading dashes
+    grid: {wait: [1, 3, 4]}       # each combination is one run
+    seeds: [1, 2, 3]              # ... times each seed
+    resources: gpu-node-8         # a profile in slurm/profiles/, or an inline mapping
+
+Booleans become bare flags (``true``) or are left out (``false``); ``null`` removes a flag set by
+an included config. Flags the launcher owns (seed, save dir, distributed wiring) are refused so a
+config cannot silently disagree with the sweep that runs it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Mapping, Union
+
+from .errors import ConfigError
+from .yaml_files import load_with_includes, read_yaml_mapping
+
+Scalar = Union[str, int, float, bool, None]
+
+TOP_LEVEL_KEYS = ("include", "description", "data", "args", "grid", "seeds", "resources")
+
+# Flags a config may not set, with the reason shown to the user.
+LAUNCHER_FLAGS = {
+    "seed": "list seeds under seeds: (or pass alma-sweep --seeds)",
+    "save-dir": "alma-sweep gives every run its own directory",
+    "user-dir": "the launcher always passes --user-dir for fairseq_alma",
+    "distributed-world-size": "slurm/launch_task.sh sets it from the Slurm allocation",
+    "distributed-rank": "slurm/launch_task.sh sets it from SLURM_PROCID",
+    "device-id": "slurm/launch_task.sh sets it from SLURM_LOCALID",
+    "distributed-init-method": "slurm/launch_task.sh sets it from the job's first node",
+    "distributed-no-spawn": "slurm/launch_task.sh starts one process per task",
+    "distributed-port": "slurm/launch_task.sh derives the port from the job id",
+    "cpu": "the resource profile decides (a profile without GPUs adds --cpu)",
+}
+
+# The fairseq_alma package directory: the --user-dir every run gets.
+PLUGIN_DIR = Path(__file__).resolve().parents[1]
+
+
+def flag_argv(flag: str, value: Scalar) -> list[str]:
+    """fairseq-train tokens for one config entry: ``true`` -> bare flag, ``false``/``null`` -> none."""
+    if value is None or value is False:
+        return []
+    if value is True:
+        return [f"--{flag}"]
+    return [f"--{flag}", str(value)]
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A validated run config; ``sources`` lists the files merged into it, base first."""
+
+    path: Path
+    data: str
+    args: dict[str, Scalar]
+    grid: dict[str, list[Scalar]] = field(default_factory=dict)
+    seeds: tuple[int, ...] = (1,)
+    description: str = ""
+    resources: str | dict[str, Any] | None = None
+    sources: tuple[Path, ...] = ()
+
+    def grid_points(self) -> list[dict[str, Scalar]]:
+        """Every combination of grid values, first grid key varying slowest (config order)."""
+        keys = list(self.grid)
+        return [dict(zip(keys, values)) for values in itertools.product(*self.grid.values())]
+
+    def to_argv(
+        self, overrides: Mapping[str, Scalar], seed: int, save_dir: str | Path
+    ) -> list[str]:
+        """fairseq-train's argv (without the program name) for one run of this config.
+
+        ``overrides`` (a grid point) replace ``args`` entries in place; new flags follow them.
+        """
+        merged: dict[str, Scalar] = dict(self.args)
+        merged.update(overrides)
+        argv = [self.data, "--user-dir", str(PLUGIN_DIR)]
+        for flag, value in merged.items():
+            argv += flag_argv(flag, value)
+        return argv + ["--seed", str(seed), "--save-dir", str(save_dir)]
+
+    def with_grid(self, grid: Mapping[str, list[Scalar]]) -> "RunConfig":
+        """A copy whose grid has ``grid``'s entries (a flag already in the grid is replaced)."""
+        merged = dict(self.grid)
+        for flag, values in grid.items():
+            _check_flag_name(flag, "--grid")
+            _check_grid_values(flag, values, "--grid")
+            merged[flag] = list(values)
+        return replace(self, grid=merged)
+
+    def with_seeds(self, seeds: list[int]) -> "RunConfig":
+        """A copy with ``seeds`` instead of the config's seeds."""
+        return replace(self, seeds=_check_seeds(seeds, "--seeds"))
+
+    def flag_origin(self, flag: str) -> Path:
+        """The file that sets ``flag`` (the last of the include chain that mentions it)."""
+        origin = self.path
+        for source in self.sources:
+            data = read_yaml_mapping(source, "run config")
+            if flag in (data.get("args") or {}) or flag in (data.get("grid") or {}):
+                origin = source
+        return origin
+
+
+def _check_flag_name(flag: Any, where: str) -> None:
+    if not isinstance(flag, str) or not flag:
+        raise ConfigError(f"{where}: flag names must be non-empty strings, got {flag!r}")
+    if flag.startswith("-"):
+        raise ConfigError(
+            f"{where}: write '{flag.lstrip('-')}', not '{flag}' (flags have no leading dashes)"
+        )
+    if flag in LAUNCHER_FLAGS:
+        raise ConfigError(f"{where}: '{flag}' cannot be set here: {LAUNCHER_FLAGS[flag]}")
+
+
+def _check_scalar(flag: str, value: Any, where: str) -> None:
+    if value is not None and not isinstance(value, (str, int, float, bool)):
+        raise ConfigError(
+            f"{where}: '{flag}' must be a single value (string, number, true/false), "
+            f"got {type(value).__name__}; put alternatives under grid:"
+        )
+
+
+def _check_grid_values(flag: str, values: Any, where: str) -> None:
+    if not isinstance(values, list) or not values:
+        raise ConfigError(f"{where}: grid '{flag}' must be a non-empty list of values")
+    for value in values:
+        _check_scalar(flag, value, where)
+        if value is None:
+            raise ConfigError(f"{where}: grid '{flag}' has an empty (null) value; remove it")
+
+
+def _check_seeds(seeds: Any, where: str) -> tuple[int, ...]:
+    if not isinstance(seeds, list) or not seeds:
+        raise ConfigError(f"{where}: seeds must be a non-empty list of integers")
+    for seed in seeds:
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ConfigError(f"{where}: seed {seed!r} is not a non-negative integer")
+    if len(set(seeds)) != len(seeds):
+        raise ConfigError(f"{where}: seeds {seeds} repeat a value; list each seed once")
+    return tuple(seeds)
+
+
+def parse_run_config(merged: dict[str, Any], path: Path, sources: tuple[Path, ...]) -> RunConfig:
+    """Type-check a merged config mapping (see the module docstring for its shape)."""
+    where = str(path)
+    description = merged.get("description", "")
+    if not isinstance(description, str):
+        raise ConfigError(f"{where}: description: must be text")
+    data = merged.get("data")
+    if not isinstance(data, str) or not data.strip():
+        raise ConfigError(f"{where}: data: is required (fairseq-train's DATA directory)")
+    args = merged.get("args") or {}
+    if not isinstance(args, dict):
+        raise ConfigError(f"{where}: args: must be a mapping of flag: value")
+    for flag, value in args.items():
+        _check_flag_name(flag, f"{where}: args")
+        _check_scalar(flag, value, f"{where}: args")
+    raw_grid = merged.get("grid") or {}
+    if not isinstance(raw_grid, dict):
+        raise ConfigError(f"{where}: grid: must be a mapping of flag: [values]")
+    grid = {flag: values for flag, values in raw_grid.items() if values is not None}
+    for flag, values in grid.items():
+        _check_flag_name(flag, f"{where}: grid")
+        _check_grid_values(flag, values, f"{where}: grid")
+    seeds = _check_seeds(merged.get("seeds", [1]), f"{where}: seeds")
+    resources = merged.get("resources")
+    if resources is not None and not isinstance(resources, (str, dict)):
+        raise ConfigError(f"{where}: resources: must be a profile name or an inline mapping")
+    return RunConfig(
+        path=path,
+        data=data,
+        args=dict(args),
+        grid=grid,
+        seeds=seeds,
+        description=description,
+        resources=resources,
+        sources=sources,
+    )
+
+
+def load_run_config(path: str | Path, check_flags: bool = True) -> RunConfig:
+    """Load, merge and validate a run config.
+
+    With ``check_flags`` every grid point is parsed by the real fairseq-train parser (with the
+    fairseq_alma plugin loaded), so a misspelt flag fails here, at submit time, and not hours
+    later on the cluster.
+    """
+    path = Path(path).resolve()
+    merged, sources = load_with_includes(path, TOP_LEVEL_KEYS, "run config")
+    config = parse_run_config(merged, path, sources)
+    if check_flags:
+        from .fairseq_flags import check_config_flags
+
+        check_config_flags(config)
+    return config

@@ -1,0 +1,147 @@
+"""Rendering a sweep into ONE sbatch array script (slurm/sweep.sbatch.in filled in).
+
+The script is self-contained and readable: a ``case`` on ``SLURM_ARRAY_TASK_ID`` holds each job's
+run directory and full command, so ``cat DIR/sweep.sbatch`` shows exactly what every array task
+runs, and re-submitting it (``alma-sweep submit`` again, or ``sbatch --array=3 DIR/sweep.sbatch``)
+needs nothing else. The lifecycle logic (USR1 -> save -> requeue, stage limits, event log) lives in
+the template; the per-task distributed wiring lives in slurm/launch_task.sh.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from datetime import datetime
+from pathlib import Path
+from typing import Sequence
+
+from .errors import ConfigError
+from .profile import SLURM_DIR, ResourceProfile
+from .sweep_plan import SweepJob
+
+TEMPLATE = SLURM_DIR / "sweep.sbatch.in"
+LAUNCH_TASK = SLURM_DIR / "launch_task.sh"
+_SBATCH_UNSAFE = re.compile(r"[\s%#'\"\\]")
+
+
+def array_spec(indices: Sequence[int], max_parallel: int) -> str:
+    """``[0, 1, 2, 5]``, 2 -> ``0-2,5%2`` (Slurm ``--array`` syntax, at most M tasks at once)."""
+    if not indices:
+        raise ValueError("a job array needs at least one index")
+    ranges: list[str] = []
+    ordered = sorted(set(indices))
+    start = prev = ordered[0]
+    for index in ordered[1:] + [None]:  # type: ignore[list-item]
+        if index is not None and index == prev + 1:
+            prev = index
+            continue
+        ranges.append(str(start) if start == prev else f"{start}-{prev}")
+        if index is not None:
+            start = prev = index
+    return f"{','.join(ranges)}%{max_parallel}"
+
+
+def check_sbatch_path(path: Path, what: str) -> None:
+    """``#SBATCH`` lines cannot quote: refuse paths that would be misread there."""
+    if _SBATCH_UNSAFE.search(str(path)):
+        raise ConfigError(
+            f"{what} {path} contains whitespace, quotes, '#' or '%', which #SBATCH lines cannot "
+            "carry; choose a plainer directory name"
+        )
+
+
+def task_command(job: SweepJob, profile: ResourceProfile, program: list[str]) -> list[str]:
+    """What one array task runs (for display): srun + launch_task.sh + the training command."""
+    launch = [str(LAUNCH_TASK)] + (["--cpu"] if profile.device == "cpu" else [])
+    return ["srun", "--kill-on-bad-exit=1", f"--cpus-per-task={profile.cpus_per_task}"] + (
+        launch + program + job.argv
+    )
+
+
+def _bash_array(program: list[str], argv: list[str], indent: str) -> str:
+    """``(program\n DATA\n --flag value ...)``: the program, then one flag (and value) per line."""
+    lines: list[list[str]] = [list(program), []]
+    for token in argv:
+        if token.startswith("--") and lines[-1]:
+            lines.append([])
+        lines[-1].append(token)
+    body = f"\n{indent}  ".join(shlex.join(line) for line in lines if line)
+    return f"(\n{indent}  {body}\n{indent})"
+
+
+def sbatch_command(
+    script: Path, array: str, after: str | None, stop_after_stage: int | None
+) -> list[str]:
+    """One link of a run's chain: ``sbatch`` of the array script, waiting for task i of the
+    previous link (``aftercorr``: one run's failure does not cancel the other runs' links)."""
+    command = ["sbatch", "--parsable", f"--array={array}"]
+    if after is not None:
+        command.append(f"--dependency=aftercorr:{after}")
+    command.append(str(script))
+    if stop_after_stage is not None:
+        command += ["--stop-after-stage", str(stop_after_stage)]
+    return command
+
+
+def render_sweep_script(
+    jobs: Sequence[SweepJob],
+    profile: ResourceProfile,
+    *,
+    program: list[str],
+    sweep_dir: Path,
+    workdir: Path,
+    job_name: str,
+    max_parallel: int,
+    source: str,
+) -> str:
+    """The text of ``DIR/sweep.sbatch`` for ``jobs`` (array ``0-(N-1)%max_parallel``)."""
+    check_sbatch_path(sweep_dir, "--sweep-dir")
+    if not TEMPLATE.is_file() or not LAUNCH_TASK.is_file():
+        raise ConfigError(
+            f"{SLURM_DIR} lacks sweep.sbatch.in or launch_task.sh: install fairseq_alma from a "
+            "checkout (pip install -e .) so the slurm/ scripts sit next to the package"
+        )
+    options = [
+        f"--job-name={job_name}",
+        f"--array={array_spec([job.index for job in jobs], max_parallel)}",
+        f"--output={sweep_dir}/logs/%A_%a.out",
+        "--open-mode=append",
+        "--requeue",
+        "--kill-on-invalid-dep=yes",
+    ] + profile.sbatch_options()
+    cases = []
+    for job in jobs:
+        cases.append(
+            f"  {job.index})\n"
+            f"    RUN_NAME={shlex.quote(job.name)}\n"
+            f"    RUN_DIR={shlex.quote(str(job.run_dir))}\n"
+            f"    CMD={_bash_array(program, job.argv, '    ')} ;;"
+        )
+    exports = "".join(
+        f"export {name}={shlex.quote(value)}\n" for name, value in profile.env.items()
+    )
+    generated = (
+        f"Generated by `alma-sweep submit` from {source} on "
+        f"{datetime.now().isoformat(timespec='seconds')}: {len(jobs)} run(s), profile "
+        f"{profile.name}. Edit the config and re-run alma-sweep rather than this file."
+    )
+    replacements = {
+        "@GENERATED@": generated,
+        "@SWEEP_DIR@": str(sweep_dir),
+        "@SIGNAL_SECONDS@": str(profile.signal_seconds),
+        "@SAVE_GRACE_SECONDS@": str(profile.save_grace_seconds),
+        "@SBATCH_LINES@": "\n".join(f"#SBATCH {option}" for option in options),
+        "@WORKDIR@": shlex.quote(str(workdir)),
+        "@LAUNCH_TASK@": shlex.quote(str(LAUNCH_TASK)),
+        "@ENV_EXPORTS@": exports,
+        "@JOB_CASES@": "\n".join(cases),
+        "@LAUNCH_OPTIONS@": "--cpu " if profile.device == "cpu" else "",
+    }
+
+    def fill(match: re.Match) -> str:
+        if match.group(0) not in replacements:
+            raise ConfigError(f"{TEMPLATE}: unknown placeholder {match.group(0)}")
+        return replacements[match.group(0)]
+
+    # One pass, so text inserted for one placeholder is never searched for another.
+    return re.sub(r"@[A-Z_]+@", fill, TEMPLATE.read_text())

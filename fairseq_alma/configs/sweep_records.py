@@ -1,0 +1,143 @@
+"""A sweep directory's records, and what they say about each run.
+
+``DIR/jobs.json`` (the job table), ``DIR/submissions.json`` (every sbatch call) and, per run,
+``RUN_DIR/slurm_events.jsonl`` (written by the batch script) and ``RUN_DIR/stream.jsonl`` (one
+record per arrival, written by the trainer; DESIGN.md) are all ``alma-sweep status`` needs: it
+works from files alone, and uses the queue only to tell running from pending.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from .errors import ConfigError
+
+# Slurm job states (squeue %T) grouped the way status reports them.
+_QUEUE_RUNNING = {"RUNNING", "COMPLETING", "SUSPENDED", "STAGE_OUT", "SIGNALING", "RESIZING"}
+# What the last lifecycle event means when the queue does not know the job (or is unreachable).
+_EVENT_STATE = {
+    "completed": "done",
+    "failed": "failed",
+    "stopped_after_stage": "stopped",
+    "requeue_failed": "failed",
+    "terminated": "interrupted",
+    "started": "interrupted",
+    "usr1": "interrupted",
+    "requeued": "interrupted",
+}
+# Without the queue, an unfinished last event is the best guess there is.
+_EVENT_STATE_NO_QUEUE = {**_EVENT_STATE, "started": "running", "usr1": "running",
+                         "requeued": "pending", "stopped_after_stage": "pending"}
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write JSON to ``path`` via a temp file + os.replace (never a half-written record)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def read_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{path.parent} has no {path.name}: not a sweep directory (run alma-sweep submit)"
+        ) from None
+    except (OSError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{path}: unreadable {what} ({err}); was it edited by hand?") from None
+
+
+def load_jobs(sweep_dir: Path) -> dict[str, Any]:
+    return read_json(sweep_dir / "jobs.json", "job table")
+
+
+def load_submissions(sweep_dir: Path) -> list[dict[str, Any]]:
+    path = sweep_dir / "submissions.json"
+    return read_json(path, "submission record") if path.exists() else []
+
+
+def record_submission(sweep_dir: Path, submission: dict[str, Any]) -> None:
+    submissions = load_submissions(sweep_dir)
+    submissions.append({**submission, "time": time.strftime("%Y-%m-%d %H:%M:%S")})
+    write_json_atomic(sweep_dir / "submissions.json", submissions)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The JSON objects of a .jsonl file; a torn last line (killed writer) is skipped."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """One job of a sweep as ``alma-sweep status`` reports it."""
+
+    index: int
+    name: str
+    state: str  # done / running / pending / failed / stopped / interrupted / not started
+    last_arrival: int | None
+    metric: str | None  # eval_ppl (LM) or test_error (vision)
+    best: float | None
+    restarts: int
+    slurm_job: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return self.__dict__.copy()
+
+
+def best_metric(records: list[dict[str, Any]]) -> tuple[str | None, float | None]:
+    """Min ``eval_ppl`` if any record has it, else min ``test_error`` (paper §3: lower is better)."""
+    for metric in ("eval_ppl", "test_error"):
+        values = [r[metric] for r in records if isinstance(r.get(metric), (int, float))]
+        if values:
+            return metric, min(values)
+    return None, None
+
+
+def run_status(
+    job: Mapping[str, Any],
+    submitted: bool,
+    queue: Mapping[int, tuple[str, str]] | None,
+) -> RunStatus:
+    """Status of one job. ``queue`` maps array task index -> (Slurm state, job id) for this
+    sweep's queued jobs, or is None when squeue could not be asked."""
+    run_dir = Path(job["run_dir"])
+    events = read_jsonl(run_dir / "slurm_events.jsonl")
+    stream = read_jsonl(run_dir / "stream.jsonl")
+    last = events[-1] if events else None
+    slurm_job = None
+    if last is not None and last.get("array_job_id") is not None:
+        slurm_job = f"{last['array_job_id']}_{last['array_task_id']}"
+    queued = queue.get(job["index"]) if queue is not None else None
+    if queued is not None:
+        state = "running" if queued[0] in _QUEUE_RUNNING else "pending"
+        slurm_job = queued[1]
+    elif last is not None:
+        state = (_EVENT_STATE if queue is not None else _EVENT_STATE_NO_QUEUE).get(
+            last.get("event"), "interrupted"
+        )
+    else:
+        state = "not started" if queue is not None or not submitted else "pending"
+    metric, best = best_metric(stream)
+    arrival = stream[-1].get("arrival") if stream else None
+    restarts_per_job: dict[Any, int] = {}
+    for event in events:  # SLURM_RESTART_COUNT counts per Slurm job; chained links add up
+        count = int(event.get("restart") or 0)
+        restarts_per_job[event.get("job_id")] = max(count, restarts_per_job.get(event.get("job_id"), 0))
+    restarts = sum(restarts_per_job.values())
+    return RunStatus(job["index"], job["name"], state, arrival, metric, best, restarts, slurm_job)
