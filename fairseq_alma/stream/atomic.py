@@ -1,0 +1,114 @@
+"""Crash-safe file writes: write a temp file next to the target, fsync it, ``os.replace`` it.
+
+Why: an ALMA stream runs for days (paper App. B.2: 120k updates per stage, 4 stages) and may be
+killed at any point (pre-emption, Slurm requeue).  Every output it leaves behind (stage
+checkpoints, ``stream.jsonl``, reports) must be either the old complete file or the new complete
+file, never a half-written one, so that the same command run again can trust what it finds.
+``os.replace`` is atomic on POSIX when source and target are on the same file system, hence the
+temp file lives in the target's own directory.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from typing import Any, BinaryIO
+
+_COPY_CHUNK = 16 * 1024 * 1024
+
+
+@functools.lru_cache(maxsize=1)
+def _default_mode() -> int:
+    """Mode a plain ``open(path, "w")`` would give (0o666 minus the umask); mkstemp uses 0o600.
+
+    The umask is read from /proc when possible: ``os.umask`` can only be read by setting it,
+    which briefly changes it for every thread of the process (data loaders, loggers).
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def _fsync_dir(directory: str) -> None:
+    """Make the rename itself durable (POSIX needs the directory entry flushed too)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # some file systems do not let us open directories; the data is synced
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _atomic_write_with(
+    path: str | os.PathLike, write: Callable[[BinaryIO], None], mode: int
+) -> None:
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(directory)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Replace ``path`` with ``data`` in one step; parent directories are created if missing."""
+    _atomic_write_with(path, lambda handle: handle.write(data), _default_mode())
+
+
+def atomic_write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> None:
+    """Replace ``path`` with ``text`` (UTF-8 by default) in one step."""
+    atomic_write_bytes(path, text.encode(encoding))
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any, indent: int | None = 2) -> None:
+    """Replace ``path`` with ``obj`` as strict JSON (NaN/inf are refused: many readers choke)."""
+    try:
+        text = json.dumps(obj, indent=indent, allow_nan=False, ensure_ascii=False)
+    except ValueError as err:
+        raise ValueError(
+            f"{os.fspath(path)}: cannot write as JSON ({err}); replace NaN/inf values"
+        ) from None
+    atomic_write_text(path, text + "\n")
+
+
+def atomic_copy(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Copy ``src`` over ``dst`` atomically (streamed, so multi-GB checkpoints are fine).
+
+    ``dst`` keeps ``src``'s permission bits, like ``shutil.copy``.
+    """
+    src = os.fspath(src)
+    if not os.path.isfile(src):
+        raise FileNotFoundError(f"{src}: no such file to copy")
+
+    def copy_into(handle: BinaryIO) -> None:
+        with open(src, "rb") as source:
+            shutil.copyfileobj(source, handle, _COPY_CHUNK)
+
+    _atomic_write_with(dst, copy_into, os.stat(src).st_mode & 0o7777)
