@@ -38,13 +38,15 @@ class SwitchAux:
     diagnostics: dict[str, Tensor] = field(default_factory=dict)
 
 
-def _activation(name: str):
+def _activation(name: str, inplace: bool = False):
+    """Activation by name; ``inplace`` overwrites the matmul output (its backward never needs it),
+    saving one (tokens, ffn) allocation per expert call."""
     if name == "relu":
-        return F.relu
+        return lambda x: F.relu(x, inplace=inplace)
     if name == "gelu":
         return F.gelu
     if name == "silu":
-        return F.silu
+        return lambda x: F.silu(x, inplace=inplace)
     raise ValueError(f"unknown activation {name!r}: use relu, gelu or silu")
 
 
@@ -97,7 +99,7 @@ class SwitchFFN(nn.Module):
         self.max_experts = max_experts
         self.capacity_factor = capacity_factor
         self.eval_capacity_factor = eval_capacity_factor
-        self.activation = _activation(activation_fn)
+        self.activation = _activation(activation_fn, inplace=True)
         self.activation_dropout = activation_dropout
         self.jitter_eps = jitter_eps
         self.use_z_loss = z_loss
@@ -107,13 +109,34 @@ class SwitchFFN(nn.Module):
         self.fc1_bias = nn.Parameter(torch.empty(max_experts, ffn_dim))  # (E, f)
         self.fc2_weight = nn.Parameter(torch.empty(max_experts, embed_dim, ffn_dim))  # (E, d, f)
         self.fc2_bias = nn.Parameter(torch.empty(max_experts, embed_dim))  # (E, d)
-        # Active expert count; a buffer so it is saved in checkpoints and restored on load.
-        self.register_buffer("num_active", torch.tensor(num_experts, dtype=torch.long))
+        # Active expert count: a buffer so checkpoints carry it, mirrored as a Python int so the
+        # forward never reads a (possibly CUDA) tensor back to the host.
+        self.register_buffer("num_active", torch.tensor(num_experts, dtype=torch.long, device="cpu"))
+        self._num_active = num_experts
         self.reset_parameters()
 
     @property
     def num_experts(self) -> int:
-        return int(self.num_active)
+        return self._num_active
+
+    def set_num_experts(self, count: int) -> None:
+        """Switch on the first ``count`` expert slots (growth); never more than allocated."""
+        if not 1 <= count <= self.max_experts:
+            raise ValueError(f"active experts must be in [1, {self.max_experts}] (got {count})")
+        self._num_active = count
+        self.num_active.fill_(count)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # noqa: ANN001
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        key = prefix + "num_active"
+        if key in state_dict:
+            count = int(state_dict[key])
+            if count > self.max_experts:
+                raise ValueError(
+                    f"checkpoint has {count} active experts in {prefix or 'SwitchFFN'} but only "
+                    f"{self.max_experts} slots are allocated: raise --moe-max-experts"
+                )
+            self._num_active = count
 
     def reset_parameters(self) -> None:
         """nn.Linear's default init for every expert and the router (what fairseq's FFN uses)."""

@@ -1,0 +1,162 @@
+"""SwitchFFN layer behaviour (issue #2): dispatch, exact outputs, dense equivalence, gradients."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fairseq_alma.modules import SwitchFFN
+from fairseq_alma.modules.switch_decoder_layer import DenseFFN
+from fairseq_alma.modules.switch_routing import route_top1
+
+
+def manual_expert(layer: SwitchFFN, e: int, x: torch.Tensor) -> torch.Tensor:
+    h = F.relu(F.linear(x, layer.fc1_weight[e], layer.fc1_bias[e]))
+    return F.linear(h, layer.fc2_weight[e], layer.fc2_bias[e])
+
+
+def test_exact_outputs_on_hand_made_routing():
+    torch.manual_seed(0)
+    layer = SwitchFFN(4, 6, 2, capacity_factor=1.0)
+    x = torch.randn(6, 4)
+    logits = torch.zeros(6, 2)
+    logits[torch.arange(6), torch.tensor([0, 1, 0, 0, 0, 1])] = 3.0
+    routing = route_top1(logits, 1.0)
+    y = layer.dispatch(x, routing)
+    for t in range(6):
+        if routing.keep[t]:
+            expected = routing.gate[t] * manual_expert(layer, int(routing.expert[t]), x[t : t + 1])[0]
+            assert torch.allclose(y[t], expected, atol=1e-6)
+        else:
+            assert torch.equal(y[t], torch.zeros(4))  # dropped: residual passes the token through
+    assert not routing.keep[4]
+
+
+def test_forward_shape_and_aux():
+    layer = SwitchFFN(8, 16, 4)
+    y, aux = layer(torch.randn(3, 5, 8))
+    assert y.shape == (3, 5, 8)
+    assert aux.balance_loss.requires_grad
+    assert aux.z_loss is None
+    assert set(aux.diagnostics) == {"tokens", "dropped", "entropy_sum", "load_max", "load_min", "unused"}
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 8, 16), (3, 7, 16, 32), (2, 33, 32, 64)])
+def test_single_expert_equals_dense_ffn_outputs_and_gradients(shape):
+    batch, seq, d, f = shape
+    torch.manual_seed(1)
+    dense = DenseFFN(d, f, "relu", 0.0)
+    moe = SwitchFFN(d, f, 1, capacity_factor=1.0)
+    with torch.no_grad():
+        moe.fc1_weight[0].copy_(dense.fc1.weight)
+        moe.fc1_bias[0].copy_(dense.fc1.bias)
+        moe.fc2_weight[0].copy_(dense.fc2.weight)
+        moe.fc2_bias[0].copy_(dense.fc2.bias)
+    x1 = torch.randn(batch, seq, d, requires_grad=True)
+    x2 = x1.detach().clone().requires_grad_(True)
+    y_dense, _ = dense(x1)
+    y_moe, aux = moe(x2)
+    assert torch.allclose(y_dense, y_moe, atol=1e-6)
+    assert aux.diagnostics["dropped"].item() == 0
+    grad_out = torch.randn_like(y_dense)
+    y_dense.backward(grad_out)
+    y_moe.backward(grad_out)
+    assert torch.allclose(x1.grad, x2.grad, atol=1e-5)
+    assert torch.allclose(dense.fc1.weight.grad, moe.fc1_weight.grad[0], atol=1e-5)
+    assert torch.allclose(dense.fc1.bias.grad, moe.fc1_bias.grad[0], atol=1e-5)
+    assert torch.allclose(dense.fc2.weight.grad, moe.fc2_weight.grad[0], atol=1e-5)
+    assert torch.allclose(dense.fc2.bias.grad, moe.fc2_bias.grad[0], atol=1e-5)
+
+
+def test_gradients_reach_router_and_every_used_expert():
+    torch.manual_seed(2)
+    layer = SwitchFFN(8, 16, 4, capacity_factor=2.0)
+    y, aux = layer(torch.randn(64, 8))
+    (y.pow(2).sum() + aux.balance_loss).backward()
+    assert layer.router.weight.grad is not None and layer.router.weight.grad.abs().sum() > 0
+    used = layer.fc1_weight.grad.abs().sum(dim=(1, 2)) > 0
+    assert used.sum() >= 2
+    assert torch.equal(used, layer.fc2_weight.grad.abs().sum(dim=(1, 2)) > 0)
+
+
+def test_padding_is_excluded():
+    torch.manual_seed(3)
+    layer = SwitchFFN(8, 16, 4, capacity_factor=1.0)
+    x = torch.randn(2, 6, 8)
+    pad = torch.zeros(2, 6, dtype=torch.bool)
+    pad[0, 4:] = True
+    pad[1, 5:] = True
+    y, aux = layer(x, pad)
+    assert torch.equal(y[pad], torch.zeros(int(pad.sum()), 8))
+    # same tokens without the padding give the same outputs and the same balance loss
+    y_valid, aux_valid = layer(x[~pad])
+    assert torch.allclose(y[~pad], y_valid, atol=1e-6)
+    assert aux.balance_loss.item() == pytest.approx(aux_valid.balance_loss.item(), rel=1e-6)
+    assert aux.diagnostics["tokens"].item() == 9
+
+
+def test_train_and_eval_capacity():
+    torch.manual_seed(4)
+    layer = SwitchFFN(8, 16, 4, capacity_factor=0.5, eval_capacity_factor=None)
+    x = torch.randn(64, 8)
+    _, aux_train = layer.train()(x)
+    assert aux_train.diagnostics["dropped"].item() >= 32  # capacity 8 per expert -> at most 32 kept
+    _, aux_eval = layer.eval()(x)
+    assert aux_eval.diagnostics["dropped"].item() == 0  # default: no capacity limit at evaluation
+    layer.eval_capacity_factor = 0.5
+    _, aux_eval_capped = layer.eval()(x)
+    assert aux_eval_capped.diagnostics["dropped"].item() == aux_train.diagnostics["dropped"].item()
+
+
+def test_inactive_slots_take_no_tokens():
+    layer = SwitchFFN(8, 16, 2, max_experts=6)
+    with torch.no_grad():
+        layer.router.weight[2:] = 100.0  # would win every token if it were active
+    y, aux = layer(torch.rand(32, 8))
+    assert layer.router_logits(torch.rand(3, 8)).shape == (3, 2)
+    assert aux.diagnostics["unused"].item() <= 2
+
+
+def test_router_is_float32_under_half_precision():
+    layer = SwitchFFN(8, 16, 4).to(torch.bfloat16)
+    logits = layer.router_logits(torch.randn(5, 8, dtype=torch.bfloat16))
+    assert logits.dtype == torch.float32
+    y, aux = layer(torch.randn(5, 8, dtype=torch.bfloat16))
+    assert y.dtype == torch.bfloat16
+    assert aux.balance_loss.dtype == torch.float32
+
+
+def test_z_loss_optional():
+    layer = SwitchFFN(8, 16, 4, z_loss=True)
+    _, aux = layer(torch.randn(10, 8))
+    assert aux.z_loss is not None and aux.z_loss.item() > 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(num_experts=0), "num_experts"),
+        (dict(num_experts=2, capacity_factor=0.0), "capacity_factor"),
+        (dict(num_experts=2, eval_capacity_factor=-1.0), "eval_capacity_factor"),
+        (dict(num_experts=4, max_experts=2), "max_experts"),
+    ],
+)
+def test_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SwitchFFN(8, 16, **kwargs)
+
+
+def test_no_tokens_x_experts_x_capacity_tensor():
+    """Every tensor saved for backward is at most tokens x max(d, f) (no T x E x C dispatch mask)."""
+    tokens, d, f, experts = 256, 8, 16, 16
+    layer = SwitchFFN(d, f, experts, capacity_factor=1.0)
+    sizes = []
+
+    def pack(t):
+        sizes.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y, aux = layer(torch.randn(tokens, d, requires_grad=True))
+    capacity = tokens // experts
+    assert max(sizes) < tokens * experts * capacity
+    assert max(sizes) <= max(tokens * max(d, experts), experts * f * d)
