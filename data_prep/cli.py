@@ -1,0 +1,137 @@
+"""``alma-data-prep``: raw text -> BPE -> B mega-batches + eval + valid -> fairseq binaries.
+
+Paper §5: the language-modeling stream is B=4 training mega-batches and one evaluation
+mega-batch of about equal size, plus a ~0.5M-word validation set, over a 50k BPE vocabulary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from collections.abc import Sequence
+
+from .errors import DataPrepError, OneLineArgumentParser, run_cli
+from .pipeline import PrepOptions, prepare
+from .split import parse_size
+
+DESCRIPTION = """\
+Prepare an ALMA language-modeling stream (paper §5) from raw text.
+
+INPUT files are UTF-8 text, plain or .gz; directories are searched recursively (sorted order,
+hidden entries skipped). A DOCUMENT is a block of non-empty lines; one or more blank lines end
+it. Documents are the unit of shuffling and splitting; whitespace inside a line is collapsed.
+
+Steps: train a sentencepiece BPE model; encode every document (--workers processes); shuffle
+documents with --seed; carve, in this order, the validation set (--valid-size), the evaluation
+mega-batch (--eval-size) and B training mega-batches of equal token count from the rest (each
+within one document of rest/B; documents keep corpus order inside a split); binarize every split
+with fairseq's binarizer and ONE dictionary (pieces seen in the training mega-batches, by
+frequency, plus the rest of the BPE vocabulary). Sizes count BPE tokens as fairseq stores them,
+one end-of-line token per line and one blank-line separator per document included.
+
+Output in --out: manifest.json, dict.txt, spm.model, spm.vocab, megabatch0..B-1.bin/.idx,
+eval.bin/.idx, valid.bin/.idx (fairseq mmap format); intermediate text under work/. Running
+the same command again reuses finished steps; changed flags redo only what depends on them.
+"""
+
+
+def _size(text: str) -> str:
+    try:
+        parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _at_least(minimum: int):
+    def check(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+    return check
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineArgumentParser(prog="alma-data-prep", description=DESCRIPTION,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = PrepOptions(inputs=[], out="")
+    p.add_argument("inputs", nargs="+", metavar="INPUT",
+                   help="text file (.gz allowed) or directory of them")
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    p.add_argument("--vocab-size", type=_at_least(1), default=d.vocab_size,
+                   help=f"BPE vocabulary size (default: {d.vocab_size}, as in the paper)")
+    p.add_argument("--spm-sample-sentences", type=_at_least(0), default=d.spm_sample_sentences,
+                   metavar="N", help="train the BPE model on N randomly sampled lines "
+                   f"(default: {d.spm_sample_sentences:,}; 0 = all lines)")
+    p.add_argument("--spm-threads", type=_at_least(1), default=d.spm_threads,
+                   help=f"sentencepiece training threads (default: {d.spm_threads}); the model "
+                   "depends on it, so it is separate from --workers")
+    p.add_argument("--byte-fallback", action=argparse.BooleanOptionalAction,
+                   default=d.byte_fallback,
+                   help="spell characters outside the vocabulary as UTF-8 byte pieces, like "
+                   "GPT-2's byte-level BPE that the paper used, so no split contains <unk> "
+                   "(default: on; costs 256 vocabulary entries)")
+    p.add_argument("--workers", type=_at_least(1), default=d.workers,
+                   help=f"processes for encoding and binarization (default: {d.workers}); "
+                   "outputs do not depend on it")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help=f"seed of the document shuffle that decides the split (default: {d.seed})")
+    p.add_argument("--num-megabatches", "-B", type=_at_least(1), default=d.num_megabatches,
+                   metavar="B", help=f"training mega-batches (default: {d.num_megabatches})")
+    p.add_argument("--eval-size", type=_size, default=d.eval_size,
+                   help="evaluation mega-batch size: a fraction of all tokens (0.2), a token "
+                   "count (500000, 500k, 0.5M) or 'megabatch' = as large as one training "
+                   f"mega-batch, as in the paper (default: {d.eval_size})")
+    p.add_argument("--valid-size", type=_size, default=d.valid_size,
+                   help="validation set size, fraction or token count as --eval-size "
+                   f"(default: {d.valid_size}; the paper held out ~0.5M words)")
+    p.add_argument("--clean", action="store_true",
+                   help="delete the intermediate files in DIR/work at the end (a later run "
+                   "with other split flags then re-encodes the corpus)")
+    return p
+
+
+def _run(args: argparse.Namespace, command: str) -> None:
+    valid, eval_size = parse_size(args.valid_size), parse_size(args.eval_size)
+    if valid.fraction is None and valid.tokens is None:
+        raise DataPrepError("--valid-size cannot be 'megabatch'; give a fraction or a token "
+                            "count")
+    if (valid.fraction or 0) + (eval_size.fraction or 0) >= 1:
+        raise DataPrepError(f"--valid-size {args.valid_size} and --eval-size {args.eval_size} "
+                            "leave nothing for the training mega-batches; lower them")
+    options = PrepOptions(**vars(args))
+    manifest = prepare(options, command)
+    print(format_summary(manifest))
+
+
+def format_summary(manifest: dict) -> str:
+    """The table printed at the end: split, documents, tokens, MB of binaries."""
+    rows = [("split", "documents", "tokens", "MB")]
+    totals = [0, 0, 0]
+    for name, split in manifest["splits"].items():
+        size = split["bin_bytes"] + split["idx_bytes"]
+        rows.append((name, f"{split['documents']:,}", f"{split['tokens']:,}", f"{size / 1e6:.2f}"))
+        totals = [totals[0] + split["documents"], totals[1] + split["tokens"], totals[2] + size]
+    rows.append(("total", f"{totals[0]:,}", f"{totals[1]:,}", f"{totals[2] / 1e6:.2f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = [row[0].ljust(widths[0]) + "".join(f"  {c.rjust(w)}" for c, w in
+                                               zip(row[1:], widths[1:])) for row in rows]
+    dictionary = manifest["dictionary"]
+    lines.append(f"dictionary: {dictionary['size']:,} symbols; sentencepiece vocabulary: "
+                 f"{manifest['sentencepiece']['vocab_size']:,}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = shlex.join(["alma-data-prep", *argv])
+    return run_cli(build_parser(), argv, lambda args: _run(args, command))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,299 @@
+"""End-to-end tests of ``alma-data-prep`` through its console script, on a tiny corpus.
+
+The corpus (60 documents, each opening with a unique "doc N begins" line) is spread over a
+plain file, a .gz file and a directory tree with a hidden file that must be skipped.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from data_prep.manifest import StreamDataError, verify_stream_dir
+
+pytestmark = pytest.mark.slow
+
+NUM_DOCS = 60
+FLAGS = ["--vocab-size", "400", "--valid-size", "0.1"]
+ARGS = [*FLAGS, "--seed", "3"]
+TRAIN = [f"megabatch{k}" for k in range(4)]
+
+
+def _cli(name: str) -> list[str]:
+    script = os.path.join(os.path.dirname(sys.executable), name)
+    module = {"alma-data-prep": "data_prep.cli", "alma-demo-corpus": "data_prep.demo_corpus"}
+    return [script] if os.path.exists(script) else [sys.executable, "-m", module[name]]
+
+
+def run_prep(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*_cli("alma-data-prep"), *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def _documents() -> list[list[str]]:
+    rng = random.Random(0)
+    syllables = ["ka", "lo", "mi", "ne", "ru", "ta", "shi", "po", "gen", "dar", "vel", "quo"]
+    words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 3))) for _ in range(150)]
+    docs = []
+    for i in range(NUM_DOCS):
+        lines = [f"doc {i} begins"]
+        for _ in range(rng.randint(2, 4)):
+            lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(4, 10))) + ".")
+        docs.append(lines)
+    return docs
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    text = ["\n".join(doc) for doc in _documents()]
+    (root / "a.txt").write_text("\n\n".join(text[:20]) + "\n")
+    with gzip.open(root / "b.txt.gz", "wt", encoding="utf-8") as f:
+        f.write("\n\n\n".join(text[20:40]))
+    (root / "d" / "sub").mkdir(parents=True)
+    (root / "d" / "c.txt").write_text("\n\n".join(text[40:50]))
+    # Whitespace-only separator lines and messy spacing inside lines are normalised.
+    (root / "d" / "sub" / "e.txt").write_text("\n \t\n".join(t.replace(" ", "  \t") for t in
+                                                            text[50:60]))
+    (root / "d" / ".hidden").write_text("a hidden file is not part of the corpus\n")
+    return [str(root / "a.txt"), str(root / "b.txt.gz"), str(root / "d")]
+
+
+@pytest.fixture(scope="module")
+def prepared(corpus, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("prep") / "stream")
+    result = run_prep(*corpus, "--out", out, *ARGS)
+    assert result.returncode == 0, result.stderr
+    return out, result
+
+
+def _load(out: str) -> dict:
+    with open(os.path.join(out, "manifest.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _decoded_documents(out: str, split: str) -> list[str]:
+    """Read a split back through fairseq's own loader; return its documents as text."""
+    from fairseq.data import Dictionary, data_utils
+
+    dictionary = Dictionary.load(os.path.join(out, "dict.txt"))
+    dataset = data_utils.load_indexed_dataset(os.path.join(out, split), dictionary)
+    docs, lines = [], []
+    for i in range(len(dataset)):
+        ids = dataset[i].tolist()
+        assert ids[-1] == dictionary.eos()
+        if len(ids) == 1:  # an empty line: the document separator
+            docs.append("\n".join(lines))
+            lines = []
+        else:
+            lines.append("".join(dictionary[t] for t in ids[:-1]).replace("\u2581", " ").strip())
+    assert not lines, "a split must end with a document separator"
+    return docs
+
+
+def test_manifest_describes_the_stream(prepared, corpus):
+    out, result = prepared
+    manifest = _load(out)
+    assert manifest["format"] == "alma-lm-stream/1" and manifest["kind"] == "lm"
+    assert manifest["num_megabatches"] == 4 and manifest["seed"] == 3
+    assert list(manifest["splits"]) == [*TRAIN, "eval", "valid"]
+    assert sum(s["documents"] for s in manifest["splits"].values()) == NUM_DOCS
+    for name, split in manifest["splits"].items():
+        assert split["bin_bytes"] == os.path.getsize(os.path.join(out, f"{name}.bin"))
+        assert split["idx_bytes"] == os.path.getsize(os.path.join(out, f"{name}.idx"))
+        assert split["unk_tokens"] == 0
+    files = [os.path.basename(s["path"]) for s in manifest["sources"]]
+    assert files == ["a.txt", "b.txt.gz", "c.txt", "e.txt"]  # sorted walk, hidden skipped
+    assert all(s["bytes"] == os.path.getsize(s["path"]) for s in manifest["sources"])
+    assert manifest["sentencepiece"]["vocab_size"] == 400
+    assert manifest["dictionary"]["size"] % 8 == 0
+    assert manifest["options"]["valid_size"] == "0.1" and manifest["options"]["workers"] == 1
+    assert manifest["command"].startswith("alma-data-prep ") and "--seed 3" in manifest["command"]
+    assert verify_stream_dir(out) == manifest
+    assert "megabatch0" in result.stdout and "total" in result.stdout  # the summary table
+
+
+def test_binaries_round_trip_every_document_once(prepared):
+    out, _ = prepared
+    from fairseq.data import Dictionary, data_utils
+
+    manifest = _load(out)
+    dictionary = Dictionary.load(os.path.join(out, "dict.txt"))
+    assert len(dictionary) == manifest["dictionary"]["size"]
+    originals = {"\n".join(doc) for doc in _documents()}
+    seen: dict[str, str] = {}
+    for name, split in manifest["splits"].items():
+        dataset = data_utils.load_indexed_dataset(os.path.join(out, name), dictionary)
+        assert int(dataset.sizes.sum()) == split["tokens"] and len(dataset) == split["lines"]
+        docs = _decoded_documents(out, name)
+        assert len(docs) == split["documents"]
+        for doc in docs:
+            assert doc in originals, doc  # the text survives BPE + binarization intact
+            assert doc not in seen, f"{doc[:20]} in {seen.get(doc)} and {name}"
+            seen[doc] = name
+    assert len(seen) == NUM_DOCS
+
+
+def test_megabatches_have_equal_tokens_within_one_document(prepared):
+    out, _ = prepared
+    manifest = _load(out)
+    longest = max(max(_doc_tokens(out, name)) for name in manifest["splits"])
+    train = [manifest["splits"][name]["tokens"] for name in TRAIN]
+    for tokens in train:
+        assert abs(tokens - sum(train) / 4) <= longest
+    # The default --eval-size: as large as one training mega-batch (paper §5).
+    eval_tokens = manifest["splits"]["eval"]["tokens"]
+    assert abs(eval_tokens - (sum(train) + eval_tokens) / 5) <= longest
+    total = sum(s["tokens"] for s in manifest["splits"].values())
+    assert abs(manifest["splits"]["valid"]["tokens"] - 0.1 * total) <= longest
+
+
+def _doc_tokens(out: str, split: str) -> list[int]:
+    from fairseq.data import data_utils
+
+    dataset = data_utils.load_indexed_dataset(os.path.join(out, split), None, "mmap")
+    counts, current = [], 0
+    for size in dataset.sizes.tolist():  # sizes views the dataset's mmap: keep it referenced
+        current += size
+        if size == 1:
+            counts.append(current)
+            current = 0
+    return counts
+
+
+def _binary_outputs(out: str) -> dict[str, bytes]:
+    names = sorted(f for f in os.listdir(out) if f.endswith((".bin", ".idx", ".txt", ".model",
+                                                             ".vocab")))
+    return {name: open(os.path.join(out, name), "rb").read() for name in names}
+
+
+def test_same_seed_gives_identical_outputs_whatever_the_workers(prepared, corpus, tmp_path):
+    out, _ = prepared
+    other = str(tmp_path / "again")
+    result = run_prep(*corpus, "--out", other, *ARGS, "--workers", "2")
+    assert result.returncode == 0, result.stderr
+    assert _binary_outputs(other) == _binary_outputs(out)
+    assert _load(other)["splits"] == _load(out)["splits"]
+
+
+def test_rerun_reuses_and_changed_flags_rebuild_only_what_depends_on_them(
+        prepared, corpus, tmp_path):
+    out, _ = prepared
+    mtimes = {f: os.stat(os.path.join(out, f)).st_mtime_ns for f in os.listdir(out)
+              if f != "manifest.json"}
+    again = run_prep(*corpus, "--out", out, *ARGS)
+    assert again.returncode == 0, again.stderr
+    assert "building" not in again.stderr and again.stderr.count("up to date, reused") == 11
+    assert mtimes == {f: os.stat(os.path.join(out, f)).st_mtime_ns for f in mtimes}
+
+    changed = str(tmp_path / "changed")
+    shutil.copytree(out, changed)
+    args = [*corpus, "--out", changed, *FLAGS, "--seed", "4", "--num-megabatches", "3", "--clean"]
+    result = run_prep(*args)
+    assert result.returncode == 0, result.stderr
+    for step in ("extract", "sentencepiece", "encode"):
+        assert f"{step}: up to date, reused" in result.stderr
+    for step in ("split", "dictionary", "binarize-megabatch0", "binarize-valid"):
+        assert f"{step}: building" in result.stderr
+    assert _load(changed)["num_megabatches"] == 3 and _load(changed)["seed"] == 4
+    assert not os.path.exists(os.path.join(changed, "megabatch3.bin"))  # stale shard removed
+    assert not os.path.exists(os.path.join(changed, "work"))  # --clean
+    # The validation set is carved first with the same target: only the seed moved documents.
+    assert set(_decoded_documents(changed, "valid")) != set(_decoded_documents(out, "valid"))
+    verify_stream_dir(changed)
+    # After --clean, the same command still reuses every step (stamps outlive work/).
+    rerun = run_prep(*args)
+    assert rerun.returncode == 0 and "building" not in rerun.stderr, rerun.stderr
+
+
+@pytest.fixture
+def stream_copy(prepared, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(prepared[0], copy)
+    return copy
+
+
+@pytest.mark.parametrize("damage, named", [
+    (lambda d: (d / "dict.txt").open("a").write("extra 1\n"), "dict.txt"),
+    (lambda d: (d / "megabatch2.idx").unlink(), "megabatch2.idx"),
+    (lambda d: os.truncate(d / "eval.bin", 10), "eval.bin"),
+    (lambda d: (d / "manifest.json").unlink(), "manifest.json"),
+    (lambda d: (d / "manifest.json").write_text("{not json"), "manifest.json"),
+])
+def test_verify_stream_dir_names_the_damaged_file(stream_copy, damage, named):
+    verify_stream_dir(str(stream_copy))
+    damage(stream_copy)
+    with pytest.raises(StreamDataError) as info:
+        verify_stream_dir(str(stream_copy))
+    message = str(info.value)
+    assert named in message and "\n" not in message
+
+
+def _assert_one_line_error(result: subprocess.CompletedProcess, *named: str) -> None:
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and result.stderr.splitlines()[-1] == errors[0], result.stderr
+    for text in named:
+        assert text in errors[0], errors[0]
+
+
+@pytest.mark.parametrize("extra, named", [
+    (["--num-megabatches", "0"], ["--num-megabatches"]),
+    (["--eval-size", "1.5"], ["--eval-size"]),
+    (["--valid-size", "0.6", "--eval-size", "0.5"], ["--valid-size", "--eval-size"]),
+    (["--workers", "two"], ["--workers"]),
+])
+def test_bad_flags_fail_upfront_with_one_line(corpus, tmp_path, extra, named):
+    result = run_prep(*corpus, "--out", str(tmp_path / "o"), *extra)
+    _assert_one_line_error(result, *named)
+    assert len(result.stderr.splitlines()) == 1
+
+
+def test_bad_inputs_fail_with_one_line_naming_the_file(corpus, tmp_path):
+    missing = str(tmp_path / "nope.txt")
+    _assert_one_line_error(run_prep(missing, "--out", str(tmp_path / "o")), missing)
+
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\u00e9 cr\u00e8me\n".encode("latin-1"))
+    _assert_one_line_error(run_prep(*corpus, str(latin1), "--out", str(tmp_path / "o")),
+                           str(latin1), "UTF-8")
+
+    blank = tmp_path / "blank.txt"
+    blank.write_text("\n  \n\n")
+    _assert_one_line_error(run_prep(str(blank), "--out", str(tmp_path / "o")), "no text")
+
+    inside = os.path.join(corpus[2], "out")
+    _assert_one_line_error(run_prep(corpus[2], "--out", inside), "--out")
+
+
+@pytest.mark.parametrize("extra, named", [
+    (["--num-megabatches", "59"], ["--num-megabatches", "60 documents"]),
+    (["--valid-size", "2k", "--eval-size", "2k"], ["--valid-size", "--eval-size"]),
+    (["--vocab-size", "100000"], ["--vocab-size"]),
+    (["--vocab-size", "100"], ["--vocab-size"]),
+])
+def test_corpus_too_small_for_the_flags_fails_with_one_line(corpus, tmp_path, extra, named):
+    args = [*corpus, "--out", str(tmp_path / "o"), "--vocab-size", "400", *extra]
+    _assert_one_line_error(run_prep(*args), *named)
+
+
+def test_demo_corpus_cli_is_deterministic_and_leaves_identical_files_alone(tmp_path):
+    target = tmp_path / "demo.txt.gz"
+    first = subprocess.run([*_cli("alma-demo-corpus"), "--out", str(target), "--max-mb", "0.05"],
+                           capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    data, mtime = target.read_bytes(), target.stat().st_mtime_ns
+    second = subprocess.run([*_cli("alma-demo-corpus"), "--out", str(target), "--max-mb",
+                             "0.05"], capture_output=True, text=True, timeout=120)
+    assert second.returncode == 0 and "unchanged" in second.stderr
+    assert target.read_bytes() == data and target.stat().st_mtime_ns == mtime
+    text = gzip.decompress(data).decode("utf-8")
+    assert len(text) >= 50_000 and text.count("\n\n") >= 20 and " the " in text

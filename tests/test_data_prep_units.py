@@ -1,0 +1,185 @@
+"""Unit tests of data_prep's pieces, with hand-computed expectations (fast, in-process)."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+
+import numpy as np
+import pytest
+
+from data_prep.corpus import discover_sources, iter_documents
+from data_prep.demo_corpus import build_demo_corpus, documents_of_file
+from data_prep.errors import DataPrepError
+from data_prep.split import SizeSpec, assign_documents, carve, parse_size
+from data_prep.steps import StepRunner
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("0.2", SizeSpec(fraction=0.2)),
+    (".05", SizeSpec(fraction=0.05)),
+    ("500000", SizeSpec(tokens=500_000)),
+    ("500k", SizeSpec(tokens=500_000)),
+    ("0.5M", SizeSpec(tokens=500_000)),
+    ("2G", SizeSpec(tokens=2_000_000_000)),
+    ("1", SizeSpec(tokens=1)),
+    ("megabatch", SizeSpec()),
+])
+def test_parse_size_accepts_fractions_and_token_counts(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["1.5", "0", "0.0", "1.0", "-3", "abc", "1.5k5", "0.0001k"])
+def test_parse_size_rejects_ambiguous_or_empty_sizes(text):
+    with pytest.raises(ValueError):
+        parse_size(text)
+
+
+def test_carve_cuts_at_the_nearest_document_boundaries():
+    # Ten documents of 10 tokens. valid = 10 tokens -> 1 document. eval = one mega-batch:
+    # (100 - 10) / 5 = 18 tokens after token 10 -> boundary 30 is nearest to 28 -> 2 documents.
+    # The 70 tokens left, in 4 parts of 17.5: ideal cuts at 47.5, 65, 82.5 -> boundaries
+    # 50, 60 (tie between 60 and 70: the earlier), 80.
+    cuts = carve(np.full(10, 10), 4, SizeSpec(tokens=10), SizeSpec())
+    assert cuts == [0, 1, 3, 5, 6, 8, 10]
+
+
+def test_carve_keeps_every_part_within_one_document_of_its_share():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, 200, size=500)
+    cuts = carve(tokens, 7, SizeSpec(fraction=0.05), SizeSpec(fraction=0.1))
+    parts = [int(tokens[a:b].sum()) for a, b in zip(cuts[2:], cuts[3:])]
+    assert len(parts) == 7
+    assert all(abs(p - sum(parts) / 7) <= tokens.max() for p in parts)
+    assert abs(int(tokens[:cuts[1]].sum()) - 0.05 * tokens.sum()) <= tokens.max()
+
+
+def test_carve_gives_each_split_a_document_even_when_sizes_are_tiny():
+    cuts = carve(np.array([100, 1, 1, 1, 1, 100]), 4, SizeSpec(tokens=1), SizeSpec(tokens=1))
+    assert cuts == [0, 1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("tokens, parts, valid, eval_size, named", [
+    (np.full(5, 10), 4, SizeSpec(tokens=1), SizeSpec(), "--num-megabatches"),
+    (np.full(10, 10), 2, SizeSpec(tokens=60), SizeSpec(tokens=40), "--valid-size"),
+    (np.full(10, 10), 2, SizeSpec(tokens=100), SizeSpec(), "--eval-size"),
+])
+def test_carve_refuses_impossible_splits_naming_the_flag(tokens, parts, valid, eval_size, named):
+    with pytest.raises(DataPrepError, match=named):
+        carve(tokens, parts, valid, eval_size)
+
+
+def test_assign_documents_uses_a_local_seeded_generator():
+    tokens = np.arange(1, 41)
+    np.random.seed(123)
+    global_state = np.random.get_state()[1].copy()
+    labels, stats = assign_documents(tokens, 7, 3, SizeSpec(fraction=0.1), SizeSpec())
+    assert np.array_equal(np.random.get_state()[1], global_state)  # global RNG untouched
+    again, _ = assign_documents(tokens, 7, 3, SizeSpec(fraction=0.1), SizeSpec())
+    other, _ = assign_documents(tokens, 8, 3, SizeSpec(fraction=0.1), SizeSpec())
+    assert np.array_equal(labels, again) and not np.array_equal(labels, other)
+    assert sorted(stats) == ["eval", "megabatch0", "megabatch1", "megabatch2", "valid"]
+    assert sum(s["tokens"] for s in stats.values()) == tokens.sum()
+    for index, name in enumerate(["valid", "eval", "megabatch0", "megabatch1", "megabatch2"]):
+        assert stats[name]["documents"] == int((labels == index).sum())
+        assert stats[name]["tokens"] == int(tokens[labels == index].sum())
+
+
+def test_documents_are_blank_line_separated_blocks_with_whitespace_collapsed():
+    lines = ["\n", "  first   line\n", "second\tline\n", " \t\n", "\n", "next doc\n", "  \n",
+             "last\n"]
+    assert list(iter_documents(lines)) == [["first line", "second line"], ["next doc"],
+                                           ["last"]]
+
+
+def test_discover_sources_sorts_dedupes_and_skips_hidden(tmp_path):
+    (tmp_path / "d" / "b").mkdir(parents=True)
+    for rel in ["d/z.txt", "d/a.txt", "d/b/m.txt", "d/.skip.txt", "top.txt"]:
+        (tmp_path / rel).write_text("x\n")
+    found = discover_sources([str(tmp_path / "top.txt"), str(tmp_path / "d"),
+                              str(tmp_path / "d" / "a.txt")])
+    assert [os.path.relpath(s.path, tmp_path) for s in found] == [
+        "top.txt", "d/a.txt", "d/z.txt", "d/b/m.txt"]
+    with pytest.raises(DataPrepError, match="nope"):
+        discover_sources([str(tmp_path / "nope")])
+
+
+def test_step_runner_reuses_until_key_or_outputs_change(tmp_path):
+    runner = StepRunner(str(tmp_path))
+    builds = []
+
+    def build():
+        builds.append(1)
+        (tmp_path / "out.txt").write_text("x" * len(builds))
+        return {"n": len(builds)}
+
+    assert runner.ensure("s", {"a": 1}, ["out.txt"], build) == {"n": 1}
+    assert runner.ensure("s", {"a": 1}, ["out.txt"], build) == {"n": 1}  # reused
+    (tmp_path / "out.txt").write_text("")  # truncated output -> rebuilt
+    assert runner.ensure("s", {"a": 1}, ["out.txt"], build) == {"n": 2}
+    assert StepRunner(str(tmp_path)).ensure("s", {"a": 2}, ["out.txt"], build) == {"n": 3}
+    (tmp_path / "out.txt").unlink()  # facts only: a current key suffices
+    assert runner.ensure("s", {"a": 2}, ["out.txt"], build, need_outputs=False) == {"n": 3}
+    assert runner.ensure("s", {"a": 2}, ["out.txt"], build) == {"n": 4}
+
+
+def test_documents_of_file_takes_docstrings_comments_and_long_strings(tmp_path):
+    source = tmp_path / "mod.py"
+    source.write_text(textwrap.dedent('''\
+        """Module summary line here.
+
+            Indented second paragraph of the module."""
+        # A comment block that explains
+        #   the function below it.
+        def f():
+            """Return nothing useful at all."""
+            x = "short string"
+            return "this literal string is long enough to count as prose for the corpus ok"
+        # two words
+        '''))
+    assert documents_of_file(str(source)) == [
+        "Module summary line here.\nIndented second paragraph of the module.",
+        "A comment block that explains\nthe function below it.",
+        "Return nothing useful at all.",
+        "this literal string is long enough to count as prose for the corpus ok",
+    ]
+
+
+def test_demo_corpus_is_deterministic_real_text():
+    text, docs, files = build_demo_corpus(20_000)
+    assert (text, docs, files) == build_demo_corpus(20_000)
+    decoded = text.decode("utf-8")
+    assert len(text) >= 20_000 and docs >= 10 and files >= 1
+    assert decoded.endswith("\n\n") and "\n\n\n" not in decoded
+    assert all(len(doc.split()) >= 4 for doc in decoded.strip().split("\n\n"))
+
+
+def test_binarizer_writes_the_same_bytes_as_fairseq_preprocess(tmp_path):
+    """Our per-line loop must be a faster equivalent of fairseq's FileBinarizer, not a variant."""
+    from fairseq.binarizer import FileBinarizer, VocabularyDatasetBinarizer
+    from fairseq.data import Dictionary
+
+    from data_prep.binarize import binarize_split, line_aligned_offsets
+
+    text = tmp_path / "split.txt"
+    lines = ["▁a b ▁c", "", "▁c ▁c zz", "b", "", "▁a ▁é", ""] * 7  # zz: not in dict -> <unk>
+    text.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    dictionary = Dictionary()
+    for piece, count in [("▁a", 3), ("b", 2), ("▁c", 5), ("▁é", 1)]:
+        dictionary.add_symbol(piece, n=count)
+    dictionary.finalize(padding_factor=8)
+    dictionary.save(str(tmp_path / "dict.txt"))
+    FileBinarizer.multiprocess_dataset(
+        str(text), "mmap", VocabularyDatasetBinarizer(dictionary, append_eos=True),
+        str(tmp_path / "fairseq"), vocab_size=len(dictionary), num_workers=1)
+    for workers in (1, 3):
+        info = binarize_split(str(text), str(tmp_path / "dict.txt"), str(tmp_path / "ours"),
+                              str(tmp_path), workers)
+        assert info == {"tokens": 9 * 7 + len(lines), "lines": len(lines), "unk_tokens": 7}
+        for ext in ("bin", "idx"):
+            assert (tmp_path / f"ours.{ext}").read_bytes() == \
+                (tmp_path / f"fairseq.{ext}").read_bytes()
+    offsets = line_aligned_offsets(str(text), 4)
+    data = text.read_bytes()
+    assert offsets[0] == 0 and offsets[-1] == len(data) and offsets == sorted(offsets)
+    assert all(data[o - 1:o] == b"\n" for o in offsets[1:-1] if 0 < o < len(data))
