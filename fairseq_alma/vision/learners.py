@@ -50,6 +50,10 @@ class LearnerSpec:
         growth_rate: FF parameters added per step as a fraction of the initial count (0.25).
         ff_epsilon: FF step size of the new units' weights (0: function kept exactly).
         ff_score_examples: training examples used for the FF first-order scores.
+        ens_member_data_order: give every Ens member its own shuffling of the data.  Off by
+            default: the paper's members differ by their initialisation (§4.1) and are trained
+            "independently on the same data"; one shared order lets the first layer run as one
+            wide matmul/conv for all members, which is what keeps Ens near 2x SM on small models.
         seed: initialisation and growth randomness.
     """
 
@@ -62,6 +66,7 @@ class LearnerSpec:
     growth_rate: float = 0.25
     ff_epsilon: float = 1e-2
     ff_score_examples: int = 1024
+    ens_member_data_order: bool = False
     seed: int = 1
 
     def __post_init__(self) -> None:
@@ -88,6 +93,7 @@ class Learner(nn.Module):
         self.num_classes = num_classes
         self.generator = torch.Generator().manual_seed(spec.seed)
         self.independent_members = 0  # > 0: the trainer gives each member its own data order
+        self.selection_groups = 1  # G of train_logits: groups with their own loss and best epoch
 
     def trainable(self) -> nn.Module:
         raise NotImplementedError
@@ -142,7 +148,9 @@ class StackedLearner(Learner):
         super().__init__(spec, input_shape, num_classes)
         members = 1 if spec.method == "sm" else spec.members
         self.model = build_backbone(spec.arch, self.input_shape, spec.width, num_classes, members, self.generator)
-        self.independent_members = members if spec.method == "ens" and members > 1 else 0
+        per_member_order = spec.method == "ens" and spec.ens_member_data_order and members > 1
+        self.independent_members = members if per_member_order else 0
+        self.selection_groups = members if spec.method == "ens" else 1
 
     def trainable(self) -> nn.Module:
         return self.model
@@ -199,7 +207,22 @@ class GrowingEnsemble(Learner):
         return {"members": len(self.members)}
 
 
-class GrowingMoE(Learner):
+class _SingleModelLearner(Learner):
+    """A learner that is one model with one member (``self.model``, logits (1, B, C))."""
+
+    model: nn.Module
+
+    def trainable(self) -> nn.Module:
+        return self.model
+
+    def train_logits(self, x: Tensor, per_member: bool = False) -> Tensor:
+        return self.model(x)
+
+    def predict_log_probs(self, x: Tensor) -> Tensor:
+        return F.log_softmax(self.model(x)[0], dim=-1)
+
+
+class GrowingMoE(_SingleModelLearner):
     """gMoE: split the losing expert of every mixture layer at every stage (Algorithm 2)."""
 
     def __init__(self, spec: LearnerSpec, input_shape: tuple[int, ...], num_classes: int) -> None:
@@ -214,15 +237,6 @@ class GrowingMoE(Learner):
         self.model = MoEBackbone(spec.arch, self.input_shape, spec.width, num_classes, spec.gating, layers, self.generator)
         for block in self.model.blocks:
             block.sampler = self.generator
-
-    def trainable(self) -> nn.Module:
-        return self.model
-
-    def train_logits(self, x: Tensor, per_member: bool = False) -> Tensor:
-        return self.model(x)
-
-    def predict_log_probs(self, x: Tensor) -> Tensor:
-        return F.log_softmax(self.model(x)[0], dim=-1)
 
     def expert_losses(self, valid_x: Tensor, valid_y: Tensor) -> list[Tensor]:
         """Per growing layer, (experts,): summed validation loss of the examples routed through
@@ -257,7 +271,7 @@ class GrowingMoE(Learner):
         return {"experts": [block.num_experts for block in self.model.growing_blocks()]}
 
 
-class FireflyLearner(Learner):
+class FireflyLearner(_SingleModelLearner):
     """FF: Firefly width growth of every hidden layer, ≈ growth_rate × initial |θ| per stage."""
 
     def __init__(self, spec: LearnerSpec, input_shape: tuple[int, ...], num_classes: int) -> None:
@@ -265,15 +279,6 @@ class FireflyLearner(Learner):
         self.model = build_backbone(spec.arch, self.input_shape, spec.width, num_classes, 1, self.generator)
         self.model.growable_layers()  # fails early on backbones FF cannot grow
         self.initial_params = count_parameters(self.model)
-
-    def trainable(self) -> nn.Module:
-        return self.model
-
-    def train_logits(self, x: Tensor, per_member: bool = False) -> Tensor:
-        return self.model(x)
-
-    def predict_log_probs(self, x: Tensor) -> Tensor:
-        return F.log_softmax(self.model(x)[0], dim=-1)
 
     def before_stage(self, stage_index, train_x, train_y, valid_x, valid_y) -> dict[str, Any]:
         if stage_index <= 1:

@@ -4,8 +4,9 @@ A stage trains ``epochs`` epochs (paper: 100) over the stage's training tensors 
 of 128 and keeps the parameters of the epoch with the lowest loss on the stage's validation
 tensors (10% of each mega-batch it trains on: the only data the learner may select on, §3.1;
 never the test set).  Epoch 0, the parameters the stage started from, is a candidate too, so a
-stage never leaves a learner worse on its own validation data.  Ens members are independent runs:
-each gets its own data order and keeps its own best epoch.  Optimizers (App. B.1): MNIST
+stage never leaves a learner worse on its own validation data.  Ens members are independent runs
+(their losses are summed, so each gets exactly its own gradient) and each keeps its own best
+epoch; they see the same mini-batches unless the learner asks for one data order per member.  Optimizers (App. B.1): MNIST
 AdaDelta lr 1.0; CIFAR SGD lr 0.01, momentum 0.9, weight decay 1e-4; one fresh optimizer per
 stage, built after any growth so it always holds the current parameters.
 """
@@ -135,12 +136,11 @@ def train_stage(learner: Learner, train_x: Tensor, train_y: Tensor, valid_x: Ten
     has_valid = valid_x.shape[0] > 0
     curve: list[list[float]] = []
     best = _snapshot(module)
+    groups = learner.selection_groups
     if has_valid:
         best_loss = validation_losses(learner, valid_x, valid_y, config.eval_batch_size)
-        groups = best_loss.shape[0]
         curve.append(best_loss.tolist())
     else:
-        groups = members or 1
         best_loss = torch.full((groups,), float("inf"), dtype=torch.float64)
     best_epoch = [0] * groups
     n = train_x.shape[0]
@@ -148,21 +148,24 @@ def train_stage(learner: Learner, train_x: Tensor, train_y: Tensor, valid_x: Ten
         module.train()
         order = torch.stack([torch.randperm(n, generator=generator) for _ in range(members)]) if members \
             else torch.randperm(n, generator=generator)
-        running = 0.0
+        running = torch.zeros(())
         for start in range(0, n, config.batch_size):
             index = order[..., start : start + config.batch_size]  # (B,) or (N, B)
             xb, yb = train_x[index], train_y[index]
             if config.augment:
                 xb = random_crop_flip(xb.flatten(0, xb.dim() - 4), generator, fill=fill).view(xb.shape)
             logits = learner.train_logits(xb, per_member=bool(members))  # (G, B, C)
-            target = yb.expand(logits.shape[0], -1) if yb.dim() == 1 else yb
-            # Sum over groups of each group's mean loss: independent members get exactly the
-            # gradient they would get alone.
-            loss = F.cross_entropy(logits.flatten(0, 1), target.flatten()) * logits.shape[0]
+            if logits.shape[0] == 1:
+                loss = F.cross_entropy(logits[0], yb)
+            else:
+                # Sum over groups of each group's mean loss: independent members get exactly
+                # the gradient they would get alone.
+                target = yb.expand(logits.shape[0], -1) if yb.dim() == 1 else yb
+                loss = F.cross_entropy(logits.flatten(0, 1), target.flatten()) * logits.shape[0]
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            running += loss.item() * index.shape[-1]
+            running += loss.detach() * index.shape[-1]
         if has_valid:
             losses = validation_losses(learner, valid_x, valid_y, config.eval_batch_size)
             curve.append(losses.tolist())
@@ -175,7 +178,7 @@ def train_stage(learner: Learner, train_x: Tensor, train_y: Tensor, valid_x: Ten
             best = _snapshot(module)
             best_epoch = [epoch] * groups
         if progress is not None:
-            progress(epoch, running / n, curve[-1] if curve else [])
+            progress(epoch, float(running) / n, curve[-1] if curve else [])
     module.load_state_dict(best)
     macs = learner.train_macs_per_example()
     examples = n * config.epochs
