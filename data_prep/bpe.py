@@ -14,20 +14,22 @@ from __future__ import annotations
 import io
 import os
 import re
+import shutil
 from array import array
 from collections.abc import Iterator
+from itertools import pairwise
 from multiprocessing import Pool
 
 import sentencepiece as spm
 
-from .corpus import iter_documents
 from .errors import DataPrepError
-from .fileio import atomic_output, sha256_file
+from .fileio import PARTIAL_SUFFIX, aligned_offsets, atomic_output, sha256_file
 from .progress import Progress
 
 # Sentence sampling uses its own fixed seed, so --seed (the split) never retrains the BPE model.
 SPM_SAMPLE_SEED = 1
-ENCODE_BATCH_BYTES = 1 << 18  # documents are sent to workers in batches of about 256 kB
+ENCODE_BATCH_BYTES = 1 << 18  # lines per sentencepiece call: about 256 kB of text
+ENCODE_CHUNK_BYTES = 1 << 26  # a worker's unit of work: 64 MB of documents
 
 
 def _training_lines(docs_path: str) -> Iterator[str]:
@@ -80,24 +82,14 @@ def _explain_spm_error(message: str, vocab_size: int) -> str:
     return f"sentencepiece training failed ({first_line}); check --vocab-size and the inputs"
 
 
-_worker_model: spm.SentencePieceProcessor | None = None
-
-
-def _load_worker_model(model_path: str) -> None:
-    """Pool initializer: each worker process loads the model once."""
-    global _worker_model
-    _worker_model = spm.SentencePieceProcessor(model_file=model_path)
-
-
-def _encode_batch(docs: list[list[str]]) -> tuple[bytes, list[int]]:
+def _encode_batch(model: spm.SentencePieceProcessor,
+                  docs: list[list[str]]) -> tuple[bytes, list[int]]:
     """Encode documents; return their text in the encoded format and their token counts.
 
     One sentencepiece call per batch (not per document) keeps Python overhead small. A line
     whose pieces are empty (sentencepiece dropped all its characters) is left out, and a
     document left without lines too: an empty line would read as a document separator."""
-    assert _worker_model is not None
-    encoded = _worker_model.encode([line for doc in docs for line in doc], out_type=str,
-                                   num_threads=1)
+    encoded = model.encode([line for doc in docs for line in doc], out_type=str, num_threads=1)
     chunks, counts = [], []
     start = 0
     for doc in docs:
@@ -110,44 +102,87 @@ def _encode_batch(docs: list[list[str]]) -> tuple[bytes, list[int]]:
     return "".join(chunks).encode("utf-8"), counts
 
 
-def _batches(docs_path: str) -> Iterator[list[list[str]]]:
+def _document_batches(docs_path: str, start: int, end: int) -> Iterator[list[list[str]]]:
+    """Documents of ``docs_path`` (already normalised by extraction) in the byte range
+    [start, end), which begins at a document start, in batches of about 256 kB."""
     batch: list[list[str]] = []
+    doc: list[str] = []
     size = 0
-    with open(docs_path, encoding="utf-8") as f:
-        for doc in iter_documents(f):
+    with open(docs_path, "rb") as f:
+        f.seek(start)
+        position = start
+        while position < end and (line := f.readline()):
+            position += len(line)
+            if line != b"\n":
+                doc.append(line[:-1].decode("utf-8"))
+                size += len(line)
+                continue
             batch.append(doc)
-            size += sum(len(line) for line in doc)
+            doc = []
             if size >= ENCODE_BATCH_BYTES:
                 yield batch
                 batch, size = [], 0
+    if doc:
+        batch.append(doc)
     if batch:
         yield batch
+
+
+def _encode_range(docs_path: str, start: int, end: int, model_path: str, text_path: str,
+                  tokens_path: str) -> tuple[int, int, int]:
+    """Encode the documents in one byte range into their own text and token-count files;
+    return (documents, tokens, bytes read)."""
+    model = spm.SentencePieceProcessor(model_file=model_path)
+    documents = tokens = 0
+    with open(text_path, "wb") as text_out, open(tokens_path, "wb") as tokens_out:
+        for batch in _document_batches(docs_path, start, end):
+            data, counts = _encode_batch(model, batch)
+            text_out.write(data)
+            array("q", counts).tofile(tokens_out)
+            documents += len(counts)
+            tokens += sum(counts)
+    return documents, tokens, end - start
+
+
+def _encode_range_star(task: tuple) -> tuple[int, int, int]:
+    return _encode_range(*task)
 
 
 def encode_documents(docs_path: str, model_path: str, encoded_path: str, tokens_path: str,
                      workers: int) -> dict:
     """Encode every document of ``docs_path`` with ``workers`` processes, in input order.
 
+    Each worker encodes whole byte ranges of the file into files of its own, concatenated in
+    order at the end, so the main process ships no text and the speed scales with workers.
     Writes the pieces to ``encoded_path`` and each document's token count (int64, native
     order) to ``tokens_path``. The output does not depend on ``workers``."""
+    size = os.path.getsize(docs_path)
+    chunks = max(-(-size // ENCODE_CHUNK_BYTES), 4 * workers if workers > 1 else 1)
+    offsets = aligned_offsets(docs_path, chunks, at_blank_line=True)
+    parts = [(docs_path, a, b, model_path, f"{encoded_path}{PARTIAL_SUFFIX}.{k}",
+              f"{tokens_path}{PARTIAL_SUFFIX}.{k}")
+             for k, (a, b) in enumerate(pairwise(offsets))]
     progress = Progress("encode")
-    total_tokens = documents = 0
-    pool = Pool(workers, _load_worker_model, (model_path,)) if workers > 1 else None
-    if pool is None:
-        _load_worker_model(model_path)
+    pool = Pool(workers) if workers > 1 else None
     try:
-        results = pool.imap(_encode_batch, _batches(docs_path)) if pool else \
-            map(_encode_batch, _batches(docs_path))
-        with atomic_output(encoded_path, "wb") as text_out, \
-                atomic_output(tokens_path, "wb") as tokens_out:
-            for data, counts in results:
-                text_out.write(data)
-                array("q", counts).tofile(tokens_out)
-                documents += len(counts)
-                total_tokens += sum(counts)
-                progress.update(len(counts), len(data))
+        results = list(_with_progress(
+            pool.imap(_encode_range_star, parts) if pool else map(_encode_range_star, parts),
+            progress))
     finally:
         if pool is not None:
             pool.terminate()
+    for final, index in ((encoded_path, 4), (tokens_path, 5)):
+        with atomic_output(final, "wb") as out:
+            for part in parts:
+                with open(part[index], "rb") as f:
+                    shutil.copyfileobj(f, out, 1 << 20)
+                os.remove(part[index])
     progress.finish()
-    return {"documents": documents, "tokens": total_tokens}
+    return {"documents": sum(r[0] for r in results), "tokens": sum(r[1] for r in results)}
+
+
+def _with_progress(results: Iterator[tuple[int, int, int]],
+                   progress: Progress) -> Iterator[tuple[int, int, int]]:
+    for result in results:
+        progress.update(result[0], result[2])
+        yield result

@@ -64,12 +64,9 @@ def iter_lines(path: str) -> Iterator[str]:
     """Lines of one UTF-8 file (plain or .gz); bad bytes or a broken .gz name the file."""
     lineno = 0
     try:
-        if path.endswith(".gz"):
-            f = gzip.open(path, "rt", encoding="utf-8-sig")
-        else:
-            f = open(path, encoding="utf-8-sig")
-        with f:
-            for lineno, line in enumerate(f, start=1):  # noqa: B007 (used in the message)
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "rt", encoding="utf-8-sig") as f:
+            for lineno, line in enumerate(f, start=1):
                 yield line
     except UnicodeDecodeError as exc:
         raise DataPrepError(

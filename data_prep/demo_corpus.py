@@ -53,9 +53,10 @@ def _prose_strings(tree: ast.Module) -> Iterator[tuple[int, str]]:
         if isinstance(node, scopes) and ast.get_docstring(node, clean=False) is not None
     }
     for node in ast.walk(tree):
-        if isinstance(node, ast.Constant) and isinstance(node.value, str):
-            if id(node) in docstring_nodes or len(node.value.split()) >= MIN_WORDS_OF_PROSE:
-                yield (node.lineno, node.value)
+        if not (isinstance(node, ast.Constant) and isinstance(node.value, str)):
+            continue
+        if id(node) in docstring_nodes or len(node.value.split()) >= MIN_WORDS_OF_PROSE:
+            yield (node.lineno, node.value)
 
 
 def _comment_blocks(source: str) -> Iterator[tuple[int, str]]:

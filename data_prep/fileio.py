@@ -50,3 +50,24 @@ def sha256_file(path: str, chunk_bytes: int = 1 << 20) -> str:
 def digest_of(obj: Any) -> str:
     """A stable digest of a JSON-able value (keys sorted), used to chain step keys."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+def aligned_offsets(path: str, chunks: int, at_blank_line: bool = False) -> list[int]:
+    """Increasing byte offsets ``[0, ..., size]`` cutting ``path`` into at most ``chunks``
+    non-empty ranges, each starting at a line start (or, with ``at_blank_line``, at a
+    document start: right after a blank line), so workers can process ranges independently."""
+    size = os.path.getsize(path)
+    offsets = [0]
+    with open(path, "rb") as f:
+        for k in range(1, chunks):
+            target = max(size * k // chunks, offsets[-1])
+            f.seek(max(target - 1, 0))
+            if target > 0:
+                f.readline()  # now at the first line that starts at or after target
+            if at_blank_line:
+                while (line := f.readline()) and line != b"\n":
+                    pass
+            if offsets[-1] < f.tell() < size:
+                offsets.append(f.tell())
+    offsets.append(size)
+    return offsets

@@ -7,6 +7,7 @@ dictionary and the binaries. ``--workers`` is in no key: it changes speed, never
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import fcntl
 import glob
@@ -21,9 +22,8 @@ from .corpus import discover_sources, extract_documents
 from .errors import DataPrepError
 from .fileio import PARTIAL_SUFFIX, write_json_atomic
 from .manifest import MANIFEST_FORMAT, MANIFEST_NAME
-from .split import (assign_documents, check_document_count, parse_size, split_names,
-                    write_splits)
-from .steps import STAMP_DIR, StepRunner
+from .split import assign_documents, check_document_count, parse_size, split_names, write_splits
+from .steps import StepRunner
 
 PIPELINE_VERSION = 1  # part of every key: bump when a step's output format changes
 
@@ -48,12 +48,18 @@ class Pipeline:
     def __init__(self, options: PrepOptions) -> None:
         self.o = options
         self.work = os.path.join(options.out, "work")
-        self.runner = StepRunner(options.out)
+        self.runner = StepRunner(options.out, self._withdraw_manifest)
         self.sources = discover_sources(options.inputs)
         self.names = split_names(options.num_megabatches)
 
     def path(self, rel: str) -> str:
         return os.path.join(self.o.out, rel)
+
+    def _withdraw_manifest(self) -> None:
+        """Outputs are about to change: until the new manifest is written, readers see none
+        (verify_stream_dir fails naming manifest.json) rather than one that is out of date."""
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.path(MANIFEST_NAME))
 
     def extract(self, need_outputs: bool = False) -> dict:
         key = {"version": PIPELINE_VERSION,
@@ -120,29 +126,29 @@ class Pipeline:
                                     self.path("spm.model"), self.path("dict.txt"))
         return self.runner.ensure("dictionary", self._split_key(), ["dict.txt"], build)
 
-    def binarize(self, name: str) -> dict:
-        expected = self.split()["splits"][name]
-        key = {**self._split_key(), "split": name, "dict": self.dictionary()["sha256"]}
+    def binarize(self) -> dict[str, dict]:
+        expected = self.split()["splits"]
+        key = {**self._split_key(), "dict": self.dictionary()["sha256"]}
 
         def build() -> dict:
-            from .binarize import binarize_split  # imports fairseq+torch (~5 s): only if needed
+            from .binarize import binarize_splits  # imports fairseq+torch (~5 s): only if needed
             self.split(need_outputs=True)
-            info = binarize_split(self.path(f"work/{name}.txt"), self.path("dict.txt"),
-                                  self.path(name), self.work, self.o.workers)
-            if info["tokens"] != expected["tokens"]:  # fairseq's count vs ours: a bug if unequal
-                raise RuntimeError(f"{name}: fairseq binarized {info['tokens']} tokens, the "
-                                   f"split counted {expected['tokens']}")
-            return {**info, "documents": expected["documents"]}
-        return self.runner.ensure(f"binarize-{name}", key, [f"{name}.bin", f"{name}.idx"], build)
+            info = binarize_splits({name: self.path(f"work/{name}.txt") for name in self.names},
+                                   self.path("dict.txt"), self.o.out, self.work, self.o.workers)
+            for name, split in info.items():
+                if split["tokens"] != expected[name]["tokens"]:  # fairseq's count vs ours
+                    raise RuntimeError(f"{name}: fairseq binarized {split['tokens']} tokens, "
+                                       f"the split counted {expected[name]['tokens']}")
+                split["documents"] = expected[name]["documents"]
+            return info
+        outputs = [f"{name}.{ext}" for name in self.names for ext in ("bin", "idx")]
+        return self.runner.ensure("binarize", key, outputs, build)
 
     def remove_stale_megabatches(self) -> None:
         """Shards of a previous run with a larger B would look like part of this stream."""
         keep = set(self.names)
         for path in glob.glob(self.path("megabatch*.*")) + glob.glob(self.path("work/megabatch*")):
             if os.path.basename(path).split(".")[0] not in keep:
-                os.remove(path)
-        for path in glob.glob(os.path.join(self.o.out, STAMP_DIR, "binarize-megabatch*.json")):
-            if os.path.basename(path)[len("binarize-"):-len(".json")] not in keep:
                 os.remove(path)
 
 
@@ -182,8 +188,8 @@ def prepare(options: PrepOptions, command: str) -> dict:
         pipeline.encode()  # in pipeline order, for readable progress; each builds only if stale
         pipeline.split()
         dict_info = pipeline.dictionary()
-        splits = {name: pipeline.binarize(name) for name in
-                  [*pipeline.names[2:], "eval", "valid"]}
+        binarized = pipeline.binarize()
+        splits = {name: binarized[name] for name in [*pipeline.names[2:], "eval", "valid"]}
         pipeline.remove_stale_megabatches()
         manifest = _manifest(pipeline, spm_info, dict_info, splits, command)
         write_json_atomic(os.path.join(options.out, MANIFEST_NAME), manifest)

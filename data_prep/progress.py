@@ -15,16 +15,17 @@ def log(message: str) -> None:
 
 
 class Progress:
-    def __init__(self, step: str, interval: float = 5.0) -> None:
+    def __init__(self, step: str, unit: str = "documents", interval: float = 5.0) -> None:
         self.step = step
+        self.unit = unit
         self.interval = interval
-        self.documents = 0
+        self.items = 0
         self.bytes = 0
         self.start = self.last = time.monotonic()
 
-    def update(self, documents: int, nbytes: int) -> None:
-        """Add ``documents`` and ``nbytes`` of text just processed."""
-        self.documents += documents
+    def update(self, items: int, nbytes: int) -> None:
+        """Add ``items`` (documents, or chunks) and ``nbytes`` of text just processed."""
+        self.items += items
         self.bytes += nbytes
         now = time.monotonic()
         if now - self.last >= self.interval:
@@ -40,4 +41,4 @@ class Progress:
     def _counts(self, now: float) -> str:
         mb = self.bytes / 1e6
         rate = mb / max(now - self.start, 1e-9)
-        return f"{self.documents:,} documents, {mb:,.1f} MB ({rate:,.1f} MB/s)"
+        return f"{self.items:,} {self.unit}, {mb:,.1f} MB ({rate:,.1f} MB/s)"

@@ -21,8 +21,12 @@ STAMP_DIR = ".stamps"
 
 
 class StepRunner:
-    def __init__(self, out_dir: str) -> None:
+    def __init__(self, out_dir: str,
+                 before_first_build: Callable[[], None] | None = None) -> None:
+        """``before_first_build`` runs once, before this run changes any output (the pipeline
+        uses it to withdraw the manifest, which must never describe files being replaced)."""
         self.out_dir = out_dir
+        self.before_first_build = before_first_build
         self.stamp_dir = os.path.join(out_dir, STAMP_DIR)
         os.makedirs(self.stamp_dir, exist_ok=True)
         self.seconds: dict[str, float] = {}  # time spent building each step in this run
@@ -60,6 +64,9 @@ class StepRunner:
                 log(f"{name}: up to date, reused")
                 self.seconds[name] = 0.0
             return stamp["info"]
+        if self.before_first_build is not None:
+            self.before_first_build()
+            self.before_first_build = None
         log(f"{name}: building")
         outer_nested, self._nested = self._nested, 0.0
         started = time.monotonic()

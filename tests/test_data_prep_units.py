@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import textwrap
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -48,7 +49,7 @@ def test_carve_keeps_every_part_within_one_document_of_its_share():
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, 200, size=500)
     cuts = carve(tokens, 7, SizeSpec(fraction=0.05), SizeSpec(fraction=0.1))
-    parts = [int(tokens[a:b].sum()) for a, b in zip(cuts[2:], cuts[3:])]
+    parts = [int(tokens[a:b].sum()) for a, b in pairwise(cuts[2:])]
     assert len(parts) == 7
     assert all(abs(p - sum(parts) / 7) <= tokens.max() for p in parts)
     assert abs(int(tokens[:cuts[1]].sum()) - 0.05 * tokens.sum()) <= tokens.max()
@@ -105,7 +106,8 @@ def test_discover_sources_sorts_dedupes_and_skips_hidden(tmp_path):
 
 
 def test_step_runner_reuses_until_key_or_outputs_change(tmp_path):
-    runner = StepRunner(str(tmp_path))
+    withdrawn = []
+    runner = StepRunner(str(tmp_path), lambda: withdrawn.append(1))
     builds = []
 
     def build():
@@ -115,12 +117,17 @@ def test_step_runner_reuses_until_key_or_outputs_change(tmp_path):
 
     assert runner.ensure("s", {"a": 1}, ["out.txt"], build) == {"n": 1}
     assert runner.ensure("s", {"a": 1}, ["out.txt"], build) == {"n": 1}  # reused
+    assert withdrawn == [1]  # the manifest is withdrawn once, before the first build
     (tmp_path / "out.txt").write_text("")  # truncated output -> rebuilt
     assert runner.ensure("s", {"a": 1}, ["out.txt"], build) == {"n": 2}
     assert StepRunner(str(tmp_path)).ensure("s", {"a": 2}, ["out.txt"], build) == {"n": 3}
     (tmp_path / "out.txt").unlink()  # facts only: a current key suffices
     assert runner.ensure("s", {"a": 2}, ["out.txt"], build, need_outputs=False) == {"n": 3}
     assert runner.ensure("s", {"a": 2}, ["out.txt"], build) == {"n": 4}
+    assert withdrawn == [1]
+    quiet = []
+    StepRunner(str(tmp_path), lambda: quiet.append(1)).ensure("s", {"a": 2}, ["out.txt"], build)
+    assert quiet == []  # a run that rebuilds nothing changes nothing
 
 
 def test_documents_of_file_takes_docstrings_comments_and_long_strings(tmp_path):
@@ -159,7 +166,7 @@ def test_binarizer_writes_the_same_bytes_as_fairseq_preprocess(tmp_path):
     from fairseq.binarizer import FileBinarizer, VocabularyDatasetBinarizer
     from fairseq.data import Dictionary
 
-    from data_prep.binarize import binarize_split, line_aligned_offsets
+    from data_prep.binarize import binarize_splits
 
     text = tmp_path / "split.txt"
     lines = ["▁a b ▁c", "", "▁c ▁c zz", "b", "", "▁a ▁é", ""] * 7  # zz: not in dict -> <unk>
@@ -173,13 +180,24 @@ def test_binarizer_writes_the_same_bytes_as_fairseq_preprocess(tmp_path):
         str(text), "mmap", VocabularyDatasetBinarizer(dictionary, append_eos=True),
         str(tmp_path / "fairseq"), vocab_size=len(dictionary), num_workers=1)
     for workers in (1, 3):
-        info = binarize_split(str(text), str(tmp_path / "dict.txt"), str(tmp_path / "ours"),
-                              str(tmp_path), workers)
-        assert info == {"tokens": 9 * 7 + len(lines), "lines": len(lines), "unk_tokens": 7}
+        info = binarize_splits({"ours": str(text)}, str(tmp_path / "dict.txt"), str(tmp_path),
+                               str(tmp_path), workers)
+        assert info["ours"] == {"tokens": 9 * 7 + len(lines), "lines": len(lines), "unk_tokens": 7}
         for ext in ("bin", "idx"):
             assert (tmp_path / f"ours.{ext}").read_bytes() == \
                 (tmp_path / f"fairseq.{ext}").read_bytes()
-    offsets = line_aligned_offsets(str(text), 4)
-    data = text.read_bytes()
-    assert offsets[0] == 0 and offsets[-1] == len(data) and offsets == sorted(offsets)
-    assert all(data[o - 1:o] == b"\n" for o in offsets[1:-1] if 0 < o < len(data))
+
+
+def test_aligned_offsets_cut_at_line_or_document_starts(tmp_path):
+    from data_prep.fileio import aligned_offsets
+
+    path = tmp_path / "docs.txt"
+    data = b"aa\nbbbb\n\nc\n\nddddddd\ne\n\nf\n\n"
+    path.write_bytes(data)
+    assert aligned_offsets(str(path), 1) == [0, 26]
+    # Lines start at 0 3 8 9 11 12 20 22 23 25; documents (after a blank line) at 9 12 23.
+    # Cut targets 6, 13, 19 -> next line starts 8, 20, 20 (a repeated cut is dropped).
+    assert aligned_offsets(str(path), 4) == [0, 8, 20, 26]
+    # -> next document starts 9, 23 (the third target lies before 23 and is dropped).
+    assert aligned_offsets(str(path), 4, at_blank_line=True) == [0, 9, 23, 26]
+    assert aligned_offsets(str(path), 100, at_blank_line=True) == [0, 9, 12, 23, 26]

@@ -1,0 +1,90 @@
+"""alma-data-prep throughput (MB of input text per second) with 1 and 2 workers, in one run.
+
+Builds the demo corpus (or takes ``--corpus``), prepares the same stream from scratch once per
+worker count (fresh output directory, same flags), and prints wall-clock MB/s for the whole
+command and for the two steps ``--workers`` parallelises (BPE encoding and binarization), with
+the 2-workers/1-worker ratio. Also checks that both runs wrote byte-identical shards.
+
+The whole-command rate includes fixed costs that do not scale with workers: importing fairseq
+(~5 s of CPU), and sentencepiece training (its own ``--spm-threads``). On the few-MB demo
+corpus they dominate; the per-step columns show the scaling of the parallel parts.
+
+Usage: python benchmarks/data_prep_throughput.py [--corpus FILE] [--repeats N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+PREP_FLAGS = ["--vocab-size", "2000", "--valid-size", "0.05", "--spm-threads", "2"]
+PARALLEL_STEPS = ("encode", "binarize")  # the steps that --workers parallelises
+
+
+def _script(name: str) -> list[str]:
+    path = os.path.join(os.path.dirname(sys.executable), name)
+    module = {"alma-data-prep": "data_prep.cli", "alma-demo-corpus": "data_prep.demo_corpus"}
+    return [path] if os.path.exists(path) else [sys.executable, "-m", module[name]]
+
+
+def _shard_digest(out: str) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(os.listdir(out)):
+        if name.endswith((".bin", ".idx", ".txt", ".model")):
+            with open(os.path.join(out, name), "rb") as f:
+                digest.update(name.encode() + f.read())
+    return digest.hexdigest()
+
+
+def run_once(corpus: str, workers: int, scratch: str) -> dict:
+    out = tempfile.mkdtemp(dir=scratch, prefix=f"w{workers}-")
+    started = time.perf_counter()
+    subprocess.run([*_script("alma-data-prep"), corpus, "--out", out, "--workers",
+                    str(workers), *PREP_FLAGS], check=True, capture_output=True)
+    wall = time.perf_counter() - started
+    with open(os.path.join(out, "manifest.json"), encoding="utf-8") as f:
+        steps = json.load(f)["step_seconds"]
+    return {"wall": wall, **{step: steps[step] for step in PARALLEL_STEPS},
+            "digest": _shard_digest(out)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--corpus", help="input text file (default: build the demo corpus)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs per worker count; the fastest is reported (default: 1)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="alma-prep-bench-") as scratch:
+        corpus = args.corpus
+        if corpus is None:
+            corpus = os.path.join(scratch, "demo_corpus.txt")
+            subprocess.run([*_script("alma-demo-corpus"), "--out", corpus], check=True,
+                           capture_output=True)
+        mb = os.path.getsize(corpus) / 1e6
+        print(f"corpus: {corpus if args.corpus else 'demo corpus'}, {mb:.2f} MB; "
+              f"flags: {' '.join(PREP_FLAGS)}; cpus: {os.cpu_count()}", flush=True)
+        results = {}
+        for workers in (1, 2):
+            runs = [run_once(corpus, workers, scratch) for _ in range(args.repeats)]
+            results[workers] = min(runs, key=lambda r: r["wall"])
+            print(f"  workers={workers}: {results[workers]['wall']:.1f} s", flush=True)
+    columns = ["wall", *PARALLEL_STEPS]
+    print(f"\n{'workers':>8}" + "".join(f"{c + ' MB/s':>16}" for c in columns))
+    for workers, r in results.items():
+        print(f"{workers:>8}" + "".join(f"{mb / r[c]:>16.2f}" for c in columns))
+    ratio = {c: results[1][c] / results[2][c] for c in columns}
+    print(f"{'2w / 1w':>8}" + "".join(f"{ratio[c]:>15.2f}x" for c in columns))
+    same = results[1]["digest"] == results[2]["digest"]
+    print(f"\noutputs identical with 1 and 2 workers: {'yes' if same else 'NO'}")
+    if not same:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
