@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .flops import count_forward_macs, count_parameters, training_flops
-from .models import GrowableLayer, UnitTensor
+from .models import UnitTensor
 
 SCORE_CHUNK = 128
 
@@ -41,6 +41,7 @@ class FireflyReport:
     params_before: int
     params_after: int
     flops: float  # spent scoring the candidates (one forward + backward over the examples)
+    predicted_decrease: float  # ε × Σ chosen scores: the first-order loss decrease on (x, y)
 
 
 def _fit(values: Tensor, shape: tuple[int, ...], dim: int) -> Tensor:
@@ -80,17 +81,19 @@ def _split_rows(rows: Tensor, parts: list[Tensor], dims: list[int]) -> list[Tens
     return out
 
 
-def _candidate_gradients(model: nn.Module, layers: list[GrowableLayer], x: Tensor, y: Tensor,
+def _candidate_gradients(model: nn.Module, shapes: list[list[tuple[int, ...]]], x: Tensor, y: Tensor,
                          candidates: list[int], generator: torch.Generator | None):
     """Gradients at a copy of ``model`` holding ``candidates[l]`` new units per layer with zero
-    outgoing weights.  Returns the copy's layers and the MACs per example of its forward."""
+    outgoing weights.  A candidate's incoming weights from the previous layer's candidates are 0,
+    as they will be in the grown network (whatever is chosen there), so each score is the
+    first-order effect of that candidate alone.  Returns the copy's layers and its MACs/example."""
     wide = copy.deepcopy(model)
     wide_layers = wide.growable_layers()
-    for layer, count in zip(wide_layers, candidates):
-        for unit in layer.producers:
-            shape = list(unit.tensor.shape)
+    for layer, layer_shapes, count in zip(wide_layers, shapes, candidates):
+        for unit, original in zip(layer.producers, layer_shapes):
+            shape = list(original)
             shape[unit.dim] = count
-            _append(unit, unit.init(tuple(shape), generator))
+            _append(unit, unit.init(tuple(shape), generator))  # zero-padded to the current rows
         for unit in layer.consumers:
             shape = list(unit.tensor.shape)
             shape[unit.dim] = count
@@ -117,9 +120,9 @@ def grow_width(model: nn.Module, x: Tensor, y: Tensor, units: int, epsilon: floa
     widths = [layer.width for layer in layers]
     candidates = [new_candidates or width for width in widths]
     shapes = [[tuple(u.tensor.shape) for u in layer.producers + layer.consumers] for layer in layers]
-    wide_layers, wide_macs = _candidate_gradients(model, layers, x, y, candidates, generator)
+    wide_layers, wide_macs = _candidate_gradients(model, shapes, x, y, candidates, generator)
 
-    splits, news = [], []
+    splits, news, gain = [], [], 0.0
     for index, (layer, wide) in enumerate(zip(layers, wide_layers)):
         width, count = widths[index], candidates[index]
         producer_shapes = shapes[index][: len(layer.producers)]
@@ -135,6 +138,7 @@ def grow_width(model: nn.Module, x: Tensor, y: Tensor, units: int, epsilon: floa
         big_norm = big_g.norm(dim=1)
         scores = torch.cat([0.5 * g_norm, big_norm])
         chosen = torch.topk(scores, min(units, scores.numel())).indices.sort().values
+        gain += epsilon * float(scores[chosen].sum())
         split_ids = chosen[chosen < width]
         new_ids = chosen[chosen >= width] - width
         splits.append(len(split_ids))
@@ -163,6 +167,7 @@ def grow_width(model: nn.Module, x: Tensor, y: Tensor, units: int, epsilon: floa
     return FireflyReport(
         splits=tuple(splits), new_units=tuple(news), params_before=params_before,
         params_after=count_parameters(model), flops=training_flops(wide_macs, x.shape[0]),
+        predicted_decrease=gain,
     )
 
 

@@ -1,0 +1,140 @@
+"""Growth keeps the function: gMoE splits exactly, Firefly to O(ε); both grow by the set amount."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fairseq_alma.vision.firefly import grow_width, units_for_growth
+from fairseq_alma.vision.flops import count_parameters
+from fairseq_alma.vision.learners import LearnerSpec, build_learner
+from fairseq_alma.vision.models import StackedMLP, build_backbone
+from fairseq_alma.vision.models_moe import MoEBackbone
+from fairseq_alma.vision.moe_tree import TreeGating
+
+SHAPES = {"mlp": (1, 8, 8), "vgg": (3, 32, 32)}
+
+
+@pytest.mark.parametrize("arch", ["mlp", "vgg"])
+@pytest.mark.parametrize("gating,mode", [("soft", "train"), ("soft", "eval"), ("hard", "eval")])
+def test_gmoe_split_leaves_outputs_and_loss_exactly_unchanged(arch, gating, mode):
+    generator = torch.Generator().manual_seed(3)
+    model = MoEBackbone(arch, SHAPES[arch], 4, 10, gating, (0, 1), generator)
+    model.train(mode == "train")
+    x = torch.randn(40, *SHAPES[arch], generator=generator)
+    y = torch.randint(0, 10, (40,), generator=generator)
+    for step in range(3):  # 1 -> 2 -> 3 -> 4 experts, splitting a different leaf each time
+        before = model(x)
+        loss_before = F.cross_entropy(before[0], y)
+        params = count_parameters(model)
+        for block in model.growing_blocks():
+            block.split_expert(step % block.num_experts, generator)
+        after = model(x)
+        assert torch.equal(before, after)
+        assert torch.equal(loss_before, F.cross_entropy(after[0], y))
+        assert [b.num_experts for b in model.growing_blocks()] == [step + 2] * 2
+        assert count_parameters(model) > params
+
+
+def test_tree_gating_probabilities_and_greedy_path():
+    tree = TreeGating(3)
+    g = torch.Generator().manual_seed(0)
+    tree.split(0, 1, g)  # root: (0, 1)
+    tree.split(1, 2, g)  # node 1 under the root's right branch: (1, 2)
+    z = torch.randn(7, 3)
+    a = tree.left_probs(z)
+    probs = tree.leaf_probs(a)
+    torch.testing.assert_close(probs.sum(1), torch.ones(7))
+    torch.testing.assert_close(probs[:, 0], a[:, 0])
+    torch.testing.assert_close(probs[:, 2], (1 - a[:, 0]) * (1 - a[:, 1]))
+    greedy = tree.choose_leaf(a, None, sample=False)
+    expected = torch.where(a[:, 0] >= 0.5, 0, torch.where(a[:, 1] >= 0.5, 1, 2))
+    assert torch.equal(greedy, expected)
+    # combine is the probability-weighted sum of the experts' outputs
+    outs = torch.randn(3, 7, 5)
+    torch.testing.assert_close(tree.combine(a, lambda e: outs[e]), (probs.t()[:, :, None] * outs).sum(0))
+
+
+def test_gmoe_splits_the_expert_with_largest_routed_validation_loss():
+    learner = build_learner(LearnerSpec("gmoe", "mlp", 4, gating="soft", seed=0), (1, 8, 8), 10)
+    blocks = learner.model.growing_blocks()
+    for block in blocks:
+        block.split_expert(0, learner.generator)
+    with torch.no_grad():  # layer 0 routes everything right (expert 1), layer 1 by the sign of a gate
+        blocks[0].gate.weight.zero_()
+        blocks[0].gate.bias.fill_(-50.0)
+    x, y = torch.randn(30, 1, 8, 8), torch.randint(0, 10, (30,))
+    totals = learner.expert_losses(x, y)
+    learner.eval()
+    with torch.no_grad():
+        losses = F.cross_entropy(learner.model(x)[0], y, reduction="none").double()
+        hidden = F.relu(blocks[0](x.flatten(1)))
+        routing = blocks[1].gate.leaf_probs(blocks[1].gate.left_probs(hidden)).double()
+    torch.testing.assert_close(totals[0], torch.stack([torch.tensor(0.0, dtype=torch.float64), losses.sum()]),
+                               atol=1e-12, rtol=1e-9)
+    torch.testing.assert_close(totals[1], routing.t() @ losses)
+    report = learner.before_stage(2, x, y, x, y)
+    assert report["split"][0] == 1 and report["split"][1] == int(totals[1].argmax())
+    assert report["experts"] == [3, 3] and report["flops"] > 0
+
+
+def test_grown_gmoe_checkpoint_loads_into_a_fresh_learner():
+    spec = LearnerSpec("gmoe", "mlp", 4, gating="hard", seed=2)
+    grown = build_learner(spec, (1, 8, 8), 10)
+    x, y = torch.randn(20, 1, 8, 8), torch.randint(0, 10, (20,))
+    for stage in (2, 3):
+        grown.before_stage(stage, x, y, x, y)
+    fresh = build_learner(spec, (1, 8, 8), 10)
+    fresh.load_state_dict(grown.state_dict())
+    grown.eval(), fresh.eval()
+    assert torch.equal(grown.predict_log_probs(x), fresh.predict_log_probs(x))
+
+
+def test_firefly_growth_amount_by_hand():
+    # MLP 64 -> h -> h -> 10 has h^2 + 76h + 10 parameters: 682 at h = 8.  Adding k units to both
+    # layers adds k^2 + 92k: 93 for k = 1, 188 for k = 2; a quarter of 682 (170.5) is nearer 188.
+    model = StackedMLP(64, [8, 8], 10)
+    assert count_parameters(model) == 682
+    assert units_for_growth(model, 0.25 * 682) == 2
+    x, y = torch.randn(50, 64), torch.randint(0, 10, (50,))
+    report = grow_width(model, x, y, units=2, epsilon=0.0, generator=torch.Generator().manual_seed(0))
+    assert model.widths == [10, 10] and report.params_after == 870
+    assert [s + n for s, n in zip(report.splits, report.new_units)] == [2, 2]
+
+
+@pytest.mark.parametrize("arch", ["mlp", "vgg"])
+def test_firefly_keeps_outputs_at_zero_step_and_descends_as_scored(arch):
+    generator = torch.Generator().manual_seed(4)
+    model = build_backbone(arch, SHAPES[arch], 4, 10, 1, generator)
+    x = torch.randn(64, *SHAPES[arch], generator=generator)
+    y = torch.randint(0, 10, (64,), generator=generator)
+    model.eval()
+    before = model(x)
+    grow_width(model, x, y, units=2, epsilon=0.0, generator=generator)
+    model.eval()
+    torch.testing.assert_close(model(x), before, rtol=0, atol=1e-5)  # halving is exact up to rounding
+    assert model.widths == [6] * len(model.widths)
+    # The loss falls by what the first-order scores promised (ε × Σ chosen scores), up to O(ε²):
+    # checked in float64 with a small ε (the 16-layer batch-normed VGG is strongly curved).
+    model = model.double().train()
+    x = x.double()
+    with torch.no_grad():
+        loss_before = float(F.cross_entropy(model(x)[0], y))
+    report = grow_width(model, x, y, units=2, epsilon=1e-6, generator=generator)
+    with torch.no_grad():
+        decrease = loss_before - float(F.cross_entropy(model.train()(x)[0], y))
+    assert report.predicted_decrease > 0
+    assert abs(decrease - report.predicted_decrease) < 1e-3 * report.predicted_decrease, (decrease, report)
+
+
+def test_firefly_learner_grows_linearly():
+    learner = build_learner(LearnerSpec("ff", "mlp", 8, seed=1), (1, 8, 8), 10)
+    x, y = torch.randn(100, 1, 8, 8), torch.randint(0, 10, (100,))
+    counts = [learner.params_active()]
+    assert learner.before_stage(1, x, y, x, y)["widths"] == [8, 8]  # no growth before stage 1
+    for stage in (2, 3, 4):
+        learner.before_stage(stage, x, y, x, y)
+        counts.append(learner.params_active())
+    steps = [b - a for a, b in zip(counts, counts[1:])]
+    assert all(abs(step - 0.25 * counts[0]) < 0.3 * counts[0] for step in steps), steps
