@@ -109,7 +109,7 @@ def test_flag_of_another_architecture_is_unknown(tmp_path):
 
 
 def test_invalid_choice_gets_a_suggestion(tmp_path):
-    path = write(tmp_path, "run.yaml", BASE.replace("arch: transformer_lm", "arch: transformer_lmm"))
+    path = write(tmp_path, "run.yaml", BASE.replace("transformer_lm", "transformer_lmm"))
     message = error_of(path)
     assert "--arch/-a: invalid choice 'transformer_lmm'; did you mean 'transformer_lm'?" in message
 

@@ -48,7 +48,7 @@ PLUGIN_DIR = Path(__file__).resolve().parents[1]
 
 
 def flag_argv(flag: str, value: Scalar) -> list[str]:
-    """fairseq-train tokens for one config entry: ``true`` -> bare flag, ``false``/``null`` -> none."""
+    """fairseq-train tokens of one entry: ``true`` -> bare flag, ``false``/``null`` -> nothing."""
     if value is None or value is False:
         return []
     if value is True:

@@ -91,7 +91,7 @@ def parse_seeds_option(text: str) -> list[int]:
     try:
         return [int(item) for item in text.split(",")]
     except ValueError:
-        raise ConfigError(f"--seeds '{text}': write comma-separated integers (e.g. 1,2,3)") from None
+        raise ConfigError(f"--seeds '{text}': write integers separated by commas (1,2,3)") from None
 
 
 def plan_sweep(config: RunConfig, sweep_dir: Path) -> list[SweepJob]:
@@ -113,7 +113,6 @@ def plan_sweep(config: RunConfig, sweep_dir: Path) -> list[SweepJob]:
         if taken[name] > 1:
             name = f"{name}-{_digest(point, seed)}"
         run_dir = sweep_dir / name
-        jobs.append(
-            SweepJob(index, name, dict(point), seed, run_dir, absolute.to_argv(point, seed, run_dir))
-        )
+        argv = absolute.to_argv(point, seed, run_dir)
+        jobs.append(SweepJob(index, name, dict(point), seed, run_dir, argv))
     return jobs

@@ -101,7 +101,7 @@ class RunStatus:
 
 
 def best_metric(records: list[dict[str, Any]]) -> tuple[str | None, float | None]:
-    """Min ``eval_ppl`` if any record has it, else min ``test_error`` (paper §3: lower is better)."""
+    """Min ``eval_ppl`` if any record has it, else min ``test_error`` (paper §3: lower wins)."""
     for metric in ("eval_ppl", "test_error"):
         values = [r[metric] for r in records if isinstance(r.get(metric), (int, float))]
         if values:
@@ -137,7 +137,7 @@ def run_status(
     arrival = stream[-1].get("arrival") if stream else None
     restarts_per_job: dict[Any, int] = {}
     for event in events:  # SLURM_RESTART_COUNT counts per Slurm job; chained links add up
-        count = int(event.get("restart") or 0)
-        restarts_per_job[event.get("job_id")] = max(count, restarts_per_job.get(event.get("job_id"), 0))
+        job_id, count = event.get("job_id"), int(event.get("restart") or 0)
+        restarts_per_job[job_id] = max(count, restarts_per_job.get(job_id, 0))
     restarts = sum(restarts_per_job.values())
     return RunStatus(job["index"], job["name"], state, arrival, metric, best, restarts, slurm_job)

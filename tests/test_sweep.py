@@ -1,0 +1,230 @@
+"""alma-sweep without a cluster: grid x seeds expansion, run-dir names, --dry-run, CLI errors,
+and `status` from the run directories alone."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fairseq_alma.cli.sweep import main
+from fairseq_alma.configs import ConfigError, load_run_config, parse_grid_option, plan_sweep
+from fairseq_alma.configs import run_dir_name
+from fairseq_alma.configs.sbatch_script import LAUNCH_TASK, array_spec
+from fairseq_alma.configs.sweep_records import write_json_atomic
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "train_configs" / "examples" / "tiny_sweep.yaml"
+GRID_CONFIG = f"""\
+include: {REPO}/train_configs/examples/tiny_base.yaml
+data: corpus
+grid:
+  decoder-layers: [1, 2]
+  lr: [0.001, 0.01]
+seeds: [1, 2]
+"""
+
+
+def test_grid_times_seeds_in_order_with_stable_names(tmp_path):
+    path = tmp_path / "grid.yaml"
+    path.write_text(GRID_CONFIG)
+    jobs = plan_sweep(load_run_config(path, check_flags=False), tmp_path / "sweep")
+    assert [job.name for job in jobs] == [
+        "decoder-layers1.lr0.001.seed1", "decoder-layers1.lr0.001.seed2",
+        "decoder-layers1.lr0.01.seed1", "decoder-layers1.lr0.01.seed2",
+        "decoder-layers2.lr0.001.seed1", "decoder-layers2.lr0.001.seed2",
+        "decoder-layers2.lr0.01.seed1", "decoder-layers2.lr0.01.seed2",
+    ]
+    assert [job.index for job in jobs] == list(range(8))
+    job = jobs[5]
+    assert (job.overrides, job.seed) == ({"decoder-layers": 2, "lr": 0.001}, 2)
+    assert job.run_dir == (tmp_path / "sweep" / job.name).resolve()
+    argv = job.argv
+    assert argv[0] == str((Path.cwd() / "corpus").resolve())  # data made absolute
+    assert argv[argv.index("--decoder-layers") + 1] == "2"
+    assert argv[argv.index("--lr") + 1] == "0.001"
+    assert argv[-4:] == ["--seed", "2", "--save-dir", str(job.run_dir)]
+
+
+def test_cli_grid_replaces_a_dimension_and_adds_one(tmp_path):
+    path = tmp_path / "grid.yaml"
+    path.write_text(GRID_CONFIG)
+    config = load_run_config(path, check_flags=False)
+    grid = dict([parse_grid_option("lr=0.5"), parse_grid_option("fp16=true,false")])
+    config = config.with_grid(grid)
+    config = config.with_seeds([3])
+    names = [job.name for job in plan_sweep(config, tmp_path)]
+    assert names == [
+        "decoder-layers1.lr0.5.fp16.seed3", "decoder-layers1.lr0.5.no-fp16.seed3",
+        "decoder-layers2.lr0.5.fp16.seed3", "decoder-layers2.lr0.5.no-fp16.seed3",
+    ]
+
+
+def test_run_dir_names_are_filesystem_safe_and_never_collide(tmp_path):
+    name = run_dir_name({"restore-file": "a/b c", "fp16": True}, 3)
+    assert name == "restore-filea_b_c.fp16.seed3"
+    long_name = run_dir_name({"tag": "x" * 300}, 1)
+    assert len(long_name) == 180 + 9 and long_name == run_dir_name({"tag": "x" * 300}, 1)
+    path = tmp_path / "c.yaml"
+    path.write_text(GRID_CONFIG.replace("  decoder-layers: [1, 2]\n  lr: [0.001, 0.01]\n",
+                                        "  restore-file: [a/b, a_b]\n").replace("[1, 2]", "[1]"))
+    names = [job.name for job in plan_sweep(load_run_config(path, check_flags=False), tmp_path)]
+    assert len(set(names)) == 2
+    assert all(name.startswith("restore-filea_b.seed1-") for name in names)
+
+
+def test_parse_grid_option_values_and_errors():
+    assert parse_grid_option("wait=1,3") == ("wait", [1, 3])
+    assert parse_grid_option("fp16=true,false") == ("fp16", [True, False])
+    assert parse_grid_option("arch=switch_lm_base, switch_lm_large") == (
+        "arch", ["switch_lm_base", "switch_lm_large"])
+    for bad in ("wait", "wait=", "=1,2", "wait=1,,2"):
+        with pytest.raises(ConfigError, match="--grid"):
+            parse_grid_option(bad)
+
+
+def test_array_spec_compresses_indices():
+    assert array_spec([0, 1, 2, 5, 7, 8], 3) == "0-2,5,7-8%3"
+    assert array_spec([4], 1) == "4%1"
+    assert array_spec(list(range(10)), 10) == "0-9%10"
+
+
+def _dry_run(tmp_path, capsys, *extra: str) -> str:
+    sweep_dir = tmp_path / "sw"
+    assert main(["submit", str(EXAMPLE), "--sweep-dir", str(sweep_dir), "--dry-run", *extra]) == 0
+    assert not sweep_dir.exists()  # --dry-run writes nothing
+    return capsys.readouterr().out
+
+
+def test_dry_run_prints_table_commands_script_and_chain(tmp_path, capsys):
+    out = _dry_run(tmp_path, capsys, "--max-parallel", "1", "--chain-stages", "3",
+                   "--stages-per-link", "2")
+    sweep_dir = tmp_path / "sw"
+    assert "2 run(s) of tiny_sweep.yaml on profile local-cpu" in out
+    assert "   0  decoder-layers1.seed1     1  decoder-layers=1" in out
+    train = Path(sys.executable).parent / "fairseq-train"
+    assert (
+        f"[1] srun --kill-on-bad-exit=1 --cpus-per-task=1 {LAUNCH_TASK} --cpu {train} "
+        f"{Path.cwd() / 'data-bin' / 'tiny-lm'} --user-dir {REPO / 'fairseq_alma'} "
+        "--task language_modeling --arch transformer_lm --decoder-layers 2"
+    ) in out
+    assert f"--seed 1 --save-dir {sweep_dir}/decoder-layers2.seed1\n" in out
+    for line in ("#SBATCH --array=0-1%1", f"#SBATCH --output={sweep_dir}/logs/%A_%a.out",
+                 "#SBATCH --requeue", "#SBATCH --open-mode=append",
+                 "#SBATCH --signal=B:USR1@60", "#SBATCH --ntasks-per-node=1",
+                 "export OMP_NUM_THREADS=1"):
+        assert line + "\n" in out
+    script = out.split(f"# {sweep_dir}/sweep.sbatch\n")[1].split("# would submit:")[0]
+    syntax = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
+    assert syntax.returncode == 0, syntax.stderr
+    submits = out.split("# would submit:\n")[1].strip().splitlines()
+    assert submits == [
+        f"sbatch --parsable --array=0-1%1 {sweep_dir}/sweep.sbatch --stop-after-stage 2",
+        f"sbatch --parsable --array=0-1%1 '--dependency=aftercorr:<job id of link 1>' "
+        f"{sweep_dir}/sweep.sbatch --stop-after-stage 4",
+        f"sbatch --parsable --array=0-1%1 '--dependency=aftercorr:<job id of link 2>' "
+        f"{sweep_dir}/sweep.sbatch",
+    ]
+
+
+def test_dry_run_gpu_profile_has_no_cpu_flags(tmp_path, capsys):
+    out = _dry_run(tmp_path, capsys, "--profile", "gpu-node-8")
+    assert "#SBATCH --gpus-per-node=8\n" in out and "#SBATCH --ntasks-per-node=8\n" in out
+    assert " --cpu " not in out and "gloo" not in out
+    assert '"$LAUNCH_TASK" "${CMD[@]}" &' in out
+    assert "(8 process(es) per run" in out
+
+
+def run_cli(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "fairseq_alma.cli.sweep", *args]
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def assert_one_line_error(done: subprocess.CompletedProcess, expected: str) -> None:
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("alma-sweep: error:")]
+    assert len(errors) == 1 and expected in errors[0], done.stderr
+
+
+def test_cli_user_errors_are_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(EXAMPLE.read_text() + "sedes: [1]\n")
+    sweep = ["--sweep-dir", str(tmp_path / "sw")]
+    assert_one_line_error(run_cli("submit", str(bad), *sweep, "--dry-run", cwd=tmp_path),
+                          f"{bad}: unknown top-level key 'sedes'")
+    assert_one_line_error(
+        run_cli("submit", str(EXAMPLE), *sweep, "--grid", "decoder-layer=1,2", cwd=tmp_path),
+        "unknown fairseq-train flag 'decoder-layer'; did you mean 'decoder-layers'?")
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["submit", str(EXAMPLE), "--sweep-dir", "sw", "--chain-stages", "2"],
+         "--chain-stages 2 needs --stages-per-link N"),
+        (["submit", str(EXAMPLE), "--sweep-dir", "s w", "--dry-run"], "contains whitespace"),
+        (["submit", str(EXAMPLE), "--sweep-dir", "sw", "--profile", "nope"],
+         "resource profile"),
+        (["status", "."], "not a sweep directory (run alma-sweep submit)"),
+        (["cancel", "."], "not a sweep directory"),
+    ],
+)
+def test_cli_errors_in_process(tmp_path, monkeypatch, capsys, args, expected):
+    monkeypatch.chdir(tmp_path)
+    assert main(args) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("alma-sweep: error: ") and expected in err[-1], err
+
+
+def test_submit_refuses_missing_data_before_calling_sbatch(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # data-bin/tiny-lm does not exist here
+    assert main(["submit", str(EXAMPLE), "--sweep-dir", "sw"]) == 2
+    assert f"data directory {tmp_path}/data-bin/tiny-lm not found" in capsys.readouterr().err
+    assert not (tmp_path / "sw").exists()
+
+
+def _jsonl(path: Path, records: list[dict], torn_tail: str = "") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + torn_tail)
+
+
+def test_status_from_run_directories_only(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))  # squeue cannot be found
+    jobs = [{"index": i, "name": f"run{i}", "run_dir": str(tmp_path / f"run{i}")} for i in range(4)]
+    write_json_atomic(tmp_path / "jobs.json", {"jobs": jobs})
+    write_json_atomic(tmp_path / "submissions.json", [{"job_id": "41", "link": 1}])
+    event = {"job_id": 42, "array_job_id": 41, "restart": 0}
+    _jsonl(tmp_path / "run0" / "slurm_events.jsonl", [
+        {**event, "event": "started", "array_task_id": 0},
+        {**event, "event": "usr1", "array_task_id": 0},
+        {**event, "event": "started", "array_task_id": 0, "restart": 1},
+        {**event, "event": "completed", "array_task_id": 0, "restart": 1}])
+    _jsonl(tmp_path / "run0" / "stream.jsonl",
+           [{"arrival": t, "eval_ppl": 60 / t + 1} for t in (1, 2, 3)])
+    _jsonl(tmp_path / "run1" / "slurm_events.jsonl", [
+        {**event, "event": "started", "array_task_id": 1},
+        {**event, "event": "failed", "array_task_id": 1, "rc": 3}])
+    _jsonl(tmp_path / "run1" / "stream.jsonl", [{"arrival": 0, "test_error": 0.9},
+                                               {"arrival": 1, "test_error": 0.25}])
+    _jsonl(tmp_path / "run2" / "slurm_events.jsonl", [{**event, "event": "started",
+                                                      "array_task_id": 2}])
+    _jsonl(tmp_path / "run2" / "stream.jsonl", [{"arrival": 1, "eval_ppl": 90.0}],
+           torn_tail='{"arrival": 2, "eval_p')
+    assert main(["status", str(tmp_path), "--json"]) == 0
+    runs = json.loads(capsys.readouterr().out)
+    summary = [(r["state"], r["last_arrival"], r["metric"], r["best"], r["restarts"],
+                r["slurm_job"]) for r in runs]
+    assert summary == [
+        ("done", 3, "eval_ppl", 21.0, 1, "41_0"),
+        ("failed", 1, "test_error", 0.25, 0, "41_1"),
+        ("running", 1, "eval_ppl", 90.0, 0, "41_2"),  # best guess without the queue
+        ("pending", None, None, None, 0, None),
+    ]
+    assert main(["status", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "4 run(s): done 1, failed 1, pending 1, running 1" in text
+    assert "(squeue not reachable: states come from the run directories only)" in text
