@@ -3,7 +3,9 @@
 Builds the demo corpus (or takes ``--corpus``), prepares the same stream from scratch once per
 worker count (fresh output directory, same flags), and prints wall-clock MB/s for the whole
 command and for the two steps ``--workers`` parallelises (BPE encoding and binarization), with
-the 2-workers/1-worker ratio. Also checks that both runs wrote byte-identical shards.
+the 2-workers/1-worker ratio, and the CPU seconds each run used (on a machine shared with other
+work, equal CPU with a longer wall time means contention, not parallel overhead). Also checks
+that both runs wrote byte-identical shards.
 
 The whole-command rate includes fixed costs that do not scale with workers: importing fairseq
 (~5 s of CPU), and sentencepiece training (its own ``--spm-threads``). On the few-MB demo
@@ -18,6 +20,7 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -44,14 +47,23 @@ def _shard_digest(out: str) -> str:
 
 def run_once(corpus: str, workers: int, scratch: str) -> dict:
     out = tempfile.mkdtemp(dir=scratch, prefix=f"w{workers}-")
+    cpu_before = _children_cpu_seconds()
     started = time.perf_counter()
     subprocess.run([*_script("alma-data-prep"), corpus, "--out", out, "--workers",
                     str(workers), *PREP_FLAGS], check=True, capture_output=True)
     wall = time.perf_counter() - started
+    cpu = _children_cpu_seconds() - cpu_before
     with open(os.path.join(out, "manifest.json"), encoding="utf-8") as f:
         steps = json.load(f)["step_seconds"]
-    return {"wall": wall, **{step: steps[step] for step in PARALLEL_STEPS},
+    return {"wall": wall, "cpu": cpu, **{step: steps[step] for step in PARALLEL_STEPS},
             "digest": _shard_digest(out)}
+
+
+def _children_cpu_seconds() -> float:
+    """User + system CPU of finished child processes (the run and its workers): with the
+    wall time it tells parallel speed-up from contention with other load on the machine."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def main() -> None:
@@ -68,12 +80,15 @@ def main() -> None:
                            capture_output=True)
         mb = os.path.getsize(corpus) / 1e6
         print(f"corpus: {corpus if args.corpus else 'demo corpus'}, {mb:.2f} MB; "
-              f"flags: {' '.join(PREP_FLAGS)}; cpus: {os.cpu_count()}", flush=True)
+              f"flags: {' '.join(PREP_FLAGS)}; cpus: {os.cpu_count()}; load average before: "
+              f"{os.getloadavg()[0]:.1f}", flush=True)
         results = {}
         for workers in (1, 2):
             runs = [run_once(corpus, workers, scratch) for _ in range(args.repeats)]
             results[workers] = min(runs, key=lambda r: r["wall"])
-            print(f"  workers={workers}: {results[workers]['wall']:.1f} s", flush=True)
+            best = results[workers]
+            print(f"  workers={workers}: {best['wall']:.1f} s wall, {best['cpu']:.1f} s CPU",
+                  flush=True)
     columns = ["wall", *PARALLEL_STEPS]
     print(f"\n{'workers':>8}" + "".join(f"{c + ' MB/s':>16}" for c in columns))
     for workers, r in results.items():
@@ -81,7 +96,8 @@ def main() -> None:
     ratio = {c: results[1][c] / results[2][c] for c in columns}
     print(f"{'2w / 1w':>8}" + "".join(f"{ratio[c]:>15.2f}x" for c in columns))
     same = results[1]["digest"] == results[2]["digest"]
-    print(f"\noutputs identical with 1 and 2 workers: {'yes' if same else 'NO'}")
+    print(f"\noutputs identical with 1 and 2 workers: {'yes' if same else 'NO'}; "
+          f"load average after: {os.getloadavg()[0]:.1f}")
     if not same:
         sys.exit(1)
 
