@@ -36,9 +36,11 @@ def load_manifest(data_dir: str) -> dict:
         found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
         raise StreamDataError(f"{path}: format {found!r}, expected {MANIFEST_FORMAT!r}; "
                               "re-run alma-data-prep")
-    for field in ("num_megabatches", "splits", "dictionary"):
-        if field not in manifest:
-            raise StreamDataError(f"{path}: no {field!r} field; re-run alma-data-prep")
+    for field, kind in (("num_megabatches", int), ("splits", dict), ("dictionary", dict)):
+        if not isinstance(manifest.get(field), kind):
+            raise StreamDataError(f"{path}: no valid {field!r} field; re-run alma-data-prep")
+    if manifest["num_megabatches"] < 1:
+        raise StreamDataError(f"{path}: num_megabatches must be >= 1; re-run alma-data-prep")
     return manifest
 
 

@@ -226,6 +226,8 @@ def stream_copy(prepared, tmp_path):
     (lambda d: os.truncate(d / "eval.bin", 10), "eval.bin"),
     (lambda d: (d / "manifest.json").unlink(), "manifest.json"),
     (lambda d: (d / "manifest.json").write_text("{not json"), "manifest.json"),
+    (lambda d: (d / "manifest.json").write_text('{"format": "alma-lm-stream/1"}'),
+     "manifest.json"),
 ])
 def test_verify_stream_dir_names_the_damaged_file(stream_copy, damage, named):
     verify_stream_dir(str(stream_copy))
