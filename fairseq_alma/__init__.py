@@ -4,4 +4,4 @@ Importing the package registers its fairseq components (models, criterions, task
 schedulers); fairseq's ``--user-dir`` imports it, and our console tools import it directly.
 """
 
-from . import criterions, models, tasks  # noqa: F401  (registration side effects)
+from . import criterions, models, optim, tasks  # noqa: F401  (registration side effects)

@@ -82,8 +82,6 @@ class SwitchTransformerDecoder(FairseqIncrementalDecoder):
         d = cfg.decoder_embed_dim
         self.padding_idx = dictionary.pad()
         self.embed_tokens = nn.Embedding(len(dictionary), d, padding_idx=self.padding_idx)
-        nn.init.normal_(self.embed_tokens.weight, mean=0, std=d**-0.5)
-        nn.init.constant_(self.embed_tokens.weight[self.padding_idx], 0)
         self.embed_scale = 1.0 if cfg.no_scale_embedding else math.sqrt(d)
         self.max_target_positions = cfg.max_target_positions
         self.embed_positions = PositionalEmbedding(
@@ -103,11 +101,16 @@ class SwitchTransformerDecoder(FairseqIncrementalDecoder):
             for i in range(cfg.decoder_layers)
         )
         self.layer_norm = LayerNorm(d) if normalize_before else None
-        if cfg.untie_embeddings:
-            self.output_projection = nn.Linear(d, len(dictionary), bias=False)
+        self.output_projection = nn.Linear(d, len(dictionary), bias=False) if cfg.untie_embeddings else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Embedding init of fairseq's transformer LM: N(0, d^-0.5), zero padding row."""
+        d = self.embed_tokens.embedding_dim
+        nn.init.normal_(self.embed_tokens.weight, mean=0, std=d**-0.5)
+        nn.init.constant_(self.embed_tokens.weight[self.padding_idx], 0)
+        if self.output_projection is not None:
             nn.init.normal_(self.output_projection.weight, mean=0, std=d**-0.5)
-        else:
-            self.output_projection = None
 
     @staticmethod
     def _build_ffn(cfg: SwitchTransformerLMConfig, layer: int) -> nn.Module:

@@ -1,1 +1,3 @@
 """Registered tasks."""
+
+from . import alma_stream  # noqa: F401

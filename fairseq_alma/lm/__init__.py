@@ -1,0 +1,1 @@
+"""Language-model side of the stream: fixed-budget batching, evaluation, stage checkpoints."""

@@ -1,0 +1,27 @@
+"""FLOPs of a Switch LM as the stream records them (formula in fairseq_alma/stream/flops.py)."""
+
+from __future__ import annotations
+
+from typing import Any, Tuple
+
+from ..stream.flops import SwitchLMShape
+
+
+def model_shape(model: Any, context: int) -> SwitchLMShape:
+    decoder = model.decoder
+    moe = model.moe_layers() if hasattr(model, "moe_layers") else []
+    return SwitchLMShape(
+        n_layers=len(decoder.layers),
+        d_model=decoder.embed_tokens.embedding_dim,
+        ffn_dim=(moe[0].ffn_dim if moe else decoder.layers[0].ffn.fc1.out_features),
+        vocab_size=decoder.embed_tokens.num_embeddings,
+        context=context,
+        moe_layers=len(moe),
+        num_experts=max((m.num_experts for m in moe), default=1),
+    )
+
+
+def model_flops(model: Any, context: int, train_tokens: int) -> Tuple[int, int]:
+    """(inference FLOPs per token, training FLOPs for ``train_tokens`` tokens)."""
+    shape = model_shape(model, context)
+    return shape.forward_flops_per_token(), shape.train_flops(train_tokens)

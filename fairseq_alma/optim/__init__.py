@@ -1,0 +1,3 @@
+"""Registered LR schedulers (fairseq does not auto-import a user dir's optim/ folder)."""
+
+from . import alma_stage_linear  # noqa: F401
