@@ -182,6 +182,15 @@ def test_a_failed_link_cancels_only_its_own_run(slurm, workdir, capsys):  # noqa
     assert arrivals(ahead) == [1, 2, 3]
     runs = status(workdir / "fl", capsys)
     assert [(r["state"], r["last_arrival"]) for r in runs] == [("failed", 1), ("done", 3)]
+    # the same command again (the bug fixed) submits only the failed run, which resumes
+    again = submit(str(config), "--sweep-dir", "fl", "--chain-stages", "2",
+                   "--stages-per-link", "2", "--program", program("--stage-seconds", "0.2"))
+    assert [s["array"] for s in again[2:]] == ["0%2", "0%2"]
+    slurm.wait_queue_empty(timeout=60)
+    assert [s["resumed_from_stage"] for s in checkpoint(workdir / "fl" / "lr0.1.seed1")["starts"]
+            ] == [0, 1, 2]
+    runs = status(workdir / "fl", capsys)
+    assert [(r["state"], r["last_arrival"]) for r in runs] == [("done", 3), ("done", 3)]
 
 
 def test_status_while_running_then_cancel(slurm, workdir, capsys):  # noqa: F811
@@ -191,6 +200,8 @@ def test_status_while_running_then_cancel(slurm, workdir, capsys):  # noqa: F811
     run_dir = workdir / "cx" / "lr0.1.seed1"
     slurm.wait_until(lambda: (run_dir / "checkpoint_last.json").exists(), 60, "run 0 started")
     assert [r["state"] for r in status(workdir / "cx", capsys)] == ["running", "pending"]
+    assert main(["submit", str(config), "--sweep-dir", "cx", "--program", program()]) == 2
+    assert "still has 2 run(s) queued or running" in capsys.readouterr().err
     assert main(["cancel", str(workdir / "cx")]) == 0
     slurm.wait_queue_empty(timeout=60)
     assert [r["state"] for r in status(workdir / "cx", capsys)] == ["interrupted", "not started"]

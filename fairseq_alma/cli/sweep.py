@@ -169,11 +169,10 @@ def _submit_links(sweep_dir, config, profile, program, jobs, script, links, max_
     }
     if (sweep_dir / "jobs.json").exists():
         old = load_jobs(sweep_dir)
-        if [(j["name"], j["argv"]) for j in old["jobs"]] != [(j.name, j.argv) for j in jobs] or (
-            old.get("program") != program
-        ):
+        # Same runs = same names and flags; the program may change (a fixed wrapper, say).
+        if [(j["name"], j["argv"]) for j in old["jobs"]] != [(j.name, j.argv) for j in jobs]:
             raise ConfigError(
-                f"{sweep_dir} holds a different sweep (jobs.json differs); "
+                f"{sweep_dir} holds a different sweep (its jobs.json has other runs or flags); "
                 "use a new --sweep-dir, or delete the old one"
             )
         queued = query_queue({str(s["job_id"]) for s in load_submissions(sweep_dir)})
