@@ -246,7 +246,9 @@ def cancel(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="alma-sweep", description=__doc__.split("\n")[0].strip("`"))
+        prog="alma-sweep",
+        description="Run a config's grid x seeds as one Slurm job array, and follow it.",
+        epilog="Trainer contract, profiles and examples: slurm/README.md")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub = commands.add_parser("submit", help="expand a config into a job array and submit it")
     sub.add_argument("config", help="run config YAML (train_configs/...)")
