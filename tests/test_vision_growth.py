@@ -138,3 +138,21 @@ def test_firefly_learner_grows_linearly():
         counts.append(learner.params_active())
     steps = [b - a for a, b in zip(counts, counts[1:])]
     assert all(abs(step - 0.25 * counts[0]) < 0.3 * counts[0] for step in steps), steps
+
+
+@pytest.mark.parametrize("method", ["ff", "gens", "gmoe"])
+def test_grown_learner_checkpoint_resumes(method):
+    spec = LearnerSpec(method, "mlp", 4, seed=5)
+    grown = build_learner(spec, (1, 8, 8), 10)
+    x, y = torch.randn(30, 1, 8, 8), torch.randint(0, 10, (30,))
+    for stage in (1, 2, 3):
+        grown.before_stage(stage, x, y, x, y)
+    fresh = build_learner(spec, (1, 8, 8), 10)
+    fresh.load_checkpoint_state(grown.checkpoint_state())
+    grown.eval(), fresh.eval()
+    assert torch.equal(grown.predict_log_probs(x), fresh.predict_log_probs(x))
+    assert fresh.params_active() == grown.params_active()
+    assert [p.requires_grad for p in fresh.parameters()] == [p.requires_grad for p in grown.parameters()]
+    grown.before_stage(4, x, y, x, y), fresh.before_stage(4, x, y, x, y)  # same RNG: same growth
+    grown.eval(), fresh.eval()
+    assert torch.equal(grown.predict_log_probs(x), fresh.predict_log_probs(x))

@@ -116,6 +116,31 @@ class Learner(nn.Module):
     def describe(self) -> dict[str, Any]:
         return {}
 
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Everything needed to resume: parameters (whatever their grown shapes) and the RNG
+        that drives initialisation, growth and hard routing."""
+        return {"spec": self.spec, "model": self.state_dict(), "generator": self.generator.get_state()}
+
+    def load_checkpoint_state(self, checkpoint: dict[str, Any]) -> None:
+        """Inverse of ``checkpoint_state`` on a freshly built learner of the same spec: grown
+        tensors (FF widths, gMoE experts, gEns members) are resized to the saved shapes first."""
+        if checkpoint["spec"] != self.spec:
+            raise UsageError(f"checkpoint was written by {checkpoint['spec']}, not {self.spec}; use the same flags")
+        state = checkpoint["model"]
+        self._resize_like(state)
+        for name, tensor in list(self.named_parameters()) + list(self.named_buffers()):
+            saved = state.get(name)
+            if saved is not None and saved.shape != tensor.shape:
+                owner_name, _, attr = name.rpartition(".")
+                owner = self.get_submodule(owner_name)
+                fresh = torch.empty_like(saved)
+                setattr(owner, attr, nn.Parameter(fresh) if isinstance(tensor, nn.Parameter) else fresh)
+        self.load_state_dict(state)
+        self.generator.set_state(checkpoint["generator"])
+
+    def _resize_like(self, state: dict[str, Tensor]) -> None:
+        """Hook for learners whose module structure (not only tensor shapes) grows."""
+
     def _example_batch(self) -> Tensor:
         return torch.zeros(2, *self.input_shape)
 
@@ -205,6 +230,11 @@ class GrowingEnsemble(Learner):
 
     def describe(self) -> dict[str, Any]:
         return {"members": len(self.members)}
+
+    def _resize_like(self, state: dict[str, Tensor]) -> None:
+        saved = {int(key.split(".")[1]) for key in state if key.startswith("members.")}
+        while len(self.members) < len(saved):
+            self.before_stage(len(self.members) + 1, *([torch.empty(0)] * 4))
 
 
 class _SingleModelLearner(Learner):

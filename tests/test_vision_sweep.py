@@ -1,0 +1,48 @@
+"""The sweep CLI end to end on the embedded digits: table, summary, resume, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+CMD = [sys.executable, "-m", "fairseq_alma.vision.sweep"]
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(CMD + list(args), capture_output=True, text=True, timeout=120)
+
+
+def test_sweep_table_summary_and_resume(tmp_path):
+    args = ["--out", str(tmp_path), "--widths", "4", "--waits", "1", "3", "--num-megabatches", "3",
+            "--epochs", "1", "--quiet"]
+    first = run(*args)
+    assert first.returncode == 0, first.stderr
+    lines = first.stdout.strip().splitlines()
+    assert lines[0].split()[:4] == ["method", "model", "replay", "w"] and len(lines) == 3
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [r["wait"] for r in summary["runs"]] == [1, 3]
+    # CER sums B + 1 = 4 error rates, so it lies in [0, 4]; w = B is untrained until the end.
+    assert all(0 <= r["cer"] <= 4 for r in summary["runs"])
+    jsonl = tmp_path / "sm_mlp4_w3_s1" / "stream.jsonl"
+    assert len(jsonl.read_text().splitlines()) == 4
+    stamp = os.stat(jsonl).st_mtime_ns
+    again = run(*args)
+    assert again.returncode == 0 and again.stdout == first.stdout
+    assert os.stat(jsonl).st_mtime_ns == stamp  # finished runs are reused, not re-run
+
+
+def test_sweep_bad_flags_are_one_line(tmp_path):
+    bad = run("--out", str(tmp_path), "--waits", "5", "--num-megabatches", "3", "--epochs", "1")
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == "fairseq-alma: error: --wait must be between 1 and --num-megabatches (3), got 5"
+
+
+
+def test_sweep_missing_data_dir_in_process(tmp_path, capsys):
+    from fairseq_alma.vision.sweep import main
+
+    assert main(["--out", str(tmp_path), "--dataset", "mnist", "--data-path", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "nowhere: not a directory" in err
