@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="demo_out", help="working directory for every output (default: demo_out)")
     parser.add_argument("--corpus-mb", type=float, default=3.0, help="size of the demo corpus in MB (default 3)")
     parser.add_argument("--vocab-size", type=int, default=2000, help="BPE vocabulary of the demo (paper: 50000)")
-    parser.add_argument("--updates", type=int, default=300, help="training updates (default 300)")
+    parser.add_argument("--updates", type=int, default=200, help="training updates (default 200)")
     parser.add_argument("--workers", type=int, default=2, help="worker processes for data preparation")
     args = parser.parse_args(argv)
     if args.updates < 1:
