@@ -17,6 +17,13 @@ from fairseq_alma.vision.data_cifar import load_cifar10
 from fairseq_alma.vision.data_idx import load_mnist
 from fairseq_alma.vision.data_npz import load_npz
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():  # tiny models: extra threads only spin-wait on a busy machine
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
 
 def write_idx(path, array: np.ndarray, magic: int, compress: bool = False) -> None:
     header = struct.pack(">I", magic) + b"".join(struct.pack(">I", d) for d in array.shape)

@@ -12,6 +12,7 @@ from fairseq_alma.vision.learners import LearnerSpec, build_learner
 from fairseq_alma.vision.models import StackedMLP, build_backbone
 from fairseq_alma.vision.models_moe import MoEBackbone
 from fairseq_alma.vision.moe_tree import TreeGating
+from test_vision_data import _one_thread  # noqa: F401  (autouse: one torch thread)
 
 SHAPES = {"mlp": (1, 8, 8), "vgg": (3, 32, 32)}
 

@@ -12,6 +12,7 @@ from torch import nn
 from fairseq_alma.vision.flops import count_forward_macs, count_parameters
 from fairseq_alma.vision.learners import LearnerSpec, build_learner
 from fairseq_alma.vision.models import StackedMLP, StackedVGG, build_backbone
+from test_vision_data import _one_thread  # noqa: F401  (autouse: one torch thread)
 
 SHAPES = {"mlp": (1, 8, 8), "vgg": (3, 32, 32)}
 

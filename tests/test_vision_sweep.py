@@ -39,7 +39,6 @@ def test_sweep_bad_flags_are_one_line(tmp_path):
     assert bad.stderr.strip() == "fairseq-alma: error: --wait must be between 1 and --num-megabatches (3), got 5"
 
 
-
 def test_sweep_missing_data_dir_in_process(tmp_path, capsys):
     from fairseq_alma.vision.sweep import main
 

@@ -12,6 +12,7 @@ from fairseq_alma.vision.data import load_vision_data
 from fairseq_alma.vision.learners import LearnerSpec, build_learner
 from fairseq_alma.vision.stage_trainer import StageTrainConfig, train_stage, validation_losses
 from fairseq_alma.vision.stream_runner import StreamSpec, make_partition, run_stream, stage_data
+from test_vision_data import _one_thread  # noqa: F401  (autouse: one torch thread)
 
 SHAPE = (1, 8, 8)
 

@@ -127,6 +127,8 @@ def train_stage(learner: Learner, train_x: Tensor, train_y: Tensor, valid_x: Ten
     """Train ``learner`` for one stage and restore its best-validation epoch (see module doc)."""
     if train_x.shape[0] == 0:
         raise UsageError("a stage has no training examples; use fewer mega-batches (--num-megabatches)")
+    if config.augment and train_x.dim() != 4:
+        raise UsageError("crop/flip augmentation needs image inputs (N, C, H, W); drop --augment for feature vectors")
     started = time.perf_counter()
     module = learner.trainable()
     optimizer = config.optimizer.build([p for p in module.parameters() if p.requires_grad])

@@ -22,6 +22,8 @@ import sys
 from dataclasses import dataclass
 from typing import Sequence
 
+import torch
+
 from ..errors import UsageError
 from ..stream.atomic import atomic_write_json
 from ..stream.metrics import cumulative, cumulative_error_rate
@@ -113,12 +115,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gating", default="soft", choices=("soft", "hard"), help="gMoE gating")
     parser.add_argument("--optimizer", default=None, choices=("adadelta", "sgd"),
                         help="default: adadelta lr 1 (MNIST, digits, npz) or sgd lr 0.01 m 0.9 wd 1e-4 (CIFAR)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (default 1: these small models gain nothing from more, "
+                             "and spare threads spin-wait on a busy machine)")
     parser.add_argument("--quiet", action="store_true", help="only print the final table")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.threads < 1:
+        print("fairseq-alma: error: --threads must be >= 1", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
     try:
         cifar = args.dataset == "cifar10"
         if args.optimizer is None:
