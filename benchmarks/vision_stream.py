@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -47,14 +47,19 @@ def best_of(repeats: int, runs: dict[str, Callable[[], None]]) -> dict[str, floa
 def tensors(shape: tuple[int, ...], n: int, seed: int) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
     valid = max(1, n // 9)  # a mega-batch keeps 10%: 9 training examples per validation one
-    return (torch.randn(n, *shape, generator=g), torch.randint(0, 10, (n,), generator=g),
-            torch.randn(valid, *shape, generator=g), torch.randint(0, 10, (valid,), generator=g))
+    return (
+        torch.randn(n, *shape, generator=g),
+        torch.randint(0, 10, (n,), generator=g),
+        torch.randn(valid, *shape, generator=g),
+        torch.randint(0, 10, (valid,), generator=g),
+    )
 
 
 def stream_run(spec: LearnerSpec, shape, data, config: StageTrainConfig) -> Callable[[], None]:
     def run() -> None:
         learner = build_learner(spec, shape, 10)
         train_stage(learner, *data, config, seed=0)
+
     return run
 
 
@@ -75,47 +80,76 @@ def bare_run(spec: LearnerSpec, shape, data, config: StageTrainConfig) -> Callab
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
+
     return run
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per setting; the best counts")
-    parser.add_argument("--mlp-examples", type=int, default=12800, help="training examples, MLP runs")
-    parser.add_argument("--vgg-examples", type=int, default=1280, help="training examples, VGG runs")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed runs per setting; the best counts"
+    )
+    parser.add_argument(
+        "--mlp-examples", type=int, default=12800, help="training examples, MLP runs"
+    )
+    parser.add_argument(
+        "--vgg-examples", type=int, default=1280, help="training examples, VGG runs"
+    )
     args = parser.parse_args()
     if args.threads < 1 or args.repeats < 1 or args.mlp_examples < 128 or args.vgg_examples < 128:
         parser.error("--threads and --repeats must be >= 1, example counts >= 128")
     torch.set_num_threads(args.threads)
 
     settings = [
-        ("mlp", 32, MNIST_SHAPE, args.mlp_examples,
-         StageTrainConfig(epochs=2, optimizer=OptimizerSpec.paper_mnist())),
-        ("vgg", 8, CIFAR_SHAPE, args.vgg_examples,
-         StageTrainConfig(epochs=1, optimizer=OptimizerSpec.paper_cifar(), augment=True)),
+        (
+            "mlp",
+            32,
+            MNIST_SHAPE,
+            args.mlp_examples,
+            StageTrainConfig(epochs=2, optimizer=OptimizerSpec.paper_mnist()),
+        ),
+        (
+            "vgg",
+            8,
+            CIFAR_SHAPE,
+            args.vgg_examples,
+            StageTrainConfig(epochs=1, optimizer=OptimizerSpec.paper_cifar(), augment=True),
+        ),
     ]
     rows = []
     for arch, width, shape, n, config in settings:
         data = tensors(shape, n, seed=0)
         sm = LearnerSpec("sm", arch, width)
-        print(f"timing {arch} width {width} on {n} examples x {config.epochs} epoch(s) ...", flush=True)
-        times = best_of(args.repeats, {
-            "bare": bare_run(sm, shape, data, config),
-            "stream": stream_run(sm, shape, data, config),
-            "ens": stream_run(LearnerSpec("ens", arch, width, members=5), shape, data, config),
-            "umix": stream_run(LearnerSpec("umix", arch, width, members=5), shape, data, config),
-        })
+        print(
+            f"timing {arch} width {width} on {n} examples x {config.epochs} epoch(s) ...",
+            flush=True,
+        )
+        times = best_of(
+            args.repeats,
+            {
+                "bare": bare_run(sm, shape, data, config),
+                "stream": stream_run(sm, shape, data, config),
+                "ens": stream_run(LearnerSpec("ens", arch, width, members=5), shape, data, config),
+                "umix": stream_run(
+                    LearnerSpec("umix", arch, width, members=5), shape, data, config
+                ),
+            },
+        )
         examples = n * config.epochs
         rows.append((arch, width, examples / times["bare"], examples / times["stream"], times))
 
     print(f"\nthreads={args.threads}, best of {args.repeats}\n")
-    print(f"{'model':<10}{'bare ex/s':>11}{'stream ex/s':>13}{'stream/bare':>13}"
-          f"{'SM s':>8}{'Ens s':>8}{'Ens/SM':>8}{'UMix s':>8}{'UMix/SM':>9}")
+    print(
+        f"{'model':<10}{'bare ex/s':>11}{'stream ex/s':>13}{'stream/bare':>13}"
+        f"{'SM s':>8}{'Ens s':>8}{'Ens/SM':>8}{'UMix s':>8}{'UMix/SM':>9}"
+    )
     for arch, width, bare, stream, times in rows:
-        print(f"{arch + str(width):<10}{bare:>11.0f}{stream:>13.0f}{stream / bare:>12.2f}x"
-              f"{times['stream']:>8.2f}{times['ens']:>8.2f}{times['ens'] / times['stream']:>7.2f}x"
-              f"{times['umix']:>8.2f}{times['umix'] / times['stream']:>8.2f}x")
+        print(
+            f"{arch + str(width):<10}{bare:>11.0f}{stream:>13.0f}{stream / bare:>12.2f}x"
+            f"{times['stream']:>8.2f}{times['ens']:>8.2f}{times['ens'] / times['stream']:>7.2f}x"
+            f"{times['umix']:>8.2f}{times['umix'] / times['stream']:>8.2f}x"
+        )
     print("\ntargets: stream/bare >= 0.80x; Ens/SM <= 2.00x (MLP h=32 and VGG c=8)")
 
 

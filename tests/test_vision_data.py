@@ -17,6 +17,7 @@ from fairseq_alma.vision.data_cifar import load_cifar10
 from fairseq_alma.vision.data_idx import load_mnist
 from fairseq_alma.vision.data_npz import load_npz
 
+
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():  # tiny models: extra threads only spin-wait on a busy machine
     before = torch.get_num_threads()
@@ -38,7 +39,12 @@ def write_idx(path, array: np.ndarray, magic: int, compress: bool = False) -> No
 def make_mnist(directory, n_train=6, n_test=4, compress=False, label_count=None):
     rng = np.random.default_rng(0)
     for prefix, n in (("train", n_train), ("t10k", n_test)):
-        write_idx(directory / f"{prefix}-images-idx3-ubyte", rng.integers(0, 256, (n, 28, 28)), 0x803, compress)
+        write_idx(
+            directory / f"{prefix}-images-idx3-ubyte",
+            rng.integers(0, 256, (n, 28, 28)),
+            0x803,
+            compress,
+        )
         labels = rng.integers(0, 10, (label_count or n,))
         write_idx(directory / f"{prefix}-labels-idx1-ubyte", labels, 0x801, compress)
 
@@ -48,14 +54,20 @@ def test_mnist_idx_raw_and_gzip(tmp_path, compress):
     make_mnist(tmp_path, compress=compress)
     data = load_mnist(str(tmp_path))
     assert data.x_train.shape == (6, 1, 28, 28) and data.x_test.shape == (4, 1, 28, 28)
-    assert data.x_train.dtype == torch.float32 and 0 <= data.x_train.min() and data.x_train.max() <= 1
+    assert (
+        data.x_train.dtype == torch.float32 and 0 <= data.x_train.min() and data.x_train.max() <= 1
+    )
     assert data.y_train.dtype == torch.int64
 
 
 def test_mnist_wrong_magic_names_file(tmp_path):
     make_mnist(tmp_path)
-    write_idx(tmp_path / "train-labels-idx1-ubyte", np.zeros((6, 28, 28)), 0x803)  # images as labels
-    with pytest.raises(UsageError, match="train-labels-idx1-ubyte: wrong IDX magic number 0x00000803"):
+    write_idx(
+        tmp_path / "train-labels-idx1-ubyte", np.zeros((6, 28, 28)), 0x803
+    )  # images as labels
+    with pytest.raises(
+        UsageError, match="train-labels-idx1-ubyte: wrong IDX magic number 0x00000803"
+    ):
         load_mnist(str(tmp_path))
 
 
@@ -81,8 +93,11 @@ def write_cifar(directory, per_batch=3, skip=None):
     for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
         if name == skip:
             continue
-        batch = {b"data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
-                 b"labels": list(rng.integers(0, 10, per_batch).tolist()), b"batch_label": b"x"}
+        batch = {
+            b"data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
+            b"labels": list(rng.integers(0, 10, per_batch).tolist()),
+            b"batch_label": b"x",
+        }
         with open(directory / name, "wb") as handle:
             pickle.dump(batch, handle, protocol=2)
 
@@ -91,9 +106,12 @@ def test_cifar_pickles(tmp_path):
     write_cifar(tmp_path)
     data = load_cifar10(str(tmp_path))
     assert data.x_train.shape == (15, 3, 32, 32) and data.x_test.shape == (3, 3, 32, 32)
-    raw = pickle.load(open(tmp_path / "data_batch_1", "rb"), encoding="bytes")
+    with open(tmp_path / "data_batch_1", "rb") as handle:
+        raw = pickle.load(handle, encoding="bytes")
     # channel-major rows: the first 1024 bytes are the red plane of image 0
-    assert torch.allclose(data.x_train[0, 0].flatten(), torch.tensor(raw[b"data"][0, :1024] / 255.0).float())
+    assert torch.allclose(
+        data.x_train[0, 0].flatten(), torch.tensor(raw[b"data"][0, :1024] / 255.0).float()
+    )
 
 
 def test_cifar_missing_batch_and_unsafe_pickle(tmp_path):
@@ -110,15 +128,25 @@ def test_cifar_missing_batch_and_unsafe_pickle(tmp_path):
 def test_npz_layouts_and_missing_arrays(tmp_path):
     path = tmp_path / "d.npz"
     rng = np.random.default_rng(2)
-    np.savez(path, x_train=rng.integers(0, 256, (5, 8, 8, 3), dtype=np.uint8), y_train=np.arange(5),
-             x_test=rng.integers(0, 256, (2, 8, 8, 3), dtype=np.uint8), y_test=np.array([0, 1]))
+    np.savez(
+        path,
+        x_train=rng.integers(0, 256, (5, 8, 8, 3), dtype=np.uint8),
+        y_train=np.arange(5),
+        x_test=rng.integers(0, 256, (2, 8, 8, 3), dtype=np.uint8),
+        y_test=np.array([0, 1]),
+    )
     data = load_npz(str(path))
     assert data.x_train.shape == (5, 3, 8, 8) and data.num_classes == 5
     np.savez(path, x_train=np.zeros((4, 7)), y_train=np.zeros(4, dtype=int))
     with pytest.raises(UsageError, match="d.npz: missing array.*x_test, y_test"):
         load_npz(str(path))
-    np.savez(path, x_train=np.zeros((4, 7)), y_train=np.zeros(3, dtype=int), x_test=np.zeros((1, 7)),
-             y_test=np.zeros(1, dtype=int))
+    np.savez(
+        path,
+        x_train=np.zeros((4, 7)),
+        y_train=np.zeros(3, dtype=int),
+        x_test=np.zeros((1, 7)),
+        y_test=np.zeros(1, dtype=int),
+    )
     with pytest.raises(UsageError, match="4 train inputs but 3 train labels"):
         load_npz(str(path))
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
+from test_vision_data import _one_thread  # noqa: F401  (autouse: one torch thread)
 
 from fairseq_alma.vision.firefly import grow_width, units_for_growth
 from fairseq_alma.vision.flops import count_parameters
@@ -12,7 +15,6 @@ from fairseq_alma.vision.learners import LearnerSpec, build_learner
 from fairseq_alma.vision.models import StackedMLP, build_backbone
 from fairseq_alma.vision.models_moe import MoEBackbone
 from fairseq_alma.vision.moe_tree import TreeGating
-from test_vision_data import _one_thread  # noqa: F401  (autouse: one torch thread)
 
 SHAPES = {"mlp": (1, 8, 8), "vgg": (3, 32, 32)}
 
@@ -54,7 +56,9 @@ def test_tree_gating_probabilities_and_greedy_path():
     assert torch.equal(greedy, expected)
     # combine is the probability-weighted sum of the experts' outputs
     outs = torch.randn(3, 7, 5)
-    torch.testing.assert_close(tree.combine(a, lambda e: outs[e]), (probs.t()[:, :, None] * outs).sum(0))
+    torch.testing.assert_close(
+        tree.combine(a, lambda e: outs[e]), (probs.t()[:, :, None] * outs).sum(0)
+    )
 
 
 def test_gmoe_splits_the_expert_with_largest_routed_validation_loss():
@@ -62,7 +66,9 @@ def test_gmoe_splits_the_expert_with_largest_routed_validation_loss():
     blocks = learner.model.growing_blocks()
     for block in blocks:
         block.split_expert(0, learner.generator)
-    with torch.no_grad():  # layer 0 routes everything right (expert 1), layer 1 by the sign of a gate
+    with (
+        torch.no_grad()
+    ):  # layer 0 routes everything right (expert 1), layer 1 by the sign of a gate
         blocks[0].gate.weight.zero_()
         blocks[0].gate.bias.fill_(-50.0)
     x, y = torch.randn(30, 1, 8, 8), torch.randint(0, 10, (30,))
@@ -72,8 +78,12 @@ def test_gmoe_splits_the_expert_with_largest_routed_validation_loss():
         losses = F.cross_entropy(learner.model(x)[0], y, reduction="none").double()
         hidden = F.relu(blocks[0](x.flatten(1)))
         routing = blocks[1].gate.leaf_probs(blocks[1].gate.left_probs(hidden)).double()
-    torch.testing.assert_close(totals[0], torch.stack([torch.tensor(0.0, dtype=torch.float64), losses.sum()]),
-                               atol=1e-12, rtol=1e-9)
+    torch.testing.assert_close(
+        totals[0],
+        torch.stack([torch.tensor(0.0, dtype=torch.float64), losses.sum()]),
+        atol=1e-12,
+        rtol=1e-9,
+    )
     torch.testing.assert_close(totals[1], routing.t() @ losses)
     report = learner.before_stage(2, x, y, x, y)
     assert report["split"][0] == 1 and report["split"][1] == int(totals[1].argmax())
@@ -99,7 +109,9 @@ def test_firefly_growth_amount_by_hand():
     assert count_parameters(model) == 682
     assert units_for_growth(model, 0.25 * 682) == 2
     x, y = torch.randn(50, 64), torch.randint(0, 10, (50,))
-    report = grow_width(model, x, y, units=2, epsilon=0.0, generator=torch.Generator().manual_seed(0))
+    report = grow_width(
+        model, x, y, units=2, epsilon=0.0, generator=torch.Generator().manual_seed(0)
+    )
     assert model.widths == [10, 10] and report.params_after == 870
     assert [s + n for s, n in zip(report.splits, report.new_units)] == [2, 2]
 
@@ -114,9 +126,11 @@ def test_firefly_keeps_outputs_at_zero_step_and_descends_as_scored(arch):
     before = model(x)
     grow_width(model, x, y, units=2, epsilon=0.0, generator=generator)
     model.eval()
-    torch.testing.assert_close(model(x), before, rtol=0, atol=1e-5)  # halving is exact up to rounding
+    torch.testing.assert_close(
+        model(x), before, rtol=0, atol=1e-5
+    )  # halving is exact up to rounding
     assert model.widths == [6] * len(model.widths)
-    # The loss falls by what the first-order scores promised (ε × Σ chosen scores), up to O(ε²):
+    # The loss falls by what the first-order scores promised (ε × Σ chosen scores) up to O(ε²),
     # checked in float64 with a small ε (the 16-layer batch-normed VGG is strongly curved).
     model = model.double().train()
     x = x.double()
@@ -126,7 +140,10 @@ def test_firefly_keeps_outputs_at_zero_step_and_descends_as_scored(arch):
     with torch.no_grad():
         decrease = loss_before - float(F.cross_entropy(model.train()(x)[0], y))
     assert report.predicted_decrease > 0
-    assert abs(decrease - report.predicted_decrease) < 1e-3 * report.predicted_decrease, (decrease, report)
+    assert abs(decrease - report.predicted_decrease) < 1e-3 * report.predicted_decrease, (
+        decrease,
+        report,
+    )
 
 
 def test_firefly_learner_grows_linearly():
@@ -137,7 +154,7 @@ def test_firefly_learner_grows_linearly():
     for stage in (2, 3, 4):
         learner.before_stage(stage, x, y, x, y)
         counts.append(learner.params_active())
-    steps = [b - a for a, b in zip(counts, counts[1:])]
+    steps = [b - a for a, b in itertools.pairwise(counts)]
     assert all(abs(step - 0.25 * counts[0]) < 0.3 * counts[0] for step in steps), steps
 
 
@@ -153,7 +170,9 @@ def test_grown_learner_checkpoint_resumes(method):
     grown.eval(), fresh.eval()
     assert torch.equal(grown.predict_log_probs(x), fresh.predict_log_probs(x))
     assert fresh.params_active() == grown.params_active()
-    assert [p.requires_grad for p in fresh.parameters()] == [p.requires_grad for p in grown.parameters()]
+    assert [p.requires_grad for p in fresh.parameters()] == [
+        p.requires_grad for p in grown.parameters()
+    ]
     grown.before_stage(4, x, y, x, y), fresh.before_stage(4, x, y, x, y)  # same RNG: same growth
     grown.eval(), fresh.eval()
     assert torch.equal(grown.predict_log_probs(x), fresh.predict_log_probs(x))

@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from test_vision_data import _one_thread  # noqa: F401  (autouse: one torch thread)
 from torch import nn
 
 from fairseq_alma.vision.flops import count_forward_macs, count_parameters
 from fairseq_alma.vision.learners import LearnerSpec, build_learner
 from fairseq_alma.vision.models import StackedMLP, StackedVGG, build_backbone
-from test_vision_data import _one_thread  # noqa: F401  (autouse: one torch thread)
 
 SHAPES = {"mlp": (1, 8, 8), "vgg": (3, 32, 32)}
 
@@ -20,7 +20,9 @@ SHAPES = {"mlp": (1, 8, 8), "vgg": (3, 32, 32)}
 def member_copy(stacked: nn.Module, member: int, arch: str) -> nn.Module:
     """A separate N = 1 model holding member ``member``'s tensors."""
     single = build_backbone(arch, SHAPES[arch], 4, 10, 1, None)
-    single.load_state_dict({k: v[member : member + 1].clone() for k, v in stacked.state_dict().items()})
+    single.load_state_dict(
+        {k: v[member : member + 1].clone() for k, v in stacked.state_dict().items()}
+    )
     return single
 
 
@@ -30,7 +32,9 @@ def test_stacked_members_equal_separate_models(arch, per_member):
     torch.manual_seed(0)
     members = 3
     # float64: a 16-layer batch-normed net on 6 examples amplifies float32 rounding to ~1e-5
-    stacked = build_backbone(arch, SHAPES[arch], 4, 10, members, torch.Generator().manual_seed(1)).double()
+    stacked = build_backbone(
+        arch, SHAPES[arch], 4, 10, members, torch.Generator().manual_seed(1)
+    ).double()
     singles = [member_copy(stacked, n, arch).double() for n in range(members)]
     shape = (members, 6, *SHAPES[arch]) if per_member else (6, *SHAPES[arch])
     x = torch.randn(shape, dtype=torch.float64)
@@ -42,9 +46,13 @@ def test_stacked_members_equal_separate_models(arch, per_member):
         torch.testing.assert_close(out[n], alone, rtol=1e-10, atol=1e-10)
         F.cross_entropy(alone, y).backward()
         for (name, p_stacked), p_single in zip(stacked.named_parameters(), single.parameters()):
-            torch.testing.assert_close(p_stacked.grad[n], p_single.grad[0], rtol=1e-9, atol=1e-10, msg=name)
+            torch.testing.assert_close(
+                p_stacked.grad[n], p_single.grad[0], rtol=1e-9, atol=1e-10, msg=name
+            )
         if arch == "vgg":  # batch-norm running statistics are per member too
-            torch.testing.assert_close(stacked.norms[0].running_mean[n], single.norms[0].running_mean[0])
+            torch.testing.assert_close(
+                stacked.norms[0].running_mean[n], single.norms[0].running_mean[0]
+            )
 
 
 def test_umix_averages_logits_and_ens_averages_probabilities():
@@ -58,7 +66,9 @@ def test_umix_averages_logits_and_ens_averages_probabilities():
     assert ens.train_logits(x).shape == (3, 5, 10) and ens.selection_groups == 3
     expected = F.softmax(logits, -1).mean(0).log()
     torch.testing.assert_close(ens.predict_log_probs(x), expected, rtol=1e-5, atol=1e-6)
-    assert not torch.equal(ens.model.layers[0].weight[0], ens.model.layers[0].weight[1])  # own inits
+    assert not torch.equal(
+        ens.model.layers[0].weight[0], ens.model.layers[0].weight[1]
+    )  # own inits
 
 
 def test_mlp_macs_and_params_by_hand():
@@ -68,7 +78,9 @@ def test_mlp_macs_and_params_by_hand():
     assert count_parameters(model) == 1482
     ens = StackedMLP(64, [16, 16], 10, members=5)
     assert count_forward_macs(ens, lambda: ens(torch.zeros(3, 64)), 3) == 5 * 1440
-    plain = nn.Sequential(nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 10))
+    plain = nn.Sequential(
+        nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 10)
+    )
     assert count_forward_macs(plain, lambda: plain(torch.zeros(2, 64)), 2) == 1440
     learner = build_learner(LearnerSpec("sm", "mlp", 16), (1, 8, 8), 10)
     assert learner.infer_flops_per_example() == 2 * 1440 and learner.params_active() == 1482
@@ -88,7 +100,9 @@ def test_gens_counts_every_member_and_trains_only_the_newest():
     learner = build_learner(LearnerSpec("gens", "mlp", 4), (1, 8, 8), 10)
     single = learner.params_active()
     empty = torch.zeros(0, 1, 8, 8)
-    learner.before_stage(2, empty, torch.zeros(0, dtype=torch.long), empty, torch.zeros(0, dtype=torch.long))
+    learner.before_stage(
+        2, empty, torch.zeros(0, dtype=torch.long), empty, torch.zeros(0, dtype=torch.long)
+    )
     assert learner.params_active() == 2 * single and len(learner.members) == 2
     assert all(not p.requires_grad for p in learner.members[0].parameters())
     assert learner.trainable() is learner.members[1]

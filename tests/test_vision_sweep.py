@@ -11,12 +11,26 @@ CMD = [sys.executable, "-m", "fairseq_alma.vision.sweep"]
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(CMD + list(args), capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        CMD + list(args), capture_output=True, text=True, timeout=120, check=False
+    )
 
 
 def test_sweep_table_summary_and_resume(tmp_path):
-    args = ["--out", str(tmp_path), "--widths", "4", "--waits", "1", "3", "--num-megabatches", "3",
-            "--epochs", "1", "--quiet"]
+    args = [
+        "--out",
+        str(tmp_path),
+        "--widths",
+        "4",
+        "--waits",
+        "1",
+        "3",
+        "--num-megabatches",
+        "3",
+        "--epochs",
+        "1",
+        "--quiet",
+    ]
     first = run(*args)
     assert first.returncode == 0, first.stderr
     lines = first.stdout.strip().splitlines()
@@ -36,12 +50,20 @@ def test_sweep_table_summary_and_resume(tmp_path):
 def test_sweep_bad_flags_are_one_line(tmp_path):
     bad = run("--out", str(tmp_path), "--waits", "5", "--num-megabatches", "3", "--epochs", "1")
     assert bad.returncode == 2
-    assert bad.stderr.strip() == "fairseq-alma: error: --wait must be between 1 and --num-megabatches (3), got 5"
+    assert (
+        bad.stderr.strip()
+        == "fairseq-alma: error: --wait must be between 1 and --num-megabatches (3), got 5"
+    )
 
 
 def test_sweep_missing_data_dir_in_process(tmp_path, capsys):
     from fairseq_alma.vision.sweep import main
 
-    assert main(["--out", str(tmp_path), "--dataset", "mnist", "--data-path", str(tmp_path / "nowhere")]) == 2
+    assert (
+        main(
+            ["--out", str(tmp_path), "--dataset", "mnist", "--data-path", str(tmp_path / "nowhere")]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "nowhere: not a directory" in err

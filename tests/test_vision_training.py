@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_vision_data import _one_thread  # noqa: F401  (autouse: one torch thread)
 
 from fairseq_alma.errors import UsageError
 from fairseq_alma.stream.records import read_records
@@ -12,7 +13,6 @@ from fairseq_alma.vision.data import load_vision_data
 from fairseq_alma.vision.learners import LearnerSpec, build_learner
 from fairseq_alma.vision.stage_trainer import StageTrainConfig, train_stage, validation_losses
 from fairseq_alma.vision.stream_runner import StreamSpec, make_partition, run_stream, stage_data
-from test_vision_data import _one_thread  # noqa: F401  (autouse: one torch thread)
 
 SHAPE = (1, 8, 8)
 
@@ -20,7 +20,7 @@ SHAPE = (1, 8, 8)
 def toy(n=96, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, *SHAPE, generator=g)
-    y = (x.flatten(1)[:, :10].argmax(1) + 0)  # learnable: the class is the argmax of 10 pixels
+    y = x.flatten(1)[:, :10].argmax(1) + 0  # learnable: the class is the argmax of 10 pixels
     return x, y
 
 
@@ -31,11 +31,15 @@ def state(module):
 def test_keeps_the_epoch_with_lowest_validation_loss():
     x, y = toy()
     learner = build_learner(LearnerSpec("sm", "mlp", 16, seed=0), SHAPE, 10)
-    result = train_stage(learner, x, y, x[:32], y[:32], StageTrainConfig(epochs=5, batch_size=16), seed=0)
+    result = train_stage(
+        learner, x, y, x[:32], y[:32], StageTrainConfig(epochs=5, batch_size=16), seed=0
+    )
     curve = [losses[0] for losses in result.valid_losses]
     assert len(curve) == 6 and result.best_epoch == [min(range(6), key=curve.__getitem__)]
     now = float(validation_losses(learner, x[:32], y[:32], 1024)[0])
-    assert now == pytest.approx(min(curve), abs=1e-6) and result.best_valid_loss[0] == pytest.approx(min(curve))
+    assert now == pytest.approx(min(curve), abs=1e-6) and result.best_valid_loss[
+        0
+    ] == pytest.approx(min(curve))
 
 
 def test_epoch_zero_wins_when_training_hurts_validation():
@@ -45,7 +49,9 @@ def test_epoch_zero_wins_when_training_hurts_validation():
     wrong = (y[:32] + 3) % 10  # validation labels that training on y can only move away from
     train_stage(learner, x, y, x[:32], y[:32], StageTrainConfig(epochs=15, batch_size=16), seed=0)
     warmed = state(learner.trainable())
-    result = train_stage(learner, x, y, x[:32], wrong, StageTrainConfig(epochs=4, batch_size=16), seed=1)
+    result = train_stage(
+        learner, x, y, x[:32], wrong, StageTrainConfig(epochs=4, batch_size=16), seed=1
+    )
     assert result.best_epoch == [0]
     assert all(torch.equal(v, warmed[k]) for k, v in learner.trainable().state_dict().items())
     assert not all(torch.equal(v, start[k]) for k, v in warmed.items())
@@ -54,11 +60,14 @@ def test_epoch_zero_wins_when_training_hurts_validation():
 def test_ens_members_select_their_own_best_epoch():
     x, y = toy()
     learner = build_learner(LearnerSpec("ens", "mlp", 8, members=3, seed=0), SHAPE, 10)
-    result = train_stage(learner, x, y, x[:24], y[:24], StageTrainConfig(epochs=4, batch_size=16), seed=0)
+    result = train_stage(
+        learner, x, y, x[:24], y[:24], StageTrainConfig(epochs=4, batch_size=16), seed=0
+    )
     curve = torch.tensor(result.valid_losses, dtype=torch.float64)  # (epochs + 1, members)
     assert result.best_epoch == curve.argmin(0).tolist()
-    torch.testing.assert_close(validation_losses(learner, x[:24], y[:24], 1024), curve.min(0).values,
-                               rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        validation_losses(learner, x[:24], y[:24], 1024), curve.min(0).values, rtol=1e-6, atol=1e-6
+    )
 
 
 def test_seeded_and_flops_by_hand():
@@ -66,7 +75,9 @@ def test_seeded_and_flops_by_hand():
     runs = []
     for _ in range(2):
         learner = build_learner(LearnerSpec("sm", "mlp", 16, seed=3), SHAPE, 10)
-        result = train_stage(learner, x, y, x[:10], y[:10], StageTrainConfig(epochs=2, batch_size=32), seed=7)
+        result = train_stage(
+            learner, x, y, x[:10], y[:10], StageTrainConfig(epochs=2, batch_size=32), seed=7
+        )
         runs.append(state(learner.trainable()))
     assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
     # 64 -> 16 -> 16 -> 10 = 1440 MACs: 6 FLOPs/MAC per trained example (96 x 2 epochs) and
@@ -79,7 +90,15 @@ def test_augmented_stage_differs_and_is_seeded():
     finals = []
     for augment in (False, True, True):
         learner = build_learner(LearnerSpec("sm", "mlp", 8, seed=0), SHAPE, 10)
-        train_stage(learner, x, y, x[:0], y[:0], StageTrainConfig(epochs=1, batch_size=32, augment=augment), seed=0)
+        train_stage(
+            learner,
+            x,
+            y,
+            x[:0],
+            y[:0],
+            StageTrainConfig(epochs=1, batch_size=32, augment=augment),
+            seed=0,
+        )
         finals.append(state(learner.trainable())["layers.0.weight"])
     assert not torch.equal(finals[0], finals[1]) and torch.equal(finals[1], finals[2])
 
@@ -103,8 +122,14 @@ def test_stage_data_with_and_without_replay(digits):
 @pytest.mark.parametrize("method", ["sm", "gens"])
 def test_digits_stream_records(digits, tmp_path, method):
     path = tmp_path / "stream.jsonl"
-    records = run_stream(digits, LearnerSpec(method, "mlp", 8, seed=0), StreamSpec(6, wait=2, seed=0),
-                         StageTrainConfig(epochs=10), log=None, jsonl_path=str(path))
+    records = run_stream(
+        digits,
+        LearnerSpec(method, "mlp", 8, seed=0),
+        StreamSpec(6, wait=2, seed=0),
+        StageTrainConfig(epochs=10),
+        log=None,
+        jsonl_path=str(path),
+    )
     assert [r["arrival"] for r in records] == list(range(7))
     assert [r["trained"] for r in records] == [False, False, True, False, True, False, True]
     assert [r["stage"] for r in records] == [0, 0, 1, 1, 2, 2, 3]
@@ -117,8 +142,10 @@ def test_digits_stream_records(digits, tmp_path, method):
     expected_members = [1, 1, 1, 1, 2, 2, 3] if method == "gens" else [1] * 7
     assert params == [params[0] * m for m in expected_members]
     # 64 -> 8 -> 8 -> 10: 512 + 64 + 80 MACs per member, 2 FLOPs each
-    assert all(r["infer_flops_per_example"] == 2 * (64 * 8 + 64 + 80) * m
-               for r, m in zip(records, expected_members))
+    assert all(
+        r["infer_flops_per_example"] == 2 * (64 * 8 + 64 + 80) * m
+        for r, m in zip(records, expected_members)
+    )
     assert [r.test_error for r in read_records(path)] == errors
 
 
@@ -126,6 +153,12 @@ def test_stream_bad_input(digits):
     with pytest.raises(UsageError, match="--wait must be between 1 and --num-megabatches"):
         StreamSpec(num_megabatches=4, wait=5)
     with pytest.raises(UsageError, match="--num-megabatches 5000 is larger than the training set"):
-        run_stream(digits, LearnerSpec("sm", "mlp", 4), StreamSpec(5000, 1), StageTrainConfig(epochs=1), log=None)
+        run_stream(
+            digits,
+            LearnerSpec("sm", "mlp", 4),
+            StreamSpec(5000, 1),
+            StageTrainConfig(epochs=1),
+            log=None,
+        )
     with pytest.raises(UsageError, match="--vision-method 'bogus' is unknown"):
         LearnerSpec("bogus")

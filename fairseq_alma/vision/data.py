@@ -133,7 +133,7 @@ def load_digits_data() -> VisionData:
     images = bunch.images.astype(np.float32)[:, None] / 16.0  # (N, 1, 8, 8), pixel range 0..16
     labels = bunch.target.astype(np.int64)
     order = np.random.default_rng(_DIGITS_SPLIT_SEED).permutation(len(labels))
-    num_test = int(round(len(labels) * _DIGITS_TEST_FRACTION))
+    num_test = round(len(labels) * _DIGITS_TEST_FRACTION)
     test, train = order[:num_test], order[num_test:]
     return from_arrays("digits", images[train], labels[train], images[test], labels[test])
 
@@ -144,7 +144,9 @@ def load_vision_data(kind: str, path: str | None = None, normalise: bool = True)
     if kind == "digits":
         data = load_digits_data()
     elif kind not in DATASET_KINDS:
-        raise UsageError(f"--vision-dataset {kind!r} is unknown; use one of {', '.join(DATASET_KINDS)}")
+        raise UsageError(
+            f"--vision-dataset {kind!r} is unknown; use one of {', '.join(DATASET_KINDS)}"
+        )
     elif not path:
         raise UsageError(f"--vision-dataset {kind} needs a path (--vision-data-path)")
     elif kind == "mnist":

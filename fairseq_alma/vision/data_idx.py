@@ -62,7 +62,12 @@ def read_idx(path: str, expected_magic: int) -> np.ndarray:
 
 
 def _find(directory: str, stem: str) -> str:
-    for name in (stem, stem + ".gz", stem.replace("-idx", ".idx"), stem.replace("-idx", ".idx") + ".gz"):
+    for name in (
+        stem,
+        stem + ".gz",
+        stem.replace("-idx", ".idx"),
+        stem.replace("-idx", ".idx") + ".gz",
+    ):
         candidate = os.path.join(directory, name)
         if os.path.isfile(candidate):
             return candidate

@@ -5,7 +5,7 @@ and keeping the candidates that decrease the loss fastest to first order:
 
 - split an existing unit i: add a copy of it whose incoming weights move by ε·δ_i, halving the
   outgoing weights between the two copies.  At ε = 0 the function is unchanged; to first order
-  the loss moves by ε·½·∇_{θ_i}L·δ_i, steepest for δ_i = −g_i/|g_i|, so the score is ½|g_i|.
+  the loss moves by ε·½·∇_{θ_i}L·δ_i, steepest for δ_i = −g_i/|g_i|: the score is ½|g_i|.
 - add a new unit j with random incoming weights v_j and outgoing weights ε·u_j.  At ε = 0 the
   function is unchanged; the loss moves by ε·G_j·u_j with G_j = ∂L/∂u_j at u_j = 0, steepest
   for u_j = −G_j/|G_j|, so the score is |G_j|.
@@ -57,7 +57,9 @@ def _append(unit: UnitTensor, values: Tensor) -> None:
     tensor = unit.tensor
     values = _fit(values.to(tensor.dtype), tuple(tensor.shape), unit.dim)
     grown = torch.cat([tensor.detach(), values], dim=unit.dim)
-    setattr(unit.module, unit.name, nn.Parameter(grown) if isinstance(tensor, nn.Parameter) else grown)
+    setattr(
+        unit.module, unit.name, nn.Parameter(grown) if isinstance(tensor, nn.Parameter) else grown
+    )
 
 
 def _prefix(tensor: Tensor, shape: tuple[int, ...], dim: int, units: slice) -> Tensor:
@@ -76,13 +78,21 @@ def _split_rows(rows: Tensor, parts: list[Tensor], dims: list[int]) -> list[Tens
     for part, dim in zip(parts, dims):
         moved = part.movedim(dim, 0)
         width = moved[0].numel() if moved.shape[0] else moved.flatten(1).shape[1]
-        out.append(rows[:, start : start + width].reshape(rows.shape[0], *moved.shape[1:]).movedim(0, dim))
+        out.append(
+            rows[:, start : start + width].reshape(rows.shape[0], *moved.shape[1:]).movedim(0, dim)
+        )
         start += width
     return out
 
 
-def _candidate_gradients(model: nn.Module, shapes: list[list[tuple[int, ...]]], x: Tensor, y: Tensor,
-                         candidates: list[int], generator: torch.Generator | None):
+def _candidate_gradients(
+    model: nn.Module,
+    shapes: list[list[tuple[int, ...]]],
+    x: Tensor,
+    y: Tensor,
+    candidates: list[int],
+    generator: torch.Generator | None,
+):
     """Gradients at a copy of ``model`` holding ``candidates[l]`` new units per layer with zero
     outgoing weights.  A candidate's incoming weights from the previous layer's candidates are 0,
     as they will be in the grown network (whatever is chosen there), so each score is the
@@ -108,8 +118,15 @@ def _candidate_gradients(model: nn.Module, shapes: list[list[tuple[int, ...]]], 
     return wide_layers, macs
 
 
-def grow_width(model: nn.Module, x: Tensor, y: Tensor, units: int, epsilon: float = 1e-2,
-               generator: torch.Generator | None = None, new_candidates: int | None = None) -> FireflyReport:
+def grow_width(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    units: int,
+    epsilon: float = 1e-2,
+    generator: torch.Generator | None = None,
+    new_candidates: int | None = None,
+) -> FireflyReport:
     """Add ``units`` units to every hidden layer of ``model`` (N = 1), chosen among splits of the
     existing units and ``new_candidates`` (default: as many as existing units) random new ones
     by their first-order score on (x, y).  ``epsilon`` = 0 leaves the function unchanged (up to
@@ -119,21 +136,32 @@ def grow_width(model: nn.Module, x: Tensor, y: Tensor, units: int, epsilon: floa
     layers = model.growable_layers()
     widths = [layer.width for layer in layers]
     candidates = [new_candidates or width for width in widths]
-    shapes = [[tuple(u.tensor.shape) for u in layer.producers + layer.consumers] for layer in layers]
+    shapes = [
+        [tuple(u.tensor.shape) for u in layer.producers + layer.consumers] for layer in layers
+    ]
     wide_layers, wide_macs = _candidate_gradients(model, shapes, x, y, candidates, generator)
 
     splits, news, gain = [], [], 0.0
     for index, (layer, wide) in enumerate(zip(layers, wide_layers)):
         width, count = widths[index], candidates[index]
         producer_shapes = shapes[index][: len(layer.producers)]
-        consumer_shapes = shapes[index][len(layer.producers):]
+        consumer_shapes = shapes[index][len(layer.producers) :]
         learnable = [i for i, u in enumerate(wide.producers) if isinstance(u.tensor, nn.Parameter)]
-        grads = [_prefix(wide.producers[i].tensor.grad, producer_shapes[i], wide.producers[i].dim, slice(0, width))
-                 for i in learnable]
+        grads = [
+            _prefix(
+                wide.producers[i].tensor.grad,
+                producer_shapes[i],
+                wide.producers[i].dim,
+                slice(0, width),
+            )
+            for i in learnable
+        ]
         g = _unit_rows(grads, [wide.producers[i].dim for i in learnable])  # (width, P)
         g_norm = g.norm(dim=1)
-        new_grads = [_prefix(u.tensor.grad, s, u.dim, slice(width, width + count))
-                     for u, s in zip(wide.consumers, consumer_shapes)]
+        new_grads = [
+            _prefix(u.tensor.grad, s, u.dim, slice(width, width + count))
+            for u, s in zip(wide.consumers, consumer_shapes)
+        ]
         big_g = _unit_rows(new_grads, [u.dim for u in wide.consumers])  # (count, Q)
         big_norm = big_g.norm(dim=1)
         scores = torch.cat([0.5 * g_norm, big_norm])
@@ -146,7 +174,9 @@ def grow_width(model: nn.Module, x: Tensor, y: Tensor, units: int, epsilon: floa
 
         # Split copies: incoming weights θ_i + ε δ_i (buffers copied), outgoing weights halved.
         directions = -g / g_norm.clamp(min=1e-12)[:, None]
-        delta = _split_rows(directions[split_ids], grads, [wide.producers[i].dim for i in learnable])
+        delta = _split_rows(
+            directions[split_ids], grads, [wide.producers[i].dim for i in learnable]
+        )
         delta_by_tensor = dict(zip(learnable, delta))
         new_dirs = -big_g / big_norm.clamp(min=1e-12)[:, None]
         out_new = _split_rows(new_dirs[new_ids], new_grads, [u.dim for u in wide.consumers])
@@ -154,19 +184,28 @@ def grow_width(model: nn.Module, x: Tensor, y: Tensor, units: int, epsilon: floa
             copies = unit.tensor.detach().index_select(unit.dim, split_ids)
             if i in delta_by_tensor:
                 copies = copies + epsilon * _fit(delta_by_tensor[i], tuple(copies.shape), unit.dim)
-            fresh = _prefix(wide_unit.tensor.detach(), producer_shapes[i], unit.dim, slice(width, width + count))
+            fresh = _prefix(
+                wide_unit.tensor.detach(), producer_shapes[i], unit.dim, slice(width, width + count)
+            )
             fresh = fresh.index_select(unit.dim, new_ids)
-            _append(unit, torch.cat([copies, _fit(fresh, tuple(copies.shape), unit.dim)], dim=unit.dim))
+            _append(
+                unit, torch.cat([copies, _fit(fresh, tuple(copies.shape), unit.dim)], dim=unit.dim)
+            )
         for unit, direction in zip(layer.consumers, out_new):
             with torch.no_grad():
                 halves = unit.tensor.index_select(unit.dim, split_ids) / 2
                 unit.tensor.index_copy_(unit.dim, split_ids, halves)
             shape = tuple(halves.shape)
-            _append(unit, torch.cat([halves, _fit(epsilon * direction, shape, unit.dim)], dim=unit.dim))
+            _append(
+                unit, torch.cat([halves, _fit(epsilon * direction, shape, unit.dim)], dim=unit.dim)
+            )
     model.train(was_training)
     return FireflyReport(
-        splits=tuple(splits), new_units=tuple(news), params_before=params_before,
-        params_after=count_parameters(model), flops=training_flops(wide_macs, x.shape[0]),
+        splits=tuple(splits),
+        new_units=tuple(news),
+        params_before=params_before,
+        params_after=count_parameters(model),
+        flops=training_flops(wide_macs, x.shape[0]),
         predicted_decrease=gain,
     )
 

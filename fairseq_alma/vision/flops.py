@@ -13,7 +13,8 @@ are not counted again; plain ``nn.Linear``, ``nn.Conv2d`` and batch norms are co
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn

@@ -6,13 +6,7 @@ logits are averaged in training and at test time).  All three are one stacked mo
 members (N = 1 for SM), so Ens/UMix run as one batched model, not N models.
 Growing architectures (§4.2): gEns (one new member per stage trained on the stage's data, older
 members frozen), gMoE (tree-gated experts, the losing expert split at every stage, App. A) and FF
-(Firefly width growth, linear in parameters, App. B.1).
-
-Growth happens in ``before_stage`` for every stage after the first, before the stage's training
-(the Avalanche-style ``pre_adapt`` hook), and the stage trainer builds a fresh optimizer after it.
-gMoE scores its experts on the validation split of the data that just arrived, which the model
-has not fit yet; the split keeps the function exactly, so which side of the stage boundary it
-sits on changes no evaluation.
+(Firefly width growth, linear in parameters, App. B.1); they live in ``learners_growing``.
 """
 
 from __future__ import annotations
@@ -26,13 +20,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import UsageError
-from .firefly import grow_width, units_for_growth
 from .flops import count_forward_macs, count_parameters, inference_flops
 from .models import build_backbone
-from .models_moe import GATINGS, MoEBackbone
+from .models_moe import GATINGS
 
 METHODS = ("sm", "ens", "umix", "gens", "gmoe", "ff")
-GROWTH_EVAL_BATCH = 512
 
 
 @dataclass(frozen=True)
@@ -71,7 +63,9 @@ class LearnerSpec:
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            raise UsageError(f"--vision-method {self.method!r} is unknown; use one of {', '.join(METHODS)}")
+            raise UsageError(
+                f"--vision-method {self.method!r} is unknown; use one of {', '.join(METHODS)}"
+            )
         if self.width < 1:
             raise UsageError(f"--vision-width must be >= 1, got {self.width}")
         if self.members < 1:
@@ -104,8 +98,9 @@ class Learner(nn.Module):
     def predict_log_probs(self, x: Tensor) -> Tensor:
         raise NotImplementedError
 
-    def before_stage(self, stage_index: int, train_x: Tensor, train_y: Tensor,
-                     valid_x: Tensor, valid_y: Tensor) -> dict[str, Any]:
+    def before_stage(
+        self, stage_index: int, train_x: Tensor, train_y: Tensor, valid_x: Tensor, valid_y: Tensor
+    ) -> dict[str, Any]:
         """Grow before stage ``stage_index`` (1-based); returns what was done, with its FLOPs."""
         return {"flops": 0.0}
 
@@ -119,13 +114,20 @@ class Learner(nn.Module):
     def checkpoint_state(self) -> dict[str, Any]:
         """Everything needed to resume: parameters (whatever their grown shapes) and the RNG
         that drives initialisation, growth and hard routing."""
-        return {"spec": self.spec, "model": self.state_dict(), "generator": self.generator.get_state()}
+        return {
+            "spec": self.spec,
+            "model": self.state_dict(),
+            "generator": self.generator.get_state(),
+        }
 
     def load_checkpoint_state(self, checkpoint: dict[str, Any]) -> None:
         """Inverse of ``checkpoint_state`` on a freshly built learner of the same spec: grown
         tensors (FF widths, gMoE experts, gEns members) are resized to the saved shapes first."""
         if checkpoint["spec"] != self.spec:
-            raise UsageError(f"checkpoint was written by {checkpoint['spec']}, not {self.spec}; use the same flags")
+            raise UsageError(
+                f"checkpoint was written by {checkpoint['spec']}, not {self.spec}; "
+                "use the same flags"
+            )
         state = checkpoint["model"]
         self._resize_like(state)
         for name, tensor in list(self.named_parameters()) + list(self.named_buffers()):
@@ -134,7 +136,9 @@ class Learner(nn.Module):
                 owner_name, _, attr = name.rpartition(".")
                 owner = self.get_submodule(owner_name)
                 fresh = torch.empty_like(saved)
-                setattr(owner, attr, nn.Parameter(fresh) if isinstance(tensor, nn.Parameter) else fresh)
+                setattr(
+                    owner, attr, nn.Parameter(fresh) if isinstance(tensor, nn.Parameter) else fresh
+                )
         self.load_state_dict(state)
         self.generator.set_state(checkpoint["generator"])
 
@@ -151,7 +155,9 @@ class Learner(nn.Module):
         x = self._example_batch()
         if self.independent_members:
             x = x.expand(self.independent_members, *x.shape)
-        macs = count_forward_macs(module, lambda: self.train_logits(x, per_member=bool(self.independent_members)), 2)
+        macs = count_forward_macs(
+            module, lambda: self.train_logits(x, per_member=bool(self.independent_members)), 2
+        )
         module.train(was_training)
         return macs
 
@@ -172,7 +178,9 @@ class StackedLearner(Learner):
     def __init__(self, spec: LearnerSpec, input_shape: tuple[int, ...], num_classes: int) -> None:
         super().__init__(spec, input_shape, num_classes)
         members = 1 if spec.method == "sm" else spec.members
-        self.model = build_backbone(spec.arch, self.input_shape, spec.width, num_classes, members, self.generator)
+        self.model = build_backbone(
+            spec.arch, self.input_shape, spec.width, num_classes, members, self.generator
+        )
         per_member_order = spec.method == "ens" and spec.ens_member_data_order and members > 1
         self.independent_members = members if per_member_order else 0
         self.selection_groups = members if spec.method == "ens" else 1
@@ -194,50 +202,7 @@ class StackedLearner(Learner):
         return {"members": self.model.members}
 
 
-class GrowingEnsemble(Learner):
-    """gEns: one new member per stage (k = 1), trained alone; earlier members frozen."""
-
-    def __init__(self, spec: LearnerSpec, input_shape: tuple[int, ...], num_classes: int) -> None:
-        super().__init__(spec, input_shape, num_classes)
-        self.members = nn.ModuleList([self._new_member()])
-
-    def _new_member(self) -> nn.Module:
-        return build_backbone(self.spec.arch, self.input_shape, self.spec.width, self.num_classes, 1, self.generator)
-
-    def trainable(self) -> nn.Module:
-        return self.members[-1]
-
-    def train_logits(self, x: Tensor, per_member: bool = False) -> Tensor:
-        return self.members[-1](x)
-
-    def predict_log_probs(self, x: Tensor) -> Tensor:
-        log_probs = torch.stack([F.log_softmax(member(x)[0], dim=-1) for member in self.members])
-        return torch.logsumexp(log_probs, dim=0) - math.log(len(self.members))
-
-    def before_stage(self, stage_index, train_x, train_y, valid_x, valid_y) -> dict[str, Any]:
-        if stage_index > 1:
-            for member in self.members:
-                member.requires_grad_(False)
-                member.eval()
-            self.members.append(self._new_member())
-        return {"flops": 0.0, "members": len(self.members)}
-
-    def train(self, mode: bool = True) -> "GrowingEnsemble":
-        super().train(mode)
-        for member in self.members[:-1]:  # frozen members keep their batch-norm statistics
-            member.eval()
-        return self
-
-    def describe(self) -> dict[str, Any]:
-        return {"members": len(self.members)}
-
-    def _resize_like(self, state: dict[str, Tensor]) -> None:
-        saved = {int(key.split(".")[1]) for key in state if key.startswith("members.")}
-        while len(self.members) < len(saved):
-            self.before_stage(len(self.members) + 1, *([torch.empty(0)] * 4))
-
-
-class _SingleModelLearner(Learner):
+class SingleModelLearner(Learner):
     """A learner that is one model with one member (``self.model``, logits (1, B, C))."""
 
     model: nn.Module
@@ -252,82 +217,12 @@ class _SingleModelLearner(Learner):
         return F.log_softmax(self.model(x)[0], dim=-1)
 
 
-class GrowingMoE(_SingleModelLearner):
-    """gMoE: split the losing expert of every mixture layer at every stage (Algorithm 2)."""
-
-    def __init__(self, spec: LearnerSpec, input_shape: tuple[int, ...], num_classes: int) -> None:
-        super().__init__(spec, input_shape, num_classes)
-        layers = spec.mixture_layers
-        if layers is None:
-            layers = (0, 1) if spec.arch == "mlp" else tuple(range(16))
-        if spec.arch not in ("mlp", "vgg"):
-            raise UsageError(f"--vision-arch {spec.arch!r} is unknown; use mlp or vgg")
-        if spec.arch == "vgg":
-            build_backbone("vgg", self.input_shape, spec.width, num_classes, 1, None)  # validates the input
-        self.model = MoEBackbone(spec.arch, self.input_shape, spec.width, num_classes, spec.gating, layers, self.generator)
-        for block in self.model.blocks:
-            block.sampler = self.generator
-
-    def expert_losses(self, valid_x: Tensor, valid_y: Tensor) -> list[Tensor]:
-        """Per growing layer, (experts,): summed validation loss of the examples routed through
-        each expert (soft gating: weighted by the routing probability)."""
-        blocks = self.model.growing_blocks()
-        totals = [torch.zeros(block.num_experts, dtype=torch.float64) for block in blocks]
-        was_training = self.model.training
-        self.model.eval()
-        with torch.no_grad():
-            for start in range(0, valid_x.shape[0], GROWTH_EVAL_BATCH):
-                for block in blocks:
-                    block.routing_log = []
-                xb, yb = valid_x[start : start + GROWTH_EVAL_BATCH], valid_y[start : start + GROWTH_EVAL_BATCH]
-                losses = F.cross_entropy(self.model(xb)[0], yb, reduction="none").double()  # (B,)
-                for total, block in zip(totals, blocks):
-                    total += block.routing_log[0].double().t() @ losses
-        for block in blocks:
-            block.routing_log = None
-        self.model.train(was_training)
-        return totals
-
-    def before_stage(self, stage_index, train_x, train_y, valid_x, valid_y) -> dict[str, Any]:
-        if stage_index <= 1:
-            return {"flops": 0.0, "experts": self.describe()["experts"]}
-        flops = inference_flops(self.infer_macs_per_example(), valid_x.shape[0])
-        losers = [int(total.argmax()) for total in self.expert_losses(valid_x, valid_y)]
-        for block, loser in zip(self.model.growing_blocks(), losers):
-            block.split_expert(loser, self.generator)
-        return {"flops": flops, "split": losers, "experts": self.describe()["experts"]}
-
-    def describe(self) -> dict[str, Any]:
-        return {"experts": [block.num_experts for block in self.model.growing_blocks()]}
-
-
-class FireflyLearner(_SingleModelLearner):
-    """FF: Firefly width growth of every hidden layer, ≈ growth_rate × initial |θ| per stage."""
-
-    def __init__(self, spec: LearnerSpec, input_shape: tuple[int, ...], num_classes: int) -> None:
-        super().__init__(spec, input_shape, num_classes)
-        self.model = build_backbone(spec.arch, self.input_shape, spec.width, num_classes, 1, self.generator)
-        self.model.growable_layers()  # fails early on backbones FF cannot grow
-        self.initial_params = count_parameters(self.model)
-
-    def before_stage(self, stage_index, train_x, train_y, valid_x, valid_y) -> dict[str, Any]:
-        if stage_index <= 1:
-            return {"flops": 0.0, "widths": self.model.widths}
-        units = units_for_growth(self.model, self.spec.growth_rate * self.initial_params)
-        count = min(self.spec.ff_score_examples, train_x.shape[0])
-        pick = torch.randperm(train_x.shape[0], generator=self.generator)[:count]
-        report = grow_width(self.model, train_x[pick], train_y[pick], units, self.spec.ff_epsilon, self.generator)
-        return {"flops": report.flops, "widths": self.model.widths, "splits": list(report.splits),
-                "new_units": list(report.new_units)}
-
-    def describe(self) -> dict[str, Any]:
-        return {"widths": self.model.widths}
-
-
 def build_learner(spec: LearnerSpec, input_shape: tuple[int, ...], num_classes: int) -> Learner:
     """The learner for ``spec.method`` on inputs of ``input_shape`` with ``num_classes`` classes."""
     if spec.method in ("sm", "ens", "umix"):
         return StackedLearner(spec, input_shape, num_classes)
+    from .learners_growing import FireflyLearner, GrowingEnsemble, GrowingMoE
+
     if spec.method == "gens":
         return GrowingEnsemble(spec, input_shape, num_classes)
     if spec.method == "gmoe":

@@ -14,9 +14,10 @@ the grower which tensors hold each hidden unit's incoming and outgoing weights.
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -72,13 +73,17 @@ class StackedMLP(nn.Module):
     """MLP with hidden widths ``hidden`` (paper: two layers of width h), ReLU, N members."""
 
     def __init__(
-        self, in_features: int, hidden: Sequence[int], num_classes: int, members: int = 1,
+        self,
+        in_features: int,
+        hidden: Sequence[int],
+        num_classes: int,
+        members: int = 1,
         generator: torch.Generator | None = None,
     ) -> None:
         super().__init__()
         sizes = [in_features, *hidden, num_classes]
         self.layers = nn.ModuleList(
-            StackedLinear(members, a, b, generator) for a, b in zip(sizes[:-1], sizes[1:])
+            StackedLinear(members, a, b, generator) for a, b in itertools.pairwise(sizes)
         )
 
     @property
@@ -99,13 +104,15 @@ class StackedMLP(nn.Module):
         grown = []
         for index, layer in enumerate(self.layers[:-1]):
             fan_in = layer.weight.shape[1]
-            grown.append(GrowableLayer(
-                producers=(
-                    UnitTensor(layer, "weight", 2, _uniform(fan_in)),
-                    UnitTensor(layer, "bias", 1, _uniform(fan_in)),
-                ),
-                consumers=(UnitTensor(self.layers[index + 1], "weight", 1),),
-            ))
+            grown.append(
+                GrowableLayer(
+                    producers=(
+                        UnitTensor(layer, "weight", 2, _uniform(fan_in)),
+                        UnitTensor(layer, "bias", 1, _uniform(fan_in)),
+                    ),
+                    consumers=(UnitTensor(self.layers[index + 1], "weight", 1),),
+                )
+            )
         return grown
 
 
@@ -113,12 +120,19 @@ class StackedVGG(nn.Module):
     """Reduced VGG19 with batch norm: 16 conv(3x3)-BN-ReLU layers, 5 max-pools, linear head."""
 
     def __init__(
-        self, in_channels: int, image_size: tuple[int, int], widths: Sequence[int], num_classes: int,
-        members: int = 1, generator: torch.Generator | None = None,
+        self,
+        in_channels: int,
+        image_size: tuple[int, int],
+        widths: Sequence[int],
+        num_classes: int,
+        members: int = 1,
+        generator: torch.Generator | None = None,
     ) -> None:
         super().__init__()
         if len(widths) != VGG19_CONV_LAYERS:
-            raise ValueError(f"the reduced VGG19 has {VGG19_CONV_LAYERS} conv layers, got {len(widths)} widths")
+            raise ValueError(
+                f"the reduced VGG19 has {VGG19_CONV_LAYERS} conv layers, got {len(widths)} widths"
+            )
         height, width = image_size
         if height % 32 or width % 32:
             raise UsageError(
@@ -128,7 +142,7 @@ class StackedVGG(nn.Module):
         self.spatial = (height // 32) * (width // 32)
         channels = [in_channels, *widths]
         self.convs = nn.ModuleList(
-            StackedConv2d(members, a, b, generator) for a, b in zip(channels[:-1], channels[1:])
+            StackedConv2d(members, a, b, generator) for a, b in itertools.pairwise(channels)
         )
         self.norms = nn.ModuleList(StackedBatchNorm2d(members, c) for c in widths)
         self.classifier = StackedLinear(members, widths[-1] * self.spatial, num_classes, generator)
@@ -154,27 +168,35 @@ class StackedVGG(nn.Module):
 
     def growable_layers(self) -> list[GrowableLayer]:
         if self.spatial != 1:
-            raise UsageError("Firefly growth of the VGG needs 32x32 inputs (one feature per channel)")
+            raise UsageError(
+                "Firefly growth of the VGG needs 32x32 inputs (one feature per channel)"
+            )
         grown = []
         for index, (conv, norm) in enumerate(zip(self.convs, self.norms)):
             fan_in = conv.weight.shape[2] * 9
             consumer = self.convs[index + 1] if index + 1 < len(self.convs) else self.classifier
             consumer_dim = 2 if index + 1 < len(self.convs) else 1
-            grown.append(GrowableLayer(
-                producers=(
-                    UnitTensor(conv, "weight", 1, _uniform(fan_in)),
-                    UnitTensor(norm, "weight", 1, _constant(1.0)),
-                    UnitTensor(norm, "bias", 1, _constant(0.0)),
-                    UnitTensor(norm, "running_mean", 1, _constant(0.0)),
-                    UnitTensor(norm, "running_var", 1, _constant(1.0)),
-                ),
-                consumers=(UnitTensor(consumer, "weight", consumer_dim),),
-            ))
+            grown.append(
+                GrowableLayer(
+                    producers=(
+                        UnitTensor(conv, "weight", 1, _uniform(fan_in)),
+                        UnitTensor(norm, "weight", 1, _constant(1.0)),
+                        UnitTensor(norm, "bias", 1, _constant(0.0)),
+                        UnitTensor(norm, "running_mean", 1, _constant(0.0)),
+                        UnitTensor(norm, "running_var", 1, _constant(1.0)),
+                    ),
+                    consumers=(UnitTensor(consumer, "weight", consumer_dim),),
+                )
+            )
         return grown
 
 
 def build_backbone(
-    arch: str, input_shape: tuple[int, ...], width: int, num_classes: int, members: int,
+    arch: str,
+    input_shape: tuple[int, ...],
+    width: int,
+    num_classes: int,
+    members: int,
     generator: torch.Generator | None,
 ) -> nn.Module:
     """``mlp`` (two hidden layers of ``width``) or ``vgg`` (16 conv layers of ``width``)."""
@@ -182,6 +204,15 @@ def build_backbone(
         return StackedMLP(math.prod(input_shape), [width, width], num_classes, members, generator)
     if arch == "vgg":
         if len(input_shape) != 3:
-            raise UsageError("--vision-arch vgg needs image inputs (N, C, H, W); use mlp for feature vectors")
-        return StackedVGG(input_shape[0], input_shape[1:], [width] * VGG19_CONV_LAYERS, num_classes, members, generator)
+            raise UsageError(
+                "--vision-arch vgg needs image inputs (N, C, H, W); use mlp for feature vectors"
+            )
+        return StackedVGG(
+            input_shape[0],
+            input_shape[1:],
+            [width] * VGG19_CONV_LAYERS,
+            num_classes,
+            members,
+            generator,
+        )
     raise UsageError(f"--vision-arch {arch!r} is unknown; use mlp or vgg")

@@ -12,8 +12,9 @@ exactly and whose gradient reaches the gates through p_sel.
 
 from __future__ import annotations
 
+import itertools
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -42,8 +43,9 @@ class MixtureBlock(nn.Module):
         if kind == "linear":
             self.expert_layers = nn.ModuleList([StackedLinear(1, in_size, out_size, generator)])
         else:
-            self.expert_layers = nn.ModuleList([StackedConv2d(1, in_size, out_size, generator),
-                                                StackedBatchNorm2d(1, out_size)])
+            self.expert_layers = nn.ModuleList(
+                [StackedConv2d(1, in_size, out_size, generator), StackedBatchNorm2d(1, out_size)]
+            )
         self.gate = TreeGating(in_size)
         self.sampler: torch.Generator | None = None  # hard routing samples from it in training
         self.routing_log: list[Tensor] | None = None  # set to [] to record (B, E) routing weights
@@ -85,7 +87,12 @@ class MixtureBlock(nn.Module):
         conv, norm = self.expert_layers
         batch, channels, height, width = x.shape
         weight = conv.weight[leaf]  # (B, out, in, 3, 3)
-        out = F.conv2d(x.reshape(1, batch * channels, height, width), weight.flatten(0, 1), padding=1, groups=batch)
+        out = F.conv2d(
+            x.reshape(1, batch * channels, height, width),
+            weight.flatten(0, 1),
+            padding=1,
+            groups=batch,
+        )
         out = out.view(batch, -1, height, width)
         scale = norm.weight[leaf] / torch.sqrt(norm.running_var[leaf] + norm.eps)  # (B, out)
         shift = norm.bias[leaf] - norm.running_mean[leaf] * scale
@@ -101,15 +108,23 @@ class MixtureBlock(nn.Module):
             leaf = self.gate.choose_leaf(left, self.sampler, sample=self.training)  # (B,)
             if self.training:  # group examples by expert: batch-norm statistics per expert
                 order = torch.argsort(leaf, stable=True)
-                pieces = [self._one_expert(x[order[leaf[order] == e]], e) for e in leaf.unique().tolist()]
+                pieces = [
+                    self._one_expert(x[order[leaf[order] == e]], e) for e in leaf.unique().tolist()
+                ]
                 result = torch.cat(pieces)[torch.argsort(order)]  # back to input order
             else:
-                result = torch.cat([self._routed(x[i : i + _ROUTED_CHUNK], leaf[i : i + _ROUTED_CHUNK])
-                                    for i in range(0, x.shape[0], _ROUTED_CHUNK)])
+                result = torch.cat(
+                    [
+                        self._routed(x[i : i + _ROUTED_CHUNK], leaf[i : i + _ROUTED_CHUNK])
+                        for i in range(0, x.shape[0], _ROUTED_CHUNK)
+                    ]
+                )
             chosen = self.gate.leaf_probs(left).gather(1, leaf[:, None]).squeeze(1)  # (B,)
             gain = (chosen - chosen.detach()).view(-1, *([1] * (result.dim() - 1)))
             result = result + gain * result  # value: exactly h_sel; gradient: reaches the gates
-            weights = F.one_hot(leaf, self.num_experts).float() if self.routing_log is not None else None
+            weights = (
+                F.one_hot(leaf, self.num_experts).float() if self.routing_log is not None else None
+            )
         if weights is not None:
             self.routing_log.append(weights.detach())
         return result
@@ -118,9 +133,13 @@ class MixtureBlock(nn.Module):
         """Copy expert ``expert`` into a new expert under a new gate (Eq. 3); returns its index."""
         new_expert = self.num_experts
         for layer in self.expert_layers:
-            for name, tensor in list(layer.named_parameters(recurse=False)) + list(layer.named_buffers(recurse=False)):
+            for name, tensor in list(layer.named_parameters(recurse=False)) + list(
+                layer.named_buffers(recurse=False)
+            ):
                 grown = torch.cat([tensor.detach(), tensor.detach()[expert : expert + 1]])
-                setattr(layer, name, nn.Parameter(grown) if isinstance(tensor, nn.Parameter) else grown)
+                setattr(
+                    layer, name, nn.Parameter(grown) if isinstance(tensor, nn.Parameter) else grown
+                )
         self.gate.split(expert, new_expert, generator)
         return new_expert
 
@@ -137,17 +156,25 @@ class MixtureBlock(nn.Module):
             spatial = output.shape[2] * output.shape[3]
             per_expert = weight.shape[1] * weight.shape[2] * 9 * spatial + weight.shape[1] * spatial
         gates = self.gate.num_internal * self.gate.gate_features
-        combine = (self.num_experts - 1) * math.prod(output.shape[1:]) if self.gating == "soft" else 0
+        combine = (
+            (self.num_experts - 1) * math.prod(output.shape[1:]) if self.gating == "soft" else 0
+        )
         return batch * (experts_run * per_expert + gates + combine)
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # noqa: ANN001
-        """Resize expert tensors to the saved number of experts before loading (grown checkpoints)."""
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """Resize expert tensors to the saved expert count first (grown checkpoints)."""
         for index, layer in enumerate(self.expert_layers):
-            for name, tensor in list(layer.named_parameters(recurse=False)) + list(layer.named_buffers(recurse=False)):
+            for name, tensor in list(layer.named_parameters(recurse=False)) + list(
+                layer.named_buffers(recurse=False)
+            ):
                 saved = state_dict.get(f"{prefix}expert_layers.{index}.{name}")
                 if saved is not None and saved.shape != tensor.shape:
                     fresh = torch.empty_like(saved)
-                    setattr(layer, name, nn.Parameter(fresh) if isinstance(tensor, nn.Parameter) else fresh)
+                    setattr(
+                        layer,
+                        name,
+                        nn.Parameter(fresh) if isinstance(tensor, nn.Parameter) else fresh,
+                    )
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
@@ -155,26 +182,35 @@ class MoEBackbone(nn.Module):
     """MLP or reduced VGG19 whose layers are MixtureBlocks; returns logits (1, B, classes)."""
 
     def __init__(
-        self, arch: str, input_shape: tuple[int, ...], width: int, num_classes: int, gating: str,
-        mixture_layers: Sequence[int], generator: torch.Generator | None,
+        self,
+        arch: str,
+        input_shape: tuple[int, ...],
+        width: int,
+        num_classes: int,
+        gating: str,
+        mixture_layers: Sequence[int],
+        generator: torch.Generator | None,
     ) -> None:
         super().__init__()
         self.arch = arch
         if arch == "mlp":
             sizes = [math.prod(input_shape), width, width]
             self.blocks = nn.ModuleList(
-                MixtureBlock("linear", a, b, gating, generator) for a, b in zip(sizes[:-1], sizes[1:])
+                MixtureBlock("linear", a, b, gating, generator)
+                for a, b in itertools.pairwise(sizes)
             )
             head_in = width
         else:
             sizes = [input_shape[0]] + [width] * VGG19_CONV_LAYERS
             self.blocks = nn.ModuleList(
-                MixtureBlock("conv", a, b, gating, generator) for a, b in zip(sizes[:-1], sizes[1:])
+                MixtureBlock("conv", a, b, gating, generator) for a, b in itertools.pairwise(sizes)
             )
             head_in = width * (input_shape[1] // 32) * (input_shape[2] // 32)
         bad = [i for i in mixture_layers if not 0 <= i < len(self.blocks)]
         if bad:
-            raise ValueError(f"mixture layers {bad} out of range: this backbone has {len(self.blocks)} layers")
+            raise ValueError(
+                f"mixture layers {bad} out of range: this backbone has {len(self.blocks)} layers"
+            )
         self.mixture_layers = tuple(sorted(set(mixture_layers)))
         self.head = StackedLinear(1, head_in, num_classes, generator)
 

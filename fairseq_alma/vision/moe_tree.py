@@ -21,7 +21,7 @@ internal node the root is expert 0.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -91,7 +91,9 @@ class TreeGating(nn.Module):
             stack.append((codes[code][1], mass * (1 - a)))
         return torch.stack(probs, dim=1)
 
-    def choose_leaf(self, left_probs: Tensor, generator: torch.Generator | None, sample: bool) -> Tensor:
+    def choose_leaf(
+        self, left_probs: Tensor, generator: torch.Generator | None, sample: bool
+    ) -> Tensor:
         """(B,) expert index: walk from the root, at each node sampling (training) or taking
         the more probable branch (test time)."""
         batch = left_probs.shape[0]
@@ -131,12 +133,16 @@ class TreeGating(nn.Module):
         self.weight = nn.Parameter(torch.cat([self.weight.detach(), fresh_weight]))
         self.bias = nn.Parameter(torch.cat([self.bias.detach(), fresh_bias]))
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # noqa: ANN001
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         """Resize to the saved tree first, so a grown gMoE checkpoint loads into a fresh model."""
         for name in ("weight", "bias", "children_codes"):
             saved = state_dict.get(prefix + name)
             current = getattr(self, name)
             if saved is not None and saved.shape != current.shape:
                 resized = torch.empty_like(saved)
-                setattr(self, name, nn.Parameter(resized) if isinstance(current, nn.Parameter) else resized)
+                setattr(
+                    self,
+                    name,
+                    nn.Parameter(resized) if isinstance(current, nn.Parameter) else resized,
+                )
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)

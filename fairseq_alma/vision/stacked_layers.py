@@ -30,10 +30,16 @@ class StackedLinear(nn.Module):
     """N Linear layers: ``(B, in)`` shared or ``(N, B, in)`` per member -> ``(N, B, out)``."""
 
     def __init__(
-        self, members: int, in_features: int, out_features: int, generator: torch.Generator | None = None
+        self,
+        members: int,
+        in_features: int,
+        out_features: int,
+        generator: torch.Generator | None = None,
     ) -> None:
         super().__init__()
-        self.weight = nn.Parameter(uniform_init((members, in_features, out_features), in_features, generator))
+        self.weight = nn.Parameter(
+            uniform_init((members, in_features, out_features), in_features, generator)
+        )
         self.bias = nn.Parameter(uniform_init((members, out_features), in_features, generator))
 
     @property
@@ -65,11 +71,17 @@ class StackedConv2d(nn.Module):
     """
 
     def __init__(
-        self, members: int, in_channels: int, out_channels: int, generator: torch.Generator | None = None
+        self,
+        members: int,
+        in_channels: int,
+        out_channels: int,
+        generator: torch.Generator | None = None,
     ) -> None:
         super().__init__()
         fan_in = in_channels * 9
-        self.weight = nn.Parameter(uniform_init((members, out_channels, in_channels, 3, 3), fan_in, generator))
+        self.weight = nn.Parameter(
+            uniform_init((members, out_channels, in_channels, 3, 3), fan_in, generator)
+        )
 
     @property
     def members(self) -> int:
@@ -78,15 +90,28 @@ class StackedConv2d(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         members, out_channels, in_channels = self.weight.shape[:3]
         groups = 1 if x.shape[1] == in_channels else members
-        return F.conv2d(x, self.weight.reshape(members * out_channels, in_channels, 3, 3), padding=1, groups=groups)
+        return F.conv2d(
+            x,
+            self.weight.reshape(members * out_channels, in_channels, 3, 3),
+            padding=1,
+            groups=groups,
+        )
 
     def forward_member(self, x: Tensor, member: int) -> Tensor:
         return F.conv2d(x, self.weight[member], padding=1)
 
     def forward_macs(self, inputs: tuple, output: Tensor) -> int:
-        members, out_channels, in_channels = self.weight.shape[:3]
+        members, _out_channels, in_channels = self.weight.shape[:3]
         per_member_out = output.shape[1] // members
-        return members * output.shape[0] * per_member_out * in_channels * 9 * output.shape[2] * output.shape[3]
+        return (
+            members
+            * output.shape[0]
+            * per_member_out
+            * in_channels
+            * 9
+            * output.shape[2]
+            * output.shape[3]
+        )
 
 
 class StackedBatchNorm2d(nn.Module):
@@ -96,7 +121,9 @@ class StackedBatchNorm2d(nn.Module):
     norms.  No ``num_batches_tracked`` (momentum is fixed), keeping every tensor member-first.
     """
 
-    def __init__(self, members: int, channels: int, momentum: float = 0.1, eps: float = 1e-5) -> None:
+    def __init__(
+        self, members: int, channels: int, momentum: float = 0.1, eps: float = 1e-5
+    ) -> None:
         super().__init__()
         self.momentum = momentum
         self.eps = eps
@@ -113,14 +140,26 @@ class StackedBatchNorm2d(nn.Module):
         # .view(-1) of the (N, C) buffers are views: F.batch_norm's in-place running-stat update
         # lands in the member-first buffers.
         return F.batch_norm(
-            x, self.running_mean.view(-1), self.running_var.view(-1), self.weight.view(-1),
-            self.bias.view(-1), self.training, self.momentum, self.eps,
+            x,
+            self.running_mean.view(-1),
+            self.running_var.view(-1),
+            self.weight.view(-1),
+            self.bias.view(-1),
+            self.training,
+            self.momentum,
+            self.eps,
         )
 
     def forward_member(self, x: Tensor, member: int) -> Tensor:
         return F.batch_norm(
-            x, self.running_mean[member], self.running_var[member], self.weight[member],
-            self.bias[member], self.training, self.momentum, self.eps,
+            x,
+            self.running_mean[member],
+            self.running_var[member],
+            self.weight[member],
+            self.bias[member],
+            self.training,
+            self.momentum,
+            self.eps,
         )
 
     def forward_macs(self, inputs: tuple, output: Tensor) -> int:

@@ -4,18 +4,19 @@ A stage trains ``epochs`` epochs (paper: 100) over the stage's training tensors 
 of 128 and keeps the parameters of the epoch with the lowest loss on the stage's validation
 tensors (10% of each mega-batch it trains on: the only data the learner may select on, §3.1;
 never the test set).  Epoch 0, the parameters the stage started from, is a candidate too, so a
-stage never leaves a learner worse on its own validation data.  Ens members are independent runs
+stage never leaves a learner worse on its own validation data. Ens members are independent runs
 (their losses are summed, so each gets exactly its own gradient) and each keeps its own best
-epoch; they see the same mini-batches unless the learner asks for one data order per member.  Optimizers (App. B.1): MNIST
-AdaDelta lr 1.0; CIFAR SGD lr 0.01, momentum 0.9, weight decay 1e-4; one fresh optimizer per
-stage, built after any growth so it always holds the current parameters.
+epoch; they see the same mini-batches unless the learner asks for one data order per member.
+Optimizers (App. B.1): MNIST AdaDelta lr 1.0; CIFAR SGD lr 0.01, momentum 0.9, weight decay
+1e-4; one fresh optimizer per stage, built after any growth so it always holds the current
+parameters.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -45,18 +46,25 @@ class OptimizerSpec:
             raise UsageError(f"--lr must be > 0, got {self.lr}")
 
     @staticmethod
-    def paper_mnist() -> "OptimizerSpec":
+    def paper_mnist() -> OptimizerSpec:
         return OptimizerSpec("adadelta", 1.0)
 
     @staticmethod
-    def paper_cifar() -> "OptimizerSpec":
+    def paper_cifar() -> OptimizerSpec:
         return OptimizerSpec("sgd", 0.01, momentum=0.9, weight_decay=1e-4)
 
     def build(self, parameters: list[nn.Parameter]) -> torch.optim.Optimizer:
         if self.name == "adadelta":
-            return torch.optim.Adadelta(parameters, lr=self.lr, weight_decay=self.weight_decay, foreach=True)
-        return torch.optim.SGD(parameters, lr=self.lr, momentum=self.momentum,
-                               weight_decay=self.weight_decay, foreach=True)
+            return torch.optim.Adadelta(
+                parameters, lr=self.lr, weight_decay=self.weight_decay, foreach=True
+            )
+        return torch.optim.SGD(
+            parameters,
+            lr=self.lr,
+            momentum=self.momentum,
+            weight_decay=self.weight_decay,
+            foreach=True,
+        )
 
 
 @dataclass(frozen=True)
@@ -121,14 +129,26 @@ def _keep_group(best: dict[str, Tensor], module: nn.Module, group: int, groups: 
             best[key][group] = value[group]
 
 
-def train_stage(learner: Learner, train_x: Tensor, train_y: Tensor, valid_x: Tensor, valid_y: Tensor,
-                config: StageTrainConfig, seed: int,
-                progress: Callable[[int, float, list[float]], None] | None = None) -> StageResult:
+def train_stage(
+    learner: Learner,
+    train_x: Tensor,
+    train_y: Tensor,
+    valid_x: Tensor,
+    valid_y: Tensor,
+    config: StageTrainConfig,
+    seed: int,
+    progress: Callable[[int, float, list[float]], None] | None = None,
+) -> StageResult:
     """Train ``learner`` for one stage and restore its best-validation epoch (see module doc)."""
     if train_x.shape[0] == 0:
-        raise UsageError("a stage has no training examples; use fewer mega-batches (--num-megabatches)")
+        raise UsageError(
+            "a stage has no training examples; use fewer mega-batches (--num-megabatches)"
+        )
     if config.augment and train_x.dim() != 4:
-        raise UsageError("crop/flip augmentation needs image inputs (N, C, H, W); drop --augment for feature vectors")
+        raise UsageError(
+            "crop/flip augmentation needs image inputs (N, C, H, W); "
+            "drop --augment for feature vectors"
+        )
     started = time.perf_counter()
     module = learner.trainable()
     optimizer = config.optimizer.build([p for p in module.parameters() if p.requires_grad])
@@ -148,14 +168,19 @@ def train_stage(learner: Learner, train_x: Tensor, train_y: Tensor, valid_x: Ten
     n = train_x.shape[0]
     for epoch in range(1, config.epochs + 1):
         module.train()
-        order = torch.stack([torch.randperm(n, generator=generator) for _ in range(members)]) if members \
+        order = (
+            torch.stack([torch.randperm(n, generator=generator) for _ in range(members)])
+            if members
             else torch.randperm(n, generator=generator)
+        )
         running = torch.zeros(())
         for start in range(0, n, config.batch_size):
             index = order[..., start : start + config.batch_size]  # (B,) or (N, B)
             xb, yb = train_x[index], train_y[index]
             if config.augment:
-                xb = random_crop_flip(xb.flatten(0, xb.dim() - 4), generator, fill=fill).view(xb.shape)
+                xb = random_crop_flip(xb.flatten(0, xb.dim() - 4), generator, fill=fill).view(
+                    xb.shape
+                )
             logits = learner.train_logits(xb, per_member=bool(members))  # (G, B, C)
             if logits.shape[0] == 1:
                 loss = F.cross_entropy(logits[0], yb)
@@ -187,8 +212,12 @@ def train_stage(learner: Learner, train_x: Tensor, train_y: Tensor, valid_x: Ten
     # macs covers every member (an Ens step runs all N on one example each).
     flops = training_flops(macs, examples) + inference_flops(macs, valid_x.shape[0] * len(curve))
     return StageResult(
-        epochs=config.epochs, best_epoch=best_epoch, best_valid_loss=best_loss.tolist(),
-        valid_losses=curve, train_examples=examples, flops=flops,
+        epochs=config.epochs,
+        best_epoch=best_epoch,
+        best_valid_loss=best_loss.tolist(),
+        valid_losses=curve,
+        train_examples=examples,
+        flops=flops,
         wall_time=time.perf_counter() - started,
     )
 

@@ -1,4 +1,4 @@
-"""Small in-process sweeps: methods × sizes × waiting times × seeds, with a CER table (§5, §6.1).
+"""In-process sweeps: methods × sizes × waiting times × seeds, with a CER table (§5, §6.1).
 
 The paper's first vision finding (§6.1, Fig. 3, App. C.1): without replay, an intermediate
 waiting time often has a lower cumulative error rate (Eq. 1) than both w = 1 (greedy) and w = B
@@ -19,8 +19,8 @@ import argparse
 import os
 import statistics
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -55,8 +55,14 @@ def run_name(spec: LearnerSpec, stream: StreamSpec) -> str:
     return f"{spec.method}_{spec.arch}{spec.width}_w{stream.wait}{replay}_s{spec.seed}"
 
 
-def run_or_reuse(data: VisionData, spec: LearnerSpec, stream: StreamSpec, config: StageTrainConfig,
-                 out_dir: str, quiet: bool = False) -> RunSummary:
+def run_or_reuse(
+    data: VisionData,
+    spec: LearnerSpec,
+    stream: StreamSpec,
+    config: StageTrainConfig,
+    out_dir: str,
+    quiet: bool = False,
+) -> RunSummary:
     """Run one stream unless ``out_dir/<run>/stream.jsonl`` already holds all B + 1 records."""
     path = os.path.join(out_dir, run_name(spec, stream), "stream.jsonl")
     records = None
@@ -68,12 +74,21 @@ def run_or_reuse(data: VisionData, spec: LearnerSpec, stream: StreamSpec, config
         if records is not None and len(records) != stream.num_megabatches + 1:
             records = None
     if records is None:
-        records = run_stream(data, spec, stream, config, log=None if quiet else print, jsonl_path=path)
+        records = run_stream(
+            data, spec, stream, config, log=None if quiet else print, jsonl_path=path
+        )
     errors = [r["test_error"] for r in records]
     return RunSummary(
-        method=spec.method, arch=spec.arch, width=spec.width, wait=stream.wait, replay=stream.replay,
-        seed=spec.seed, cer=cumulative_error_rate(errors), final_error=errors[-1],
-        mem=cumulative([r["params_active"] for r in records])[-1], comp=records[-1]["train_flops_cum"],
+        method=spec.method,
+        arch=spec.arch,
+        width=spec.width,
+        wait=stream.wait,
+        replay=stream.replay,
+        seed=spec.seed,
+        cer=cumulative_error_rate(errors),
+        final_error=errors[-1],
+        mem=cumulative([r["params_active"] for r in records])[-1],
+        comp=records[-1]["train_flops_cum"],
     )
 
 
@@ -82,16 +97,22 @@ def format_table(runs: Sequence[RunSummary]) -> str:
     groups: dict[tuple, list[RunSummary]] = {}
     for run in runs:
         groups.setdefault((run.method, run.arch, run.width, run.replay, run.wait), []).append(run)
-    lines = [f"{'method':<7}{'model':<8}{'replay':<7}{'w':>4}{'seeds':>6}{'CER':>9}{'±':>7}"
-             f"{'final err':>10}{'Mem':>11}{'Comp (FLOPs)':>14}"]
+    lines = [
+        (
+            f"{'method':<7}{'model':<8}{'replay':<7}{'w':>4}{'seeds':>6}{'CER':>9}{'±':>7}"
+            f"{'final err':>10}{'Mem':>11}{'Comp (FLOPs)':>14}"
+        )
+    ]
     for key in sorted(groups):
         group = groups[key]
         cers = [run.cer for run in group]
         spread = statistics.stdev(cers) if len(cers) > 1 else 0.0
         lines.append(
-            f"{key[0]:<7}{key[1] + str(key[2]):<8}{'yes' if key[3] else 'no':<7}{key[4]:>4}{len(group):>6}"
-            f"{statistics.mean(cers):>9.3f}{spread:>7.3f}{statistics.mean(r.final_error for r in group):>10.3f}"
-            f"{statistics.mean(r.mem for r in group):>11.3g}{statistics.mean(r.comp for r in group):>14.3g}"
+            f"{key[0]:<7}{key[1] + str(key[2]):<8}{'yes' if key[3] else 'no':<7}{key[4]:>4}"
+            f"{len(group):>6}{statistics.mean(cers):>9.3f}{spread:>7.3f}"
+            f"{statistics.mean(r.final_error for r in group):>10.3f}"
+            f"{statistics.mean(r.mem for r in group):>11.3g}"
+            f"{statistics.mean(r.comp for r in group):>14.3g}"
         )
     return "\n".join(lines)
 
@@ -99,25 +120,60 @@ def format_table(runs: Sequence[RunSummary]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m fairseq_alma.vision.sweep",
-        description="Run vision ALMA streams for several methods, sizes and waiting times; print CER.")
-    parser.add_argument("--out", required=True, help="directory for per-run stream.jsonl and summary.json")
-    parser.add_argument("--dataset", default="digits", choices=DATASET_KINDS, help="data set (default: embedded digits)")
-    parser.add_argument("--data-path", default=None, help="MNIST IDX dir, CIFAR-10 batches dir or .npz file")
-    parser.add_argument("--arch", default="mlp", choices=("mlp", "vgg"), help="backbone (paper: mlp on MNIST, vgg on CIFAR)")
-    parser.add_argument("--methods", nargs="+", default=["sm"], choices=METHODS, help="learners to run")
-    parser.add_argument("--widths", nargs="+", type=int, default=[8], help="hidden width h / channels c")
-    parser.add_argument("--waits", nargs="+", type=int, default=[1, 2, 5, 10, 20], help="waiting times w")
-    parser.add_argument("--num-megabatches", type=int, default=20, help="B (paper: 500 MNIST, 100 CIFAR)")
-    parser.add_argument("--replay", action="store_true", help="train on every mega-batch seen so far")
+        description="Run vision ALMA streams over methods, sizes and waiting times; print CER.",
+    )
+    parser.add_argument(
+        "--out", required=True, help="directory for per-run stream.jsonl and summary.json"
+    )
+    parser.add_argument(
+        "--dataset",
+        default="digits",
+        choices=DATASET_KINDS,
+        help="data set (default: embedded digits)",
+    )
+    parser.add_argument(
+        "--data-path", default=None, help="MNIST IDX dir, CIFAR-10 batches dir or .npz file"
+    )
+    parser.add_argument(
+        "--arch",
+        default="mlp",
+        choices=("mlp", "vgg"),
+        help="backbone (paper: mlp on MNIST, vgg on CIFAR)",
+    )
+    parser.add_argument(
+        "--methods", nargs="+", default=["sm"], choices=METHODS, help="learners to run"
+    )
+    parser.add_argument(
+        "--widths", nargs="+", type=int, default=[8], help="hidden width h / channels c"
+    )
+    parser.add_argument(
+        "--waits", nargs="+", type=int, default=[1, 2, 5, 10, 20], help="waiting times w"
+    )
+    parser.add_argument(
+        "--num-megabatches", type=int, default=20, help="B (paper: 500 MNIST, 100 CIFAR)"
+    )
+    parser.add_argument(
+        "--replay", action="store_true", help="train on every mega-batch seen so far"
+    )
     parser.add_argument("--epochs", type=int, default=20, help="epochs per stage (paper: 100)")
-    parser.add_argument("--seeds", nargs="+", type=int, default=[1], help="seeds (partition, init, data order)")
+    parser.add_argument(
+        "--seeds", nargs="+", type=int, default=[1], help="seeds (partition, init, data order)"
+    )
     parser.add_argument("--members", type=int, default=5, help="N for ens and umix (paper: 5)")
     parser.add_argument("--gating", default="soft", choices=("soft", "hard"), help="gMoE gating")
-    parser.add_argument("--optimizer", default=None, choices=("adadelta", "sgd"),
-                        help="default: adadelta lr 1 (MNIST, digits, npz) or sgd lr 0.01 m 0.9 wd 1e-4 (CIFAR)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads (default 1: these small models gain nothing from more, "
-                             "and spare threads spin-wait on a busy machine)")
+    parser.add_argument(
+        "--optimizer",
+        default=None,
+        choices=("adadelta", "sgd"),
+        help="default: adadelta lr 1 (MNIST, digits, npz) or sgd lr 0.01 m 0.9 wd 1e-4 (CIFAR)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default 1: these small models gain nothing from more, "
+        "and spare threads spin-wait on a busy machine)",
+    )
     parser.add_argument("--quiet", action="store_true", help="only print the final table")
     return parser
 
@@ -133,25 +189,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.optimizer is None:
             optimizer = OptimizerSpec.paper_cifar() if cifar else OptimizerSpec.paper_mnist()
         else:
-            optimizer = OptimizerSpec.paper_cifar() if args.optimizer == "sgd" else OptimizerSpec.paper_mnist()
+            optimizer = (
+                OptimizerSpec.paper_cifar()
+                if args.optimizer == "sgd"
+                else OptimizerSpec.paper_mnist()
+            )
         data = load_vision_data(args.dataset, args.data_path)
         fill = tuple(-m / s for m, s in zip(data.mean, data.std)) if cifar else None
-        config = StageTrainConfig(epochs=args.epochs, optimizer=optimizer, augment=cifar, augment_fill=fill)
+        config = StageTrainConfig(
+            epochs=args.epochs, optimizer=optimizer, augment=cifar, augment_fill=fill
+        )
         runs = []
         for method in args.methods:
             for width in args.widths:
                 for wait in args.waits:
                     for seed in args.seeds:
-                        spec = LearnerSpec(method, args.arch, width, members=args.members, gating=args.gating, seed=seed)
+                        spec = LearnerSpec(
+                            method,
+                            args.arch,
+                            width,
+                            members=args.members,
+                            gating=args.gating,
+                            seed=seed,
+                        )
                         stream = StreamSpec(args.num_megabatches, wait, args.replay, seed=seed)
                         runs.append(run_or_reuse(data, spec, stream, config, args.out, args.quiet))
     except UsageError as err:
         print(err.code, file=sys.stderr)
         return 2
     table = format_table(runs)
-    atomic_write_json(os.path.join(args.out, "summary.json"),
-                      {"dataset": data.name, "epochs": args.epochs, "num_megabatches": args.num_megabatches,
-                       "runs": [run.__dict__ for run in runs]})
+    atomic_write_json(
+        os.path.join(args.out, "summary.json"),
+        {
+            "dataset": data.name,
+            "epochs": args.epochs,
+            "num_megabatches": args.num_megabatches,
+            "runs": [run.__dict__ for run in runs],
+        },
+    )
     print(table)
     return 0
 
