@@ -6,7 +6,7 @@ waiting time often has a lower cumulative error rate (Eq. 1) than both w = 1 (gr
 the vision data sets (default: the embedded digits, nothing downloaded):
 
     python -m fairseq_alma.vision.sweep --out sweep_out --methods sm --widths 4 8 \\
-        --waits 1 2 5 10 20 --num-megabatches 20 --epochs 20 --seeds 1 2 3
+        --waits 1 2 5 10 20 --num-megabatches 20 --epochs-per-stage 20 --seeds 1 2 3
 
 Each run writes ``<out>/<method>_<arch><width>_w<w>[_replay]_s<seed>/stream.jsonl`` (the task's
 record format, so ``alma-score`` reads it); a run whose file is complete is not run again, so an
@@ -143,21 +143,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--methods", nargs="+", default=["sm"], choices=METHODS, help="learners to run"
     )
-    parser.add_argument(
-        "--widths", nargs="+", type=int, default=[8], help="hidden width h / channels c"
-    )
-    parser.add_argument(
-        "--waits", nargs="+", type=int, default=[1, 2, 5, 10, 20], help="waiting times w"
-    )
+    for flag, default, text in (
+        ("--widths", [8], "hidden width h / channels c"),
+        ("--waits", [1, 2, 5, 10, 20], "waiting times w"),
+        ("--seeds", [1], "seeds (partition, init, data order)"),
+    ):
+        parser.add_argument(flag, nargs="+", type=int, default=default, help=text)
     parser.add_argument(
         "--num-megabatches", type=int, default=20, help="B (paper: 500 MNIST, 100 CIFAR)"
     )
     parser.add_argument(
         "--replay", action="store_true", help="train on every mega-batch seen so far"
     )
-    parser.add_argument("--epochs", type=int, default=20, help="epochs per stage (paper: 100)")
     parser.add_argument(
-        "--seeds", nargs="+", type=int, default=[1], help="seeds (partition, init, data order)"
+        "--epochs-per-stage", type=int, default=20, help="epochs per stage (paper: 100)"
     )
     parser.add_argument("--members", type=int, default=5, help="N for ens and umix (paper: 5)")
     parser.add_argument("--gating", default="soft", choices=("soft", "hard"), help="gMoE gating")
@@ -178,12 +177,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_lists(args: argparse.Namespace) -> str | None:
+    if min(args.widths) < 1:
+        return f"--widths must all be >= 1, got {args.widths}"
+    if args.num_megabatches < 1:
+        return f"--num-megabatches must be >= 1, got {args.num_megabatches}"
+    if not all(1 <= wait <= args.num_megabatches for wait in args.waits):
+        return f"--waits must all be between 1 and --num-megabatches ({args.num_megabatches}), got {args.waits}"
+    if min(args.seeds) < 0:
+        return f"--seeds must all be >= 0, got {args.seeds}"
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.threads < 1:
         print("fairseq-alma: error: --threads must be >= 1", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
+    problem = _check_lists(args)
+    if problem:
+        print(f"fairseq-alma: error: {problem}", file=sys.stderr)
+        return 2
     try:
         cifar = args.dataset == "cifar10"
         if args.optimizer is None:
@@ -197,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         data = load_vision_data(args.dataset, args.data_path)
         fill = tuple(-m / s for m, s in zip(data.mean, data.std)) if cifar else None
         config = StageTrainConfig(
-            epochs=args.epochs, optimizer=optimizer, augment=cifar, augment_fill=fill
+            epochs=args.epochs_per_stage, optimizer=optimizer, augment=cifar, augment_fill=fill
         )
         runs = []
         for method in args.methods:
@@ -222,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.path.join(args.out, "summary.json"),
         {
             "dataset": data.name,
-            "epochs": args.epochs,
+            "epochs": args.epochs_per_stage,
             "num_megabatches": args.num_megabatches,
             "runs": [run.__dict__ for run in runs],
         },
