@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from fairseq.data import Dictionary
 from fairseq.models import ARCH_CONFIG_REGISTRY
 from lm_fixtures import run, tool
 from omegaconf import OmegaConf
+from test_switch_lm import FakeTask  # a dictionary of VOCAB symbols, as task.target_dictionary
 
 from fairseq_alma.criterions.switch_cross_entropy import SwitchCrossEntropyCriterion
 from fairseq_alma.models.switch_transformer_lm import (
@@ -24,14 +24,6 @@ from fairseq_alma.models.umix_switch_transformer_lm import (
 REPO = Path(__file__).resolve().parent.parent
 USER_DIR = str(REPO / "fairseq_alma")
 VOCAB = 40
-
-
-class FakeTask:
-    def __init__(self, vocab: int):
-        self.target_dictionary = Dictionary()
-        for i in range(vocab - len(self.target_dictionary)):
-            self.target_dictionary.add_symbol(f"w{i}")
-        self.source_dictionary = self.target_dictionary
 
 
 def build(umix_members=None, arch="switch_transformer_lm_tiny", **overrides):
