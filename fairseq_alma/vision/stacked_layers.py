@@ -47,12 +47,15 @@ class StackedLinear(nn.Module):
         return self.weight.shape[0]
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dim() == 2:  # shared input: one GEMM against all members' weights side by side
-            members, in_features, out_features = self.weight.shape
-            flat = self.weight.transpose(0, 1).reshape(in_features, members * out_features)
-            out = (x @ flat).view(x.shape[0], members, out_features).transpose(0, 1)  # (N, B, out)
-            return out + self.bias.unsqueeze(1)
-        return torch.baddbmm(self.bias.unsqueeze(1), x, self.weight)  # (N, B, out)
+        members, in_features, out_features = self.weight.shape
+        if x.dim() == 3:  # one input per member: a batched matmul
+            return torch.baddbmm(self.bias.unsqueeze(1), x, self.weight)  # (N, B, out)
+        if members == 1:
+            return torch.addmm(self.bias[0], x, self.weight[0]).unsqueeze(0)  # (1, B, out)
+        # Shared input: one GEMM against all members' weights side by side, bias fused.
+        flat = self.weight.transpose(0, 1).reshape(in_features, members * out_features)
+        out = torch.addmm(self.bias.reshape(-1), x, flat)  # (B, N*out)
+        return out.view(x.shape[0], members, out_features).transpose(0, 1)  # (N, B, out)
 
     def forward_member(self, x: Tensor, member: int) -> Tensor:
         """Only member ``member`` on ``(B, in)`` -> ``(B, out)`` (hard-gated experts)."""
