@@ -48,7 +48,9 @@ class GrowingEnsemble(Learner):
         log_probs = torch.stack([F.log_softmax(member(x)[0], dim=-1) for member in self.members])
         return torch.logsumexp(log_probs, dim=0) - math.log(len(self.members))
 
-    def before_stage(self, stage_index, train_x, train_y, valid_x, valid_y) -> dict[str, Any]:
+    def before_stage(
+        self, stage_index: int, train_x: Tensor, train_y: Tensor, valid_x: Tensor, valid_y: Tensor
+    ) -> dict[str, Any]:
         if stage_index > 1:
             for member in self.members:
                 member.requires_grad_(False)
@@ -120,7 +122,9 @@ class GrowingMoE(SingleModelLearner):
         self.model.train(was_training)
         return totals
 
-    def before_stage(self, stage_index, train_x, train_y, valid_x, valid_y) -> dict[str, Any]:
+    def before_stage(
+        self, stage_index: int, train_x: Tensor, train_y: Tensor, valid_x: Tensor, valid_y: Tensor
+    ) -> dict[str, Any]:
         if stage_index <= 1:
             return {"flops": 0.0, "experts": self.describe()["experts"]}
         flops = inference_flops(self.infer_macs_per_example(), valid_x.shape[0])
@@ -144,7 +148,9 @@ class FireflyLearner(SingleModelLearner):
         self.model.growable_layers()  # fails early on backbones FF cannot grow
         self.initial_params = count_parameters(self.model)
 
-    def before_stage(self, stage_index, train_x, train_y, valid_x, valid_y) -> dict[str, Any]:
+    def before_stage(
+        self, stage_index: int, train_x: Tensor, train_y: Tensor, valid_x: Tensor, valid_y: Tensor
+    ) -> dict[str, Any]:
         if stage_index <= 1:
             return {"flops": 0.0, "widths": self.model.widths}
         units = units_for_growth(self.model, self.spec.growth_rate * self.initial_params)
