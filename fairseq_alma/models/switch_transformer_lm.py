@@ -27,6 +27,8 @@ from torch import Tensor, nn
 
 from ..errors import UsageError, require
 from ..modules.switch_decoder_layer import DenseFFN, SwitchDecoderLayer
+from ..modules.expert_parallel import build_switch_ffn
+from ..modules.expert_parallel_fairseq import prepare_expert_parallel
 from ..modules.switch_ffn import SwitchFFN
 
 logger = logging.getLogger(__name__)
@@ -70,6 +72,14 @@ class SwitchTransformerLMConfig(FairseqDataclass):
         },
     )
     moe_jitter_eps: float = field(default=0.0, metadata={"help": "multiplicative router jitter noise in training (0 = off)"})
+    moe_expert_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "shard each MoE block's experts over groups of this many training processes (all_to_all "
+            "token exchange); must divide --moe-experts and the number of processes; 1 = every process holds "
+            "all experts"
+        },
+    )
     max_target_positions: Optional[int] = field(default=None, metadata={"help": "max tokens per sequence"})
     tokens_per_sample: int = II("task.tokens_per_sample")
 
@@ -115,7 +125,8 @@ class SwitchTransformerDecoder(FairseqIncrementalDecoder):
     @staticmethod
     def _build_ffn(cfg: SwitchTransformerLMConfig, layer: int) -> nn.Module:
         if (layer + 1) % cfg.moe_freq == 0:
-            return SwitchFFN(
+            return build_switch_ffn(
+                cfg.moe_expert_parallel_size,
                 cfg.decoder_embed_dim,
                 cfg.decoder_ffn_embed_dim,
                 cfg.moe_experts,
@@ -238,6 +249,7 @@ class SwitchTransformerLanguageModel(FairseqLanguageModel):
         if cfg.max_target_positions is None:
             cfg.max_target_positions = getattr(cfg, "tokens_per_sample", DEFAULT_MAX_TARGET_POSITIONS)
         model = cls(SwitchTransformerDecoder(cfg, task.target_dictionary))
+        prepare_expert_parallel(model)
         model.log_parameter_counts()
         return model
 
