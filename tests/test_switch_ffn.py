@@ -160,3 +160,23 @@ def test_no_tokens_x_experts_x_capacity_tensor():
     capacity = tokens // experts
     assert max(sizes) < tokens * experts * capacity
     assert max(sizes) <= max(tokens * max(d, experts), experts * f * d)
+
+
+def test_segment_fallback_equals_batched_path():
+    """Unbounded evaluation with one overloaded expert (E*C > 2T) runs expert by expert."""
+    torch.manual_seed(5)
+    layer = SwitchFFN(8, 16, 8).eval()
+    x = torch.randn(40, 8)
+    logits = torch.zeros(40, 8)
+    logits[:, 3] = 5.0  # every token wants expert 3 -> C = 40, E*C = 320 > 2*40
+    logits[:4, 1] = 9.0
+    routing = route_top1(logits, None)
+    kept = routing.keep.nonzero().squeeze(1)
+    expert, slot = routing.expert[kept], routing.slot[kept]
+    by_segment = layer._experts_by_segment(x[kept], expert, 8)
+    batched = layer._experts_batched(x[kept], expert * 40 + slot, 8, 40)
+    assert torch.allclose(by_segment, batched, atol=1e-6)
+    y = layer.dispatch(x, routing)
+    for t in range(40):
+        e = int(routing.expert[t])
+        assert torch.allclose(y[t], routing.gate[t] * manual_expert(layer, e, x[t : t + 1])[0], atol=1e-5)
