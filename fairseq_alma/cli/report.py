@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import os
 from collections.abc import Sequence
 
@@ -308,3 +309,24 @@ def plot_cer_tradeoffs(series: Sequence[ReportSeries], path: str | os.PathLike) 
     ]
     title = "CER vs compute and memory (ALMA Fig. 2)"
     _finish(figure, panels, "cumulative error rate (CER)", title, path)
+
+
+def load_report_json(path: str | os.PathLike) -> list[ReportSeries]:
+    """Series back from a ``write_json`` file (so several alma-score outputs share one table)."""
+    with open(path, encoding="utf-8") as fh:
+        data = json.load(fh)
+    series = []
+    for entry in data["series"]:
+        arrivals = entry["arrivals"]
+        series.append(
+            ReportSeries(
+                setting=entry["setting"],
+                num_experts=entry["num_experts"],
+                metric_by_arrival=[a[data["metric"]] for a in arrivals],
+                train_flops_cum=[a["train_flops_cum"] for a in arrivals],
+                params_by_arrival=[a["params"] for a in arrivals],
+                trained=[a["trained"] for a in arrivals],
+                metric=data["metric"],
+            )
+        )
+    return series

@@ -208,19 +208,21 @@ class SwitchFFN(nn.Module):
     def _experts_batched(self, x_kept: Tensor, position: Tensor, num_experts: int, capacity: int) -> Tensor:
         """x_kept (K, d) placed at ``position`` = expert * C + slot of an (E*C, d) buffer."""
         d = self.embed_dim
+        w1, b1, w2, b2 = self._active_weights(num_experts)
         buf = x_kept.new_zeros(num_experts * capacity, d).index_copy(0, position, x_kept)  # (E*C, d)
-        h = torch.baddbmm(
-            self.fc1_bias[:num_experts].unsqueeze(1),  # (E, 1, f)
-            buf.view(num_experts, capacity, d),  # (E, C, d)
-            self.fc1_weight[:num_experts].transpose(1, 2),  # (E, d, f)
-        )  # (E, C, f)
+        h = torch.baddbmm(b1.unsqueeze(1), buf.view(num_experts, capacity, d), w1.transpose(1, 2))  # (E, C, f)
         h = F.dropout(self.activation(h), p=self.activation_dropout, training=self.training)
-        out = torch.baddbmm(
-            self.fc2_bias[:num_experts].unsqueeze(1),  # (E, 1, d)
-            h,
-            self.fc2_weight[:num_experts].transpose(1, 2),  # (E, f, d)
-        )  # (E, C, d)
+        out = torch.baddbmm(b2.unsqueeze(1), h, w2.transpose(1, 2))  # (E, C, d)
         return out.view(num_experts * capacity, d).index_select(0, position)  # (K, d)
+
+    def _active_weights(self, num_experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """fc1/fc2 weights and biases of the active slots.  Without growth slack the parameters
+        are used whole: slicing them would make autograd build a zero-filled full-size gradient
+        for each weight before accumulating it (one extra copy of every expert weight)."""
+        params = (self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias)
+        if num_experts == self.max_experts:
+            return params
+        return tuple(p[:num_experts] for p in params)  # type: ignore[return-value]
 
     def _experts_by_segment(self, x_kept: Tensor, expert: Tensor, num_experts: int) -> Tensor:
         """Experts one by one over tokens sorted by expert (no padding to a common capacity)."""
