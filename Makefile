@@ -52,4 +52,6 @@ test-deps:
 
 bench: install
 	$(PY) benchmarks/switch_ffn.py
+	$(PY) benchmarks/stream_overhead.py
+	$(PY) benchmarks/data_prep_throughput.py
 	$(PY) benchmarks/vision_stream.py
