@@ -45,11 +45,39 @@ def stream_cmd(data: Path, save_dir: Path, *extra: str) -> list[str]:
     ]
 
 
+RESUMABLE = ("--save-interval-updates", "2")
+
+
+@pytest.fixture(scope="module")
+def reference_run(stream_dir, tmp_path_factory):
+    """An uninterrupted 2-stage stream (periodic saves do not change results)."""
+    save = tmp_path_factory.mktemp("reference") / "run"
+    proc = run(stream_cmd(stream_dir, save, *RESUMABLE))
+    return save, proc.stdout + proc.stderr
+
+
+def stage_weights(save: Path, stage: int) -> dict:
+    import torch
+
+    return torch.load(save / f"checkpoint_stage{stage}.pt", map_location="cpu", weights_only=False)["model"]
+
+
+def assert_same_stream(a: Path, b: Path, stages=(1, 2)) -> None:
+    import torch
+
+    from fairseq_alma.stream.records import read_records, records_equal
+
+    assert records_equal(read_records(a / "stream.jsonl"), read_records(b / "stream.jsonl"))
+    for stage in stages:
+        wa, wb = stage_weights(a, stage), stage_weights(b, stage)
+        assert wa.keys() == wb.keys()
+        for key in wa:
+            assert torch.equal(wa[key], wb[key]), (stage, key)
+
+
 @pytest.mark.slow
-def test_stream_records_and_stage_checkpoints(stream_dir, tmp_path):
-    save = tmp_path / "run"
-    proc = run(stream_cmd(stream_dir, save))
-    out = proc.stdout + proc.stderr
+def test_stream_records_and_stage_checkpoints(stream_dir, reference_run):
+    save, out = reference_run
     records = [json.loads(line) for line in (save / "stream.jsonl").read_text().splitlines()]
     assert [r["arrival"] for r in records] == [0, 1, 2]
     assert [r["trained"] for r in records] == [False, True, True]
@@ -84,3 +112,91 @@ def test_missing_shard_is_named(stream_dir, tmp_path):
     proc = run(stream_cmd(broken, tmp_path / "bad"), check=False)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("fairseq-alma: error:")]
     assert proc.returncode != 0 and len(errors) == 1 and "megabatch1.bin" in errors[0], proc.stderr[-1500:]
+
+
+def wait_for(path: Path, proc, timeout: float = 600.0) -> None:
+    import time
+
+    start = time.time()
+    while not path.exists():
+        assert proc.poll() is None, f"run ended before {path.name} appeared"
+        assert time.time() - start < timeout, f"{path} did not appear"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_kill9_inside_and_between_stages_then_same_command_continues(stream_dir, reference_run, tmp_path):
+    """kill -9 at 5 points: twice inside stage 1, right after stage 1's end (between stages), twice
+    inside stage 2; each time the same command continues, and the stream log and the stage
+    checkpoints equal the uninterrupted run's."""
+    import os
+    import signal
+    import subprocess
+
+    save = tmp_path / "run"
+    cmd = stream_cmd(stream_dir, save, *RESUMABLE)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    kills = [save / "checkpoint_1_2.pt", save / "checkpoint_1_4.pt", save / "checkpoint_stage1.pt",
+             save / "checkpoint_2_8.pt", save / "checkpoint_2_10.pt"]
+    for marker in kills:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        wait_for(marker, proc)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    run(cmd)
+    assert not list(save.glob("*.tmp*")), "a temporary file was left behind"
+    assert_same_stream(save, reference_run[0])
+
+
+@pytest.mark.slow
+def test_sigusr1_saves_then_resumes(stream_dir, reference_run, tmp_path):
+    """The Slurm requeue contract: SIGUSR1 -> save checkpoint_last and exit 0; rerun continues."""
+    import os
+    import signal
+    import subprocess
+
+    import torch
+
+    save = tmp_path / "run"
+    cmd = stream_cmd(stream_dir, save, "--save-interval-updates", "100")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    wait_for(save / "checkpoint_stage1.pt", proc)
+    proc.send_signal(signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-2000:]
+    state = torch.load(save / "checkpoint_last.pt", map_location="cpu", weights_only=False)
+    assert 6 < state["optimizer_history"][-1]["num_updates"] < 12  # saved inside stage 2
+    run(cmd)
+    assert_same_stream(save, reference_run[0])
+
+
+@pytest.mark.slow
+def test_stop_after_stage_env_then_continue(stream_dir, reference_run, tmp_path):
+    import os
+
+    save = tmp_path / "run"
+    cmd = stream_cmd(stream_dir, save, *RESUMABLE)
+    os.environ["ALMA_STOP_AFTER_STAGE"] = "1"
+    try:
+        run(cmd)
+    finally:
+        del os.environ["ALMA_STOP_AFTER_STAGE"]
+    assert (save / "checkpoint_stage1.pt").exists() and not (save / "checkpoint_stage2.pt").exists()
+    run(cmd)
+    assert_same_stream(save, reference_run[0])
+
+
+@pytest.mark.slow
+def test_growth_stream_copies_experts_and_reports_loss(stream_dir, tmp_path):
+    save = tmp_path / "grow"
+    run(stream_cmd(stream_dir, save, "--moe-max-experts", "4", "--grow-experts", "2"))
+    growth = [json.loads(line) for line in (save / "growth.jsonl").read_text().splitlines()]
+    assert [g["stage"] for g in growth] == [2] and growth[0]["experts"] == 4
+    assert all(len(v) == 2 for v in growth[0]["copied"].values())
+    assert growth[0]["valid_nll_before"] > 0 and growth[0]["valid_nll_after"] > 0
+    records = [json.loads(line) for line in (save / "stream.jsonl").read_text().splitlines()]
+    per_expert = (records[2]["params_active"] - records[1]["params_active"]) // 2
+    assert per_expert > 0 and records[2]["params_active"] == growth[0]["params_active"]
+    bad = run(stream_cmd(stream_dir, tmp_path / "bad", "--grow-experts", "2"), check=False)
+    assert "--moe-max-experts must be >= 4" in bad.stderr

@@ -14,6 +14,13 @@ import torch.distributed as dist
 from fairseq import utils
 
 
+def needs_lockstep(model: Any) -> bool:
+    """True when every rank must run every forward (experts sharded with all_to_all)."""
+    from ..modules.expert_parallel import ExpertParallelSwitchFFN
+
+    return any(isinstance(m, ExpertParallelSwitchFFN) for m in model.modules())
+
+
 def _world() -> Tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(), dist.get_rank()
@@ -38,9 +45,14 @@ def evaluate_nll(model: Any, task: Any, dataset: Any, batch_size: int, max_token
     ).next_epoch_itr(shuffle=False)
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     pad = task.target_dictionary.pad()
+    lockstep = needs_lockstep(model)
+    last = None
     for sample in itr:
         if not sample or "net_input" not in sample:
+            if lockstep and last is not None:  # expert-parallel peers wait for this rank's tokens
+                model(**last["net_input"])
             continue
+        last = sample
         sample = utils.move_to_cuda(sample, device=device) if device.type == "cuda" else sample
         net_output = model(**sample["net_input"])
         lprobs = model.get_normalized_probs(net_output, log_probs=True).float()

@@ -7,9 +7,14 @@ from typing import Any, Tuple
 from ..stream.flops import SwitchLMShape
 
 
+def _members(model: Any) -> list:
+    """Member decoders: one for a Switch LM, N for UMix (members share one shape)."""
+    return list(getattr(model.decoder, "members", [model.decoder]))
+
+
 def model_shape(model: Any, context: int) -> SwitchLMShape:
-    decoder = model.decoder
-    moe = model.moe_layers() if hasattr(model, "moe_layers") else []
+    decoder = _members(model)[0]
+    moe = decoder.moe_layers() if hasattr(decoder, "moe_layers") else []
     return SwitchLMShape(
         n_layers=len(decoder.layers),
         d_model=decoder.embed_tokens.embedding_dim,
@@ -22,6 +27,7 @@ def model_shape(model: Any, context: int) -> SwitchLMShape:
 
 
 def model_flops(model: Any, context: int, train_tokens: int) -> Tuple[int, int]:
-    """(inference FLOPs per token, training FLOPs for ``train_tokens`` tokens)."""
+    """(inference FLOPs per token, training FLOPs for ``train_tokens`` tokens); UMix runs N members."""
     shape = model_shape(model, context)
-    return shape.forward_flops_per_token(), shape.train_flops(train_tokens)
+    n = len(_members(model))
+    return n * shape.forward_flops_per_token(), n * shape.train_flops(train_tokens)

@@ -260,7 +260,8 @@ class SwitchTransformerLanguageModel(FairseqLanguageModel):
         """Shared, per-expert and active parameter counts (|θ_t| counts active experts only)."""
         total = sum(p.numel() for p in self.parameters())
         moe = self.moe_layers()
-        expert_slots = sum(layer.max_experts * layer.expert_parameter_count() for layer in moe)
+        # with expert parallelism a rank holds only its shard of the slots (local_slots)
+        expert_slots = sum(getattr(layer, "local_slots", layer.max_experts) * layer.expert_parameter_count() for layer in moe)
         shared = total - expert_slots
         per_expert = sum(layer.expert_parameter_count() for layer in moe)
         active_experts = sum(layer.num_experts * layer.expert_parameter_count() for layer in moe)

@@ -25,18 +25,23 @@ from fairseq.tasks.language_modeling import LanguageModelingConfig, LanguageMode
 from omegaconf import II
 
 from ..errors import UsageError, require
+from ..lm.atomic_checkpoints import install as install_atomic_checkpoint_copies
+from ..lm.atomic_checkpoints import remove_stale_temporaries
 from ..lm.budget import fixed_budget_batches
 from ..lm.evaluate import evaluate_nll
+from ..lm.preemption import PreemptionStop
 from ..lm.stage_checkpoints import materialize_stage_checkpoint
 from ..optim.alma_stage_linear import stage_budget
 from ..stream.records import ArrivalRecord, read_records, write_records
 from ..stream.schedule import arrival_table, build_schedule
+from ..vision.task_backend import VisionStreamTask
+from ..vision.task_config import VisionStreamFields
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class AlmaStreamConfig(LanguageModelingConfig):
+class AlmaStreamConfig(LanguageModelingConfig, VisionStreamFields):
     wait: int = field(default=1, metadata={"help": "waiting time w: mega-batches aggregated per stage (paper §3)"})
     replay: bool = field(default=False, metadata={"help": "train each stage on every mega-batch seen so far"})
     updates_per_stage: int = field(default=120000, metadata={"help": "updates per stage U (paper §5: 120,000)"})
@@ -47,10 +52,21 @@ class AlmaStreamConfig(LanguageModelingConfig):
         default="continue", metadata={"help": "start each stage from the previous stage's model, or from a fresh init"}
     )
     reset_optimizer_each_stage: bool = field(default=False, metadata={"help": "clear the optimizer state at each stage start"})
+    grow_experts: str = field(
+        default="",
+        metadata={"help": "experts copied per MoE block at each growth: one k, or one per growth, e.g. '2,2,4' "
+                  "for Table 2's 4 -> 6 -> 8 -> 12 (needs --moe-max-experts); empty = no growth"},
+    )
+    grow_at_stages: str = field(
+        default="", metadata={"help": "stages at whose start to grow, e.g. '2,3,4'; default: every stage after the first"}
+    )
     eval_subset: str = field(default="eval", metadata={"help": "split scored after every arrival (the evaluation mega-batch)"})
     stream_log: str = field(default="stream.jsonl", metadata={"help": "per-arrival records, in --save-dir"})
     save_dir: str = II("checkpoint.save_dir")
     max_tokens_valid: Optional[int] = II("dataset.max_tokens_valid")
+    max_tokens: Optional[int] = II("dataset.max_tokens")
+    required_batch_size_multiple: int = II("dataset.required_batch_size_multiple")
+    distributed_world_size: int = II("distributed_training.distributed_world_size")
     update_freq: List[int] = II("optimization.update_freq")
     tensorboard_logdir: Optional[str] = II("common.tensorboard_logdir")
 
@@ -87,22 +103,32 @@ class AlmaStreamTask(LanguageModelingTask):
         self.stage_tokens: Dict[int, int] = {}
         self.records: Dict[int, ArrivalRecord] = {}
         self._started_stage = 0
-        self._finalized = 0
+        self.growth_plan = self._growth_plan(cfg)
 
     @classmethod
     def setup_task(cls, cfg: AlmaStreamConfig, **kwargs: Any) -> "AlmaStreamTask":
+        if cfg.vision_dataset:
+            return VisionStreamTask.setup_task(cfg, **kwargs)
         require(cfg.data is not None, "the stream directory (DATA) is required")
         manifest = _verify_stream_dir(cfg.data.split(os.pathsep)[0])
         num = int(manifest["num_megabatches"])
         require(1 <= cfg.wait <= num, f"--wait must be in [1, {num}] (the stream's mega-batches); got {cfg.wait}")
         require(cfg.updates_per_stage >= 1, f"--updates-per-stage must be >= 1 (got {cfg.updates_per_stage})")
         dictionary = Dictionary.load(os.path.join(cfg.data.split(os.pathsep)[0], "dict.txt"))
+        install_atomic_checkpoint_copies()
+        if os.path.isdir(cfg.save_dir) and AlmaStreamTask._is_master():
+            remove_stale_temporaries(cfg.save_dir)
         task = cls(cfg, dictionary, manifest)
         task._set_max_epoch(cfg)
+        task._stop = PreemptionStop(_root(cfg))
         return task
 
     def _set_max_epoch(self, cfg: AlmaStreamConfig) -> None:
-        """fairseq-train stops after --max-epoch epochs; a stream has exactly len(schedule)."""
+        """fairseq-train stops after --max-epoch epochs; a stream has exactly len(schedule).
+
+        ``ALMA_STOP_AFTER_STAGE=t`` (set by ``alma-sweep --chain-stages``) ends this process after
+        stage t; the same command run again continues with stage t+1.
+        """
         root = _root(cfg)
         optimization = root.get("optimization") if hasattr(root, "get") else None
         if optimization is None:
@@ -110,13 +136,49 @@ class AlmaStreamTask(LanguageModelingTask):
         stages = len(self.schedule)
         given = optimization.get("max_epoch") or 0
         require(given <= stages, f"--max-epoch must be <= {stages} (the stream's stages); got {given}")
-        if given == 0:
-            optimization.max_epoch = stages
+        # fairseq 0.12 broadcasts a resumed checkpoint to the other ranks with torch.load, whose
+        # weights_only default (torch >= 2.6) rejects fairseq's config objects; loading the
+        # checkpoint file on every rank avoids the broadcast, so multi-process streams resume.
+        checkpoint = root.get("checkpoint") if hasattr(root, "get") else None
+        if checkpoint is not None and "load_checkpoint_on_all_dp_ranks" in checkpoint:
+            checkpoint.load_checkpoint_on_all_dp_ranks = True
+        limit = given or stages
+        env = os.environ.get("ALMA_STOP_AFTER_STAGE", "").strip()
+        if env:
+            require(env.isdigit() and int(env) >= 1, f"ALMA_STOP_AFTER_STAGE must be a stage number >= 1 (got {env!r})")
+            limit = min(limit, int(env))
+        optimization.max_epoch = limit
+
+    def _growth_plan(self, cfg: AlmaStreamConfig) -> Dict[int, int]:
+        """{stage: experts to copy per MoE block} from --grow-experts / --grow-at-stages."""
+        if not cfg.grow_experts.strip():
+            return {}
+        try:
+            counts = [int(k) for k in cfg.grow_experts.split(",")]
+            stages = [int(s) for s in cfg.grow_at_stages.split(",")] if cfg.grow_at_stages.strip() else None
+        except ValueError:
+            raise UsageError(f"--grow-experts/--grow-at-stages take comma-separated integers (got "
+                             f"{cfg.grow_experts!r} / {cfg.grow_at_stages!r})") from None
+        stages = stages or list(range(2, len(self.schedule) + 1))
+        require(all(2 <= s <= len(self.schedule) for s in stages),
+                f"--grow-at-stages must list stages in [2, {len(self.schedule)}] (got {cfg.grow_at_stages!r})")
+        if len(counts) == 1:
+            counts = counts * len(stages)
+        require(len(counts) == len(stages) and all(k >= 1 for k in counts),
+                f"--grow-experts needs one k >= 1, or one per growth stage ({len(stages)}); got {cfg.grow_experts!r}")
+        return dict(zip(stages, counts))
 
     # ---- model -------------------------------------------------------------------------
     def build_model(self, cfg: Any, from_checkpoint: bool = False) -> Any:
         model = super().build_model(cfg, from_checkpoint)
         self.model = model  # the same module fairseq trains (moved/cast in place by the Trainer)
+        if self.growth_plan and hasattr(model, "moe_layers"):
+            layers = model.moe_layers()
+            require(bool(layers), "--grow-experts needs a model with MoE blocks")
+            final = layers[0].num_experts + sum(self.growth_plan.values())
+            require(layers[0].max_experts >= final,
+                    f"--moe-max-experts must be >= {final} to grow by --grow-experts {self.cfg.grow_experts} "
+                    f"(allocated: {layers[0].max_experts})")
         return model
 
     # ---- data --------------------------------------------------------------------------
@@ -149,37 +211,81 @@ class AlmaStreamTask(LanguageModelingTask):
                 seed=seed, num_shards=num_shards, shard_id=shard_id, num_workers=num_workers, epoch=epoch,
                 data_buffer_size=data_buffer_size, **kwargs)
         stage = min(epoch, len(self.schedule))
-        needed = self.budget * self.cfg.update_freq[-1] * num_shards
-
-        def make_batches(order: np.ndarray) -> List[np.ndarray]:
-            return list(data_utils.batch_by_size(order, dataset.num_tokens, max_tokens=max_tokens,
-                                                 max_sentences=max_sentences,
-                                                 required_batch_size_multiple=required_batch_size_multiple))
-
-        batches = fixed_budget_batches(len(dataset), make_batches, needed, seed, stage)
-        self.stage_tokens[stage] = int(sum(dataset.sizes[b].sum() for b in batches))
+        batches = self._stage_batches(stage, dataset, max_tokens, max_sentences, required_batch_size_multiple,
+                                      seed, num_shards)
         return iterators.EpochBatchIterator(
             dataset=dataset, collate_fn=dataset.collater, batch_sampler=batches, seed=seed,
             num_shards=num_shards, shard_id=shard_id, num_workers=num_workers, epoch=epoch,
             buffer_size=data_buffer_size, disable_shuffling=True)
 
+    def _stage_batches(self, stage: int, dataset: Any, max_tokens: Optional[int], max_sentences: Optional[int],
+                       multiple: int, seed: int, num_shards: int) -> List[np.ndarray]:
+        """The stage's batch list: exactly budget x update_freq x workers batches."""
+        needed = self.budget * self.cfg.update_freq[-1] * num_shards
+
+        def make_batches(order: np.ndarray) -> List[np.ndarray]:
+            return list(data_utils.batch_by_size(order, dataset.num_tokens, max_tokens=max_tokens,
+                                                 max_sentences=max_sentences, required_batch_size_multiple=multiple))
+
+        batches = fixed_budget_batches(len(dataset), make_batches, needed, seed, stage)
+        self.stage_tokens[stage] = int(sum(dataset.sizes[b].sum() for b in batches))
+        return batches
+
+    def _train_tokens(self, stage: int) -> int:
+        """Tokens trained on in ``stage``: a function of the stage and the batching flags, so a
+        resumed run records the same cumulative compute as an uninterrupted one."""
+        if stage not in self.stage_tokens:
+            parts = []
+            for k in self.schedule[stage - 1].train_megabatches:
+                name = f"megabatch{k}"
+                if name not in self.datasets:
+                    super().load_dataset(name, epoch=1, combine=False)
+                parts.append(self.datasets[name])
+            dataset = parts[0] if len(parts) == 1 else ConcatDataset(parts)
+            self._stage_batches(stage, dataset, self.cfg.max_tokens, self.cfg.batch_size,
+                                self.cfg.required_batch_size_multiple, self.cfg.seed, self.cfg.distributed_world_size)
+        return self.stage_tokens[stage]
+
     # ---- stage start -------------------------------------------------------------------
     def train_step(self, sample: Any, model: Any, criterion: Any, optimizer: Any, update_num: int,
                    ignore_grad: bool = False) -> Any:
-        if update_num % self.budget == 0 and self._started_stage <= update_num // self.budget:
-            self._start_stage(update_num // self.budget + 1, optimizer)
+        self._stop.check(update_num)
+        stage = update_num // self.budget + 1
+        if update_num % self.budget == 0 and self._started_stage < stage:
+            self._start_stage(stage, optimizer)
         return super().train_step(sample, model, criterion, optimizer, update_num, ignore_grad)
 
     def _start_stage(self, stage: int, optimizer: Any) -> None:
         """Stage-start actions, taken once, at the stage's first update (never again on resume)."""
         from ..lm.stage_start import reinitialize, reset_optimizer_state
 
-        self._started_stage = stage + 1
+        self._started_stage = stage
+        if stage in self.growth_plan:
+            self._grow(stage, optimizer)
         if stage > 1 and self.cfg.stage_init == "scratch":
             reinitialize(self.model, seed=self.cfg.seed * 1000 + stage)
             reset_optimizer_state(optimizer, model=self.model)
         elif stage > 1 and self.cfg.reset_optimizer_each_stage:
             reset_optimizer_state(optimizer, model=None)
+
+    def _grow(self, stage: int, optimizer: Any) -> None:
+        from ..lm.growth import grow_experts
+        from ..stream.atomic import atomic_write_text
+
+        if "valid" not in self.datasets:
+            super().load_dataset("valid", epoch=1, combine=False)
+        batch = self.cfg.batch_size_valid or self.cfg.batch_size or 8
+        info = grow_experts(self.model, self, self.datasets["valid"], self.growth_plan[stage], batch, optimizer)
+        info = {"stage": stage, **info, "params_active": int(self.model.parameter_counts()["active"])}
+        if self._is_master():
+            import json
+
+            path = os.path.join(self.cfg.save_dir, "growth.jsonl")
+            kept = []
+            if os.path.exists(path):  # a resumed run may redo a growth step: replace, never duplicate
+                kept = [line for line in open(path, encoding="utf-8").read().splitlines()
+                        if line.strip() and json.loads(line)["stage"] < stage]
+            atomic_write_text(path, "\n".join(kept + [json.dumps(info)]) + "\n")
 
     # ---- stage end: checkpoint, evaluation, records --------------------------------------
     def _finish_stages_before(self, epoch: int) -> None:
@@ -217,7 +323,7 @@ class AlmaStreamTask(LanguageModelingTask):
 
         counts = self.model.parameter_counts() if hasattr(self.model, "parameter_counts") else {}
         params = counts.get("active", sum(p.numel() for p in self.model.parameters()))
-        train_tokens = sum(self.stage_tokens.get(s.index, 0) for s in self.schedule[: info.stage])
+        train_tokens = sum(self._train_tokens(s.index) for s in self.schedule[: info.stage])
         infer, train = model_flops(self.model, self.cfg.tokens_per_sample, train_tokens)
         return ArrivalRecord(
             arrival=info.arrival, stage=info.stage, trained=info.trained, megabatches_seen=info.megabatches_seen,

@@ -1,0 +1,147 @@
+"""Expert growth for Switch LMs (ALMA §5 "growing setting", Table 2 gMoE: 4 -> 6 -> 8 -> 12).
+
+At a stage boundary, in every MoE block, the k experts with the largest total validation loss
+(summed NLL of the validation tokens routed to them) are copied into free expert slots: expert
+weights, their router row, and their optimizer moments.  Slots were allocated up front
+(``--moe-max-experts``), so fairseq's optimizer and data-parallel gradient synchronisation
+already cover the new experts: they are the same parameter tensors, now with more active rows.
+
+Copying the router row makes the copy tie with its source; top-1 argmax keeps tokens on the
+source at first and the softmax splits the source's gate in two, so the loss changes a little
+(the paper notes this flat-mixture growth is slightly worse than the tree split of App. A but
+easier at scale).  ``grow_experts`` returns the validation loss right before and right after.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List
+
+import torch
+from fairseq import utils
+
+from ..modules.switch_ffn import SwitchFFN
+from .stage_start import sync_master_params
+
+logger = logging.getLogger(__name__)
+EXPERT_PARAMS = ("fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias")
+
+
+@contextmanager
+def recorded_routing(layers: List[SwitchFFN]) -> Iterator[List[List[torch.Tensor]]]:
+    """Collect each layer's per-token expert ids (B*T order) for the forwards in the block."""
+    records: List[List[torch.Tensor]] = [[] for _ in layers]
+    handles = []
+    for i, layer in enumerate(layers):
+        def hook(module: SwitchFFN, args: tuple, output: tuple, i: int = i) -> None:
+            records[i].append(output[1].diagnostics["expert_ids"])
+        handles.append(layer.register_forward_hook(hook))
+        layer.record_expert_ids = True
+    try:
+        yield records
+    finally:
+        for layer, handle in zip(layers, handles):
+            handle.remove()
+            layer.record_expert_ids = False
+
+
+@torch.no_grad()
+def expert_validation_losses(model: Any, task: Any, dataset: Any, batch_size: int) -> tuple[List[torch.Tensor], float]:
+    """Per MoE block, the summed NLL (nats) of validation tokens routed to each active expert;
+    and the mean validation NLL per token."""
+    import torch.distributed as dist
+
+    layers = model.moe_layers()
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    rank = dist.get_rank() if world > 1 else 0
+    itr = task.get_batch_iterator(
+        dataset=dataset, max_sentences=batch_size, ignore_invalid_inputs=True, num_shards=world, shard_id=rank,
+        max_positions=utils.resolve_max_positions(task.max_positions(), model.max_positions()), seed=1,
+    ).next_epoch_itr(shuffle=False)
+    sums = [torch.zeros(layer.num_experts + 1, dtype=torch.float64, device=device) for layer in layers]
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    pad = task.target_dictionary.pad()
+    from .evaluate import needs_lockstep
+
+    if needs_lockstep(model):
+        raise ValueError("--grow-experts does not support --moe-expert-parallel-size > 1 yet")
+    with recorded_routing(layers) as records:
+        for sample in itr:
+            if not sample or "net_input" not in sample:
+                continue
+            sample = utils.move_to_cuda(sample, device=device) if device.type == "cuda" else sample
+            for rec in records:
+                rec.clear()
+            out = model(**sample["net_input"])
+            lprobs = model.get_normalized_probs(out, log_probs=True).float()
+            target = sample["target"]
+            nll = (-lprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1) * target.ne(pad)).reshape(-1)  # (B*T,)
+            total[0] += nll.sum().double()
+            total[1] += target.ne(pad).sum()
+            for layer_sums, rec in zip(sums, records):
+                layer_sums.index_add_(0, rec[0], nll.double())  # padding goes to the extra last bin
+    if world > 1:
+        for layer_sums in sums:
+            dist.all_reduce(layer_sums)
+        dist.all_reduce(total)
+    if was_training:
+        model.train()
+    return [s[:-1] for s in sums], float(total[0] / total[1].clamp(min=1))
+
+
+def _copy_optimizer_rows(optimizer: Any, param: torch.nn.Parameter, src: List[int], dst: List[int]) -> None:
+    """Copy the optimizer state rows (e.g. Adam moments) of expert ``src`` slots into ``dst``."""
+    from .stage_start import _torch_optimizer
+
+    inner = _torch_optimizer(optimizer)
+    if inner is None:
+        return
+    state = inner.state.get(param)
+    if not state:
+        return  # flat fp32 master params (fp16) or no step taken yet: moments start from zero
+    for value in state.values():
+        if torch.is_tensor(value) and value.shape == param.shape:
+            value[dst] = value[src]
+
+
+@torch.no_grad()
+def copy_experts(layer: SwitchFFN, sources: List[int], optimizer: Any = None) -> List[int]:
+    """Copy experts ``sources`` of ``layer`` into its next free slots; returns the new slot ids."""
+    start = layer.num_experts
+    if start + len(sources) > layer.max_experts:
+        raise ValueError(
+            f"growing to {start + len(sources)} experts needs --moe-max-experts >= {start + len(sources)} "
+            f"(allocated: {layer.max_experts})"
+        )
+    new = list(range(start, start + len(sources)))
+    for name in EXPERT_PARAMS:
+        param = getattr(layer, name)
+        param.data[new] = param.data[sources]
+        if optimizer is not None:
+            _copy_optimizer_rows(optimizer, param, sources, new)
+    layer.router.weight.data[new] = layer.router.weight.data[sources]
+    if optimizer is not None:
+        _copy_optimizer_rows(optimizer, layer.router.weight, sources, new)
+    layer.set_num_experts(start + len(sources))
+    return new
+
+
+def grow_experts(model: Any, task: Any, dataset: Any, k: int, batch_size: int, optimizer: Any = None) -> Dict[str, Any]:
+    """One growth step over every MoE block; returns what was copied and the validation loss
+    (mean NLL per token, nats) right before and right after."""
+    losses, before = expert_validation_losses(model, task, dataset, batch_size)
+    copied: Dict[int, List[int]] = {}
+    for i, (layer, layer_losses) in enumerate(zip(model.moe_layers(), losses)):
+        top = torch.topk(layer_losses, min(k, layer.num_experts)).indices.tolist()
+        copied[i] = top
+        copy_experts(layer, top, optimizer)
+    if optimizer is not None:
+        sync_master_params(optimizer, model)
+    _, after = expert_validation_losses(model, task, dataset, batch_size)
+    experts = model.moe_layers()[0].num_experts if model.moe_layers() else 0
+    logger.info("grew to %d experts per MoE block (copied %s); valid nll %.4f -> %.4f", experts, copied, before, after)
+    return {"experts": experts, "copied": copied, "valid_nll_before": before, "valid_nll_after": after}
