@@ -43,8 +43,14 @@ class EvalSettings:
     max_tokens: int | None = None  # tokens per batch cap, as the task's --max-tokens-valid
 
     @classmethod
-    def from_config(cls, cfg: Any, data: str | None = None, subset: str | None = None,
-                    tokens_per_sample: int | None = None, batch_size: int | None = None) -> "EvalSettings":
+    def from_config(
+        cls,
+        cfg: Any,
+        data: str | None = None,
+        subset: str | None = None,
+        tokens_per_sample: int | None = None,
+        batch_size: int | None = None,
+    ) -> EvalSettings:
         """The evaluation ``alma_stream`` ran after each arrival (a checkpoint's fairseq config),
         with any value given here overriding it."""
         task, dataset = cfg.task, cfg.dataset
@@ -52,7 +58,10 @@ class EvalSettings:
             data=data or task.data,
             subset=subset or task.get("eval_subset") or "eval",
             tokens_per_sample=tokens_per_sample or int(task.tokens_per_sample),
-            batch_size=batch_size or dataset.get("batch_size_valid") or dataset.get("batch_size") or 8,
+            batch_size=batch_size
+            or dataset.get("batch_size_valid")
+            or dataset.get("batch_size")
+            or 8,
             max_tokens=dataset.get("max_tokens_valid"),
         )
 
@@ -76,8 +85,9 @@ class Scored:
 
 
 @torch.no_grad()
-def score_dataset(model: Any, task: Any, dataset: Any, settings: EvalSettings,
-                  keep_tokens: bool = False) -> Scored:
+def score_dataset(
+    model: Any, task: Any, dataset: Any, settings: EvalSettings, keep_tokens: bool = False
+) -> Scored:
     """NLL of every non-padding target of ``dataset``, batched and ordered as ``evaluate_nll``
     (the task's ``eval_ppl``): same iterator, no shuffling; batches are prefetched by a
     background thread (``data_buffer_size``, as ``fairseq-eval-lm``) so collation overlaps the
@@ -86,9 +96,14 @@ def score_dataset(model: Any, task: Any, dataset: Any, settings: EvalSettings,
     device = next(model.parameters()).device
     pad = task.target_dictionary.pad()
     batches = task.get_batch_iterator(
-        dataset=dataset, max_tokens=settings.max_tokens, max_sentences=settings.batch_size,
+        dataset=dataset,
+        max_tokens=settings.max_tokens,
+        max_sentences=settings.batch_size,
         max_positions=utils.resolve_max_positions(task.max_positions(), model.max_positions()),
-        ignore_invalid_inputs=True, num_workers=0, seed=1, data_buffer_size=10,
+        ignore_invalid_inputs=True,
+        num_workers=0,
+        seed=1,
+        data_buffer_size=10,
     ).next_epoch_itr(shuffle=False)
     total = torch.zeros((), dtype=torch.float64, device=device)
     ntokens, scores, targets = 0, [], []
@@ -110,8 +125,10 @@ def score_dataset(model: Any, task: Any, dataset: Any, settings: EvalSettings,
     seconds = time.perf_counter() - start
     kept = None
     if keep_tokens:
-        kept = TokenLogProbs(torch.cat(scores) if scores else torch.zeros(0),
-                             torch.cat(targets) if targets else torch.zeros(0, dtype=torch.int32))
+        kept = TokenLogProbs(
+            torch.cat(scores) if scores else torch.zeros(0),
+            torch.cat(targets) if targets else torch.zeros(0, dtype=torch.int32),
+        )
     return Scored(nll, ntokens, seconds, kept)
 
 
@@ -167,7 +184,8 @@ class CheckpointScorer:
         overrides = {"data": settings.data, "tokens_per_sample": settings.tokens_per_sample}
         try:
             models, _, task = checkpoint_utils.load_model_ensemble_and_task(
-                [path], arg_overrides=overrides, task=task)
+                [path], arg_overrides=overrides, task=task
+            )
         except UsageError as err:
             raise UsageError(f"{path} with data {settings.data}: {err.message} (--data)") from None
         except (OSError, RuntimeError, KeyError) as err:
@@ -199,8 +217,13 @@ class CheckpointScorer:
         ppl = math.exp(min(scored.nll / max(scored.ntokens, 1), 700.0))
         logger.info(
             "checkpoint %d/%d %s: %s tokens in %.2fs (%s tokens/s), ppl %.2f",
-            self.done, self.total, os.path.relpath(path), f"{scored.ntokens:,}", scored.seconds,
-            f"{scored.ntokens / max(scored.seconds, 1e-9):,.0f}", ppl,
+            self.done,
+            self.total,
+            os.path.relpath(path),
+            f"{scored.ntokens:,}",
+            scored.seconds,
+            f"{scored.ntokens / max(scored.seconds, 1e-9):,.0f}",
+            ppl,
         )
         return scored
 
@@ -214,8 +237,9 @@ class CheckpointScorer:
         return self._score(path, settings, keep_tokens=True).tokens
 
 
-def score_predictors(scorer: CheckpointScorer, predictors: dict[int, list[str]],
-                     settings: EvalSettings) -> dict[int, tuple[float, int]]:
+def score_predictors(
+    scorer: CheckpointScorer, predictors: dict[int, list[str]], settings: EvalSettings
+) -> dict[int, tuple[float, int]]:
     """Summed NLL and tokens of each stage's predictor (a list of member checkpoints).
 
     Single models (every predictor has one member) keep only sums.  Otherwise, when
@@ -233,7 +257,7 @@ def score_predictors(scorer: CheckpointScorer, predictors: dict[int, list[str]],
         members = predictors[stage]
         if average.members != members[: len(average.members)]:
             average = ProbabilityAverage()
-        for path in members[len(average.members):]:
+        for path in members[len(average.members) :]:
             average.add(scorer.token_log_probs(path, settings), path)
         out[stage] = average.nll()
     return out

@@ -1,0 +1,364 @@
+"""``alma-score``: perplexity over an ALMA stream for single models, Ens and gEns (paper §6.2).
+
+Reads run directories of ``fairseq-train --task alma_stream`` (``stream.jsonl`` and
+``checkpoint_stage{s}.pt``), scores every stage checkpoint once on the evaluation mega-batch and
+prints Table 2's layout (App. D): setting, #experts, |θ|, perplexity after each arrival
+t0..t(B-1) ('*' before the first training), average perplexity over the stream, cumulative
+training TFLOPs and parameters (Comp, Mem: Eq. 2); ``--json``/``--csv``/``--plot`` (Fig. 5).
+
+Modes (§4.1, Table 2):
+  single  each run dir is a series; an arrival is answered by the last stage trained by then.
+  ens     the run dirs are N members (one stream, different seeds); at each arrival the predictor
+          averages the members' probabilities; |θ| and FLOPs are summed over members ("4@N").
+  gens    one run trained with --stage-init scratch and no --replay: its stage checkpoints are the
+          members; after s stages the predictor averages members 1..s ("4@s", |θ| = s members).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+from ..errors import UsageError
+from ..stream.metrics import perplexity_from_nll
+from ..stream.records import ArrivalRecord, StreamLogError, read_records
+from ..stream.series import ReportSeries
+
+logger = logging.getLogger("fairseq_alma.cli.score")
+
+
+@dataclass
+class StreamRun:
+    """One run dir: its per-arrival records and, for an LM, its stage checkpoints' configs."""
+
+    path: Path
+    records: list[ArrivalRecord]
+    checkpoints: dict[int, str]  # stage s -> checkpoint_stage{s}.pt
+    cfg: Any = None  # fairseq config of the last stage checkpoint (None: a vision log)
+    experts: int | None = None  # active experts per MoE block at the last stage
+
+    @property
+    def metric(self) -> str:
+        return "ppl" if self.records[0].eval_ppl is not None else "error"
+
+    @property
+    def stages(self) -> list[int]:
+        return sorted(r.stage for r in self.records if r.trained)
+
+    def logged_metric(self) -> list[float | None]:
+        if self.metric == "error":
+            return [r.test_error for r in self.records]
+        return [r.eval_ppl if r.stage >= 1 else None for r in self.records]
+
+    def experts_label(self) -> str:
+        if self.cfg is None:  # vision sweep records say what they trained
+            extra = self.records[-1].extra
+            return f"{extra.get('arch', '')}{extra.get('width', '')}" or "?"
+        return str(self.experts) if self.experts else "dense"
+
+    def default_setting(self, prefix: str | None = None) -> str:
+        """Table 2's names: 'SM_w1', 'Ens_w4 (4x steps)', 'gEns_w1'; ' replay' when replaying."""
+        flags = self.records[-1].extra if self.cfg is None else self.cfg.task  # vision: records
+        wait, replay = flags.get("wait") or 1, flags.get("replay")
+        steps = flags.get("scale_updates_by_wait")
+        grows = flags.get("grow_experts")
+        prefix = prefix or flags.get("method") or ("gMoE" if grows else "SM")
+        name = f"{prefix}_w{wait}" + (f" ({wait}x steps)" if steps and wait > 1 else "")
+        return name + (" replay" if replay else "")
+
+
+def load_run(run_dir: str, args: argparse.Namespace) -> StreamRun:
+    """Read and check one run dir (records, stage checkpoints, complete stream)."""
+    import torch
+    from omegaconf import OmegaConf
+
+    path = Path(run_dir)
+    if not path.is_dir():
+        raise UsageError(f"RUN_DIR {run_dir}: not a directory; pass an alma_stream --save-dir")
+    if not (path / "stream.jsonl").is_file():
+        raise UsageError(f"{path / 'stream.jsonl'}: missing; pass the --save-dir of a "
+                         f"fairseq-train --task alma_stream run")
+    try:
+        records = read_records(path / "stream.jsonl")
+    except StreamLogError as err:
+        raise UsageError(str(err)) from None
+    if len(records) < 2 or [r.arrival for r in records] != list(range(len(records))):
+        raise UsageError(f"{path / 'stream.jsonl'}: needs arrivals 0..B in order; re-run the "
+                         f"training command to complete it")
+    run = StreamRun(path, records, {})
+    if run.metric == "error":
+        if not args.from_log:
+            raise UsageError(f"{path}: a vision stream (test_error): only --from-log reads it")
+        return run
+    if not run.stages:
+        raise UsageError(f"{path / 'stream.jsonl'}: no stage has trained yet; nothing to score")
+    for record in records:
+        if record.trained:
+            ckpt = path / f"checkpoint_stage{record.stage}.pt"
+            if not ckpt.is_file():
+                raise UsageError(f"{ckpt}: missing (stage {record.stage}, trained at arrival "
+                                 f"{record.arrival}); re-run the training command to restore it")
+            run.checkpoints[record.stage] = str(ckpt)
+    last = run.checkpoints[run.stages[-1]]
+    try:  # mmap: only the config and the small buffers read here are paged in
+        state = torch.load(last, map_location="cpu", mmap=True, weights_only=False)
+        run.cfg = OmegaConf.create(state["cfg"])
+    except Exception as err:  # noqa: BLE001 - any unreadable file gets the same one-line error
+        raise UsageError(
+            f"{last}: not a readable checkpoint ({err}); re-run the training"
+        ) from None
+    counts = [int(v) for k, v in state["model"].items() if k.endswith("num_active")]
+    run.experts = max(counts) if counts else run.cfg.model.get("moe_experts")
+    _check_complete(run, args.data or run.cfg.task.data, args.from_log)
+    return run
+
+
+def _check_complete(run: StreamRun, data: str, from_log: bool) -> None:
+    """An unfinished run has fewer arrivals than its stream's B: scoring it would mislabel t."""
+    from data_prep.manifest import StreamDataError, load_manifest
+
+    try:
+        b = int(load_manifest(data.split(os.pathsep)[0])["num_megabatches"])
+    except StreamDataError as err:
+        if from_log:  # logs copied without their data: still readable, completeness unchecked
+            logger.warning("%s; cannot check that %s is complete", err, run.path)
+            return
+        raise UsageError(f"{err} (the data of {run.path}; point --data at it)") from None
+    arrivals = len(run.records) - 1
+    if arrivals != b:
+        raise UsageError(f"{run.path / 'stream.jsonl'}: arrivals 0..{arrivals} but the stream in "
+                         f"{data} has B = {b}; finish the run (same fairseq-train command)")
+
+
+def check_members(runs: list[StreamRun], mode: str) -> None:
+    """Ens members share one stream schedule; gEns needs fresh members, each on its own stage."""
+    first = runs[0]
+    if mode == "gens":
+        init, replay = first.cfg.task.get("stage_init", "continue"), first.cfg.task.get("replay")
+        if init != "scratch" or replay:
+            raise UsageError(f"--mode gens: {first.path} was trained with --stage-init {init}"
+                             f"{' --replay' if replay else ''}; gEns members need a run with "
+                             f"--stage-init scratch and no --replay")
+        return
+    for run in runs[1:]:
+        if len(run.records) != len(first.records):
+            raise UsageError(f"--mode ens: {run.path} has B = {len(run.records) - 1} mega-batches "
+                             f"but {first.path} has B = {len(first.records) - 1}; members must "
+                             f"run the same stream")
+        if [r.trained for r in run.records] != [r.trained for r in first.records]:
+            raise UsageError(f"--mode ens: {run.path} trains at other arrivals than {first.path} "
+                             f"(--wait differs); members must share the stream settings")
+
+
+def settings_for(run: StreamRun, args: argparse.Namespace) -> Any:
+    """The evaluation the task itself ran after each arrival, unless flags say otherwise."""
+    from ..lm.ensemble_eval import EvalSettings
+
+    return EvalSettings.from_config(run.cfg, data=args.data, subset=args.subset,
+                                    tokens_per_sample=args.tokens_per_sample,
+                                    batch_size=args.batch_size)
+
+
+def _ppl(nll: float, ntokens: int, what: str) -> float:
+    if ntokens < 1:
+        raise UsageError(f"{what}: no token scored; check --subset and --tokens-per-sample")
+    try:
+        return perplexity_from_nll(nll, ntokens)
+    except ValueError as err:
+        raise UsageError(f"{what}: {err}") from None
+
+
+def _costs(members: list[StreamRun], mode: str) -> tuple[list[float], list[int], str]:
+    """Comp, |θ_t| per arrival and the #experts label: Ens sums its members ("4@N"); gEns holds
+    the s members trained so far ("4@s"), its FLOPs already summed by the stream."""
+    records, label = members[0].records, members[0].experts_label()
+    arrivals = range(len(records))
+    flops = [sum(run.records[t].train_flops_cum for run in members) for t in arrivals]
+    params = [sum(run.records[t].params_active for run in members) for t in arrivals]
+    if mode == "ens":
+        label = f"{'+'.join(sorted({run.experts_label() for run in members}))}@{len(members)}"
+    elif mode == "gens":
+        member = {r.stage: r.params_active for r in records if r.trained}
+        params = [sum(member[s] for s in range(1, r.stage + 1)) or r.params_active for r in records]
+        label = f"{label}@{len(members[0].stages)}"
+    return flops, params, label
+
+
+def build_series(runs: list[StreamRun], args: argparse.Namespace,
+                 scorer: Any) -> list[tuple[ReportSeries, dict]]:
+    """One (series, JSON extras) per run (single) or one for the ensemble (ens, gens)."""
+    from ..lm.ensemble_eval import score_predictors
+
+    out = []
+    for members in [[run] for run in runs] if args.mode == "single" else [runs]:
+        first, records = members[0], members[0].records
+        if args.mode == "gens":  # members 1..s after stage s
+            predictors = {s: [first.checkpoints[m] for m in first.stages[:i + 1]]
+                          for i, s in enumerate(first.stages)}
+        else:  # each member's stage-s checkpoint (vision logs have none)
+            predictors = {s: [run.checkpoints[s] for run in members if s in run.checkpoints]
+                          for s in first.stages}
+        extra: dict[str, Any] = {"mode": args.mode, "runs": [str(run.path) for run in members]}
+        if args.from_log:
+            values = first.logged_metric()
+            extra["source"] = str(first.path / "stream.jsonl")
+        else:
+            settings = settings_for(first, args)
+            nll = score_predictors(scorer, predictors, settings)
+            stage_ppl = {s: _ppl(*nll[s], f"stage {s} of {first.path}") for s in nll}
+            values = [stage_ppl[r.stage] if r.stage >= 1 else None for r in records]
+            extra |= {"source": "evaluated", "settings": vars(settings),
+                      "nll_tokens_by_stage": {str(s): list(v) for s, v in nll.items()}}
+        extra["members_by_arrival"] = [predictors.get(r.stage, []) for r in records]
+        flops, params, label = _costs(members, args.mode)
+        prefix = {"ens": "Ens", "gens": "gEns"}.get(args.mode)
+        series = ReportSeries(
+            setting=args.setting or first.default_setting(prefix), num_experts=label,
+            metric_by_arrival=values, train_flops_cum=flops, params_by_arrival=params,
+            trained=[r.trained for r in records], metric=first.metric)
+        out.append((series, extra))
+    return out
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line instead of a usage dump
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+_FLAGS: list[tuple[str, dict]] = [
+    ("--mode", {"choices": ("single", "ens", "gens"), "default": "single",
+                "help": "single: a series per run; ens: the runs are one ensemble's members; gens: "
+                        "one --stage-init scratch run whose stage checkpoints are the members"}),
+    ("--data", {"help": "stream directory to score on (default: each run's cfg.task.data)"}),
+    ("--subset", {"help": "split to score (default: the run's --eval-subset, 'eval')"}),
+    ("--from-log", {"action": "store_true",
+                    "help": "single mode: reuse stream.jsonl's eval_ppl instead of evaluating "
+                            "(fast; also renders vision runs' test_error)"}),
+    ("--batch-size", {"type": int, "help": "sequences per evaluation batch (default: the run's "
+                      "own evaluation batching: --batch-size-valid, --batch-size, else 8)"}),
+    ("--tokens-per-sample", {"type": int, "help": "block length scored, as given to "
+                             "fairseq-eval-lm (default: the run's)"}),
+    ("--setting", {"help": "series name in the table (default from the run's flags, e.g. "
+                           "'SM_w1', 'Ens_w4 (4x steps)', 'gEns_w1')"}),
+    ("--json", {"metavar": "FILE", "help": "write every number per arrival as JSON"}),
+    ("--csv", {"metavar": "FILE", "help": "write the table as CSV (full precision)"}),
+    ("--plot", {"metavar": "FILE.png",
+                "help": "Fig. 5: average perplexity vs cumulative compute and vs parameters"}),
+    ("--cpu", {"action": "store_true", "help": "score on CPU even if CUDA is available"}),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="alma-score", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="--save-dir of an "
+                        "alma_stream training (stream.jsonl, checkpoint_stage{s}.pt)")
+    for flag, options in _FLAGS:
+        parser.add_argument(flag, **options)
+    return parser
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    for flag in ("batch_size", "tokens_per_sample"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1 (got {getattr(args, flag)})")
+    if len({os.path.realpath(d) for d in args.run_dirs}) != len(args.run_dirs):
+        raise UsageError("a RUN_DIR is given twice; pass each run once")
+    if args.from_log:
+        if args.mode != "single":
+            raise UsageError(f"--from-log works with --mode single only: --mode {args.mode} "
+                             f"averages the members' token probabilities, which needs evaluation")
+        given = [f for f in ("batch_size", "tokens_per_sample", "subset") if getattr(args, f)]
+        if given:
+            raise UsageError(f"--from-log reuses the run's own evaluation; drop "
+                             f"--{given[0].replace('_', '-')} or --from-log")
+    if args.mode == "gens" and len(args.run_dirs) != 1:
+        raise UsageError(
+            f"--mode gens takes ONE run dir (its stages are the members), got {len(args.run_dirs)}"
+        )
+    if args.mode == "ens" and len(args.run_dirs) < 2:
+        raise UsageError("--mode ens needs at least 2 run dirs (the members)")
+
+
+def _write_outputs(results: list[tuple[ReportSeries, dict]], args: argparse.Namespace) -> None:
+    from ..stream.atomic import atomic_write_json
+    from . import report
+
+    series = [s for s, _ in results]
+    try:
+        print(report.format_table(series), end="", flush=True)
+        if args.json:  # report.py's dict, plus how each number was obtained
+            payload = report.report_dict(series)
+            for entry, (_, extra) in zip(payload["series"], results, strict=True):
+                extra = dict(extra)
+                members = extra.pop("members_by_arrival")
+                for arrival, used in zip(entry["arrivals"], members, strict=True):
+                    arrival["members"] = used
+                entry["scoring"] = extra
+            atomic_write_json(args.json, payload)
+        if args.csv:
+            report.write_csv(series, args.csv)
+        if args.plot:
+            draw = report.plot_tradeoffs if series[0].metric == "ppl" else report.plot_error_curves
+            draw(series, args.plot)
+    except ValueError as err:  # e.g. runs of different stream lengths in one table
+        raise UsageError(str(err)) from None
+    except OSError as err:
+        raise UsageError(f"cannot write {err.filename}: {err.strerror}") from None
+
+
+def _configure_logging() -> None:
+    """fairseq's wav2vec2 module sets the root logger to DEBUG at import: pin levels here."""
+    logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s",
+                        datefmt="%H:%M:%S", level=logging.WARNING, stream=sys.stderr, force=True)
+    for name in ("fairseq_alma.cli.score", "fairseq_alma.lm.ensemble_eval"):
+        logging.getLogger(name).setLevel(logging.INFO)
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=".*'pin_memory' argument is set as true")
+    warnings.filterwarnings("ignore", message="Support for mismatched key_padding_mask")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check the runs, score them, render; every user mistake raises ``UsageError``."""
+    _check_flags(args)
+    runs = [load_run(path, args) for path in args.run_dirs]
+    if args.mode != "single":
+        check_members(runs, args.mode)
+    scorer = None
+    if not args.from_log:
+        import torch
+
+        from ..lm.ensemble_eval import CheckpointScorer
+
+        total = len(runs[0].stages) if args.mode == "gens" else sum(len(r.stages) for r in runs)
+        use_cuda = torch.cuda.is_available() and not args.cpu
+        scorer = CheckpointScorer(use_cuda=use_cuda, total=total)
+        logger.info("scoring %d checkpoint(s) on %s", total, scorer.device)
+    results = build_series(runs, args, scorer)
+    if scorer is not None and scorer.seconds > 0:
+        rate = f"{scorer.tokens / scorer.seconds:,.0f}"
+        logger.info("scored %s tokens in %.2fs: %s tokens/s", f"{scorer.tokens:,}", scorer.seconds,
+                    rate)
+    _write_outputs(results, args)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point ``alma-score``; exit status 2 with one line on bad input."""
+    args = build_parser().parse_intermixed_args(argv)
+    _configure_logging()
+    try:
+        return run(args)
+    except UsageError as err:
+        print(f"alma-score: error: {err.message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

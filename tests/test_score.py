@@ -1,0 +1,386 @@
+"""alma-score (issue 3, item 5): single-model stream perplexity agrees with fairseq-eval-lm and with
+stream.jsonl; Ens and gEns average member probabilities (checked against a hand computation in
+probability space); Table 2 layout, JSON/CSV/PNG outputs; one-line errors for bad input.
+
+One tiny 3-mega-batch stream, three real trainings made once for the module: two members of an
+Ens with --wait 2 (seeds 1 and 2: '*' at t0, stage 1 repeated at t2) and one --stage-init scratch
+run with --wait 1 (three gEns members).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from lm_fixtures import run, sentences, tool
+
+from fairseq_alma.cli.score import main
+from fairseq_alma.stream.records import ArrivalRecord, read_records, write_records
+
+REPO = Path(__file__).resolve().parent.parent
+USER_DIR = str(REPO / "fairseq_alma")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _train_cmd(data: Path, save_dir: Path, *extra: str) -> list[str]:
+    return [
+        tool("fairseq-train"),
+        str(data),
+        "--user-dir",
+        USER_DIR,
+        "--task",
+        "alma_stream",
+        "--arch",
+        "switch_transformer_lm_tiny",
+        "--moe-experts",
+        "2",
+        "--criterion",
+        "switch_cross_entropy",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "0.003",
+        "--lr-scheduler",
+        "alma_stage_linear",
+        "--warmup-updates",
+        "2",
+        "--updates-per-stage",
+        "4",
+        "--tokens-per-sample",
+        "32",
+        "--batch-size",
+        "8",
+        "--cpu",
+        "--num-workers",
+        "0",
+        "--save-dir",
+        str(save_dir),
+        "--log-format",
+        "simple",
+        "--dropout",
+        "0",
+        *extra,
+    ]
+
+
+def _parallel(cmds: list[list[str]]) -> list[str]:
+    """Run commands side by side (the trainings are start-up bound); outputs, or fail loudly."""
+    procs = [
+        subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+        for c in cmds
+    ]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    for cmd, proc, out in zip(cmds, procs, outs):
+        assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{out[-3000:]}"
+    return outs
+
+
+@pytest.fixture(scope="module")
+def stream(tmp_path_factory):
+    root = tmp_path_factory.mktemp("score")
+    lines = sentences(1200, seed=7)
+    docs = ["\n".join(lines[i : i + 4]) for i in range(0, len(lines), 4)]
+    (root / "corpus.txt").write_text("\n\n".join(docs) + "\n", encoding="utf-8")
+    run(
+        [
+            tool("alma-data-prep"),
+            str(root / "corpus.txt"),
+            "--out",
+            str(root / "data"),
+            "--vocab-size",
+            "400",
+            "--num-megabatches",
+            "3",
+            "--eval-size",
+            "0.1",
+            "--valid-size",
+            "0.05",
+            "--workers",
+            "1",
+        ]
+    )
+    data = root / "data"
+    _parallel(
+        [
+            _train_cmd(data, root / "ens1", "--wait", "2", "--seed", "1"),
+            _train_cmd(data, root / "ens2", "--wait", "2", "--seed", "2"),
+            _train_cmd(data, root / "scratch", "--stage-init", "scratch", "--seed", "3"),
+        ]
+    )
+    return root
+
+
+def _score(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _ppls(json_path: Path, index: int = 0) -> list[float | None]:
+    return [a["ppl"] for a in json.loads(json_path.read_text())["series"][index]["arrivals"]]
+
+
+_MODELS: dict[str, tuple] = {}
+
+
+def _reference_ppl(checkpoints: list[Path], data: Path) -> float:
+    """exp(mean NLL) of the members' averaged probabilities, in probability space (float64), over
+    the eval blocks collated in index order — independent of alma-score's batching and log-space
+    averaging."""
+    from fairseq import checkpoint_utils
+
+    members = []
+    for path in checkpoints:
+        if str(path) not in _MODELS:
+            models, _, task = checkpoint_utils.load_model_ensemble_and_task(
+                [str(path)], arg_overrides={"data": str(data)}
+            )
+            task.load_dataset("eval")
+            _MODELS[str(path)] = (
+                models[0].eval(),
+                task.dataset("eval"),
+                task.target_dictionary.pad(),
+            )
+        members.append(_MODELS[str(path)])
+    dataset, pad = members[0][1], members[0][2]
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(dataset), 8):
+            batch = dataset.collater(
+                [dataset[i] for i in range(start, min(start + 8, len(dataset)))]
+            )
+            probs = [
+                torch.softmax(model(**batch["net_input"])[0].double(), dim=-1)
+                for model, _, _ in members
+            ]
+            average = torch.stack(probs).mean(dim=0)  # (B, T, V)
+            target = batch["target"]
+            p_target = average.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+            mask = target.ne(pad)
+            nll -= p_target[mask].log().sum().item()
+            count += int(mask.sum())
+    return math.exp(nll / count)
+
+
+@pytest.mark.slow
+def test_single_matches_fairseq_eval_lm_and_writes_outputs(stream, tmp_path):
+    run_dir, out = stream / "ens1", tmp_path / "out"
+    score_cmd = [
+        tool("alma-score"),
+        str(run_dir),
+        "--json",
+        str(out / "s.json"),
+        "--csv",
+        str(out / "s.csv"),
+        "--plot",
+        str(out / "s.png"),
+    ]
+    eval_cmd = [
+        tool("fairseq-eval-lm"),
+        str(stream / "data"),
+        "--user-dir",
+        USER_DIR,
+        "--path",
+        str(run_dir / "checkpoint_stage1.pt"),
+        "--gen-subset",
+        "eval",
+        "--tokens-per-sample",
+        "32",
+        "--batch-size",
+        "8",
+        "--cpu",
+        "--num-workers",
+        "0",
+    ]
+    procs = [
+        subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+        for c in (score_cmd, eval_cmd)
+    ]
+    (score_out, score_err), (eval_out, eval_err) = (p.communicate(timeout=600) for p in procs)
+    assert procs[0].returncode == 0, score_err[-3000:]
+    stock = float(re.search(r"Perplexity: ([0-9.]+)", eval_out + eval_err).group(1))
+    ppls = _ppls(out / "s.json")
+    assert ppls[0] is None and ppls[1] is None  # --wait 2: nothing trained before arrival 2
+    assert ppls[2] == pytest.approx(stock, rel=0.005)  # the acceptance criterion
+    assert ppls[3] == ppls[2]  # arrival 3 trains nothing: stage 1 answers again
+    row = next(line for line in score_out.splitlines() if line.startswith("SM_w2"))
+    assert row.split()[:5] == ["SM_w2", "2", "0.11M", "*", f"{ppls[2]:.2f}"]
+    assert "checkpoint 1/1" in score_err and "tokens/s" in score_err
+    csv_lines = (out / "s.csv").read_text().splitlines()
+    assert csv_lines[0].startswith("setting,num_experts,params,ppl_t0,ppl_t1,ppl_t2,avg_ppl")
+    assert csv_lines[1].split(",")[3] == "" and float(csv_lines[1].split(",")[4]) == ppls[2]
+    assert (out / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_from_log_equals_evaluation(stream, tmp_path, capsys):
+    runs = [stream / "ens1", stream / "ens2", stream / "scratch"]
+    assert _score(capsys, *runs, "--json", tmp_path / "eval.json")[0] == 0
+    assert _score(capsys, *runs, "--from-log", "--json", tmp_path / "log.json")[0] == 0
+    for i, run_dir in enumerate(runs):
+        evaluated, logged = _ppls(tmp_path / "eval.json", i), _ppls(tmp_path / "log.json", i)
+        assert [v is None for v in evaluated] == [v is None for v in logged]
+        for a, b in zip(evaluated, logged):
+            assert a is None or a == pytest.approx(b, rel=1e-6)
+        records = read_records(run_dir / "stream.jsonl")
+        assert logged[1:] == [r.eval_ppl if r.stage else None for r in records][1:]
+
+
+@pytest.mark.slow
+def test_ens_averages_member_probabilities(stream, tmp_path, capsys):
+    members = [stream / "ens1", stream / "ens2"]
+    code, out, err = _score(capsys, *members, "--mode", "ens", "--json", tmp_path / "ens.json")
+    assert code == 0, err
+    series = json.loads((tmp_path / "ens.json").read_text())["series"][0]
+    ppls = [a["ppl"] for a in series["arrivals"]]
+    expected = _reference_ppl([m / "checkpoint_stage1.pt" for m in members], stream / "data")
+    assert ppls[2] == pytest.approx(expected, rel=1e-5) and ppls[3] == ppls[2] and ppls[1] is None
+    member_ppl = [read_records(m / "stream.jsonl")[2].eval_ppl for m in members]
+    assert ppls[2] < max(member_ppl)
+    records = [read_records(m / "stream.jsonl") for m in members]
+    assert series["num_experts"] == "2@2" and series["setting"] == "Ens_w2"
+    assert [a["params"] for a in series["arrivals"]] == [
+        sum(r[t].params_active for r in records) for t in range(4)
+    ]
+    assert series["arrivals"][3]["train_flops_cum"] == sum(r[3].train_flops_cum for r in records)
+    assert out.splitlines()[1].split()[:4] == ["Ens_w2", "2@2", "0.22M", "*"]
+    assert err.count("checkpoint ") == 2  # each member's checkpoint scored once
+
+
+@pytest.mark.slow
+def test_gens_arrival_t_uses_members_1_to_t(stream, tmp_path, capsys):
+    run_dir = stream / "scratch"
+    code, _, err = _score(capsys, run_dir, "--mode", "gens", "--json", tmp_path / "g.json")
+    assert code == 0, err
+    series = json.loads((tmp_path / "g.json").read_text())["series"][0]
+    arrivals = series["arrivals"]
+    stages = [run_dir / f"checkpoint_stage{s}.pt" for s in (1, 2, 3)]
+    records = read_records(run_dir / "stream.jsonl")
+    for t in (1, 2, 3):
+        assert arrivals[t]["members"] == [str(p) for p in stages[:t]]
+        assert arrivals[t]["params"] == t * records[t].params_active
+    assert arrivals[1]["ppl"] == pytest.approx(
+        records[1].eval_ppl, rel=1e-6
+    )  # one member = the model
+    for t in (2, 3):
+        assert arrivals[t]["ppl"] == pytest.approx(
+            _reference_ppl(stages[:t], stream / "data"), rel=1e-5
+        )
+    assert series["num_experts"] == "2@3" and series["setting"] == "gEns_w1"
+    assert err.count("checkpoint ") == 3  # three members, each evaluated once
+
+
+def _other_stream_member(stream: Path, tmp_path: Path) -> Path:
+    """A copy of ens1 as if trained on a 2-mega-batch stream (its data dir's manifest says B = 2)."""
+    data2 = tmp_path / "data2"
+    data2.mkdir()
+    manifest = json.loads((stream / "data" / "manifest.json").read_text())
+    (data2 / "manifest.json").write_text(json.dumps(manifest | {"num_megabatches": 2}))
+    member = tmp_path / "b2"
+    member.mkdir()
+    state = torch.load(stream / "ens1" / "checkpoint_stage1.pt", weights_only=False)
+    state["cfg"]["task"]["data"] = str(data2)
+    torch.save(state, member / "checkpoint_stage1.pt")
+    write_records(member / "stream.jsonl", read_records(stream / "ens1" / "stream.jsonl")[:3])
+    return member
+
+
+def _without(
+    stream: Path, tmp_path: Path, run_name: str, drop: str = "", keep_records: int = 0
+) -> Path:
+    copy = tmp_path / run_name
+    shutil.copytree(stream / run_name, copy)
+    if drop:
+        (copy / drop).unlink()
+    if keep_records:
+        write_records(copy / "stream.jsonl", read_records(copy / "stream.jsonl")[:keep_records])
+    return copy
+
+
+@pytest.mark.parametrize(
+    "case, needle",
+    [
+        ("no_log", "stream.jsonl: missing"),
+        ("gens_continue", "--stage-init scratch"),
+        ("ens_other_b", "has B = 2 mega-batches but"),
+        ("missing_checkpoint", "checkpoint_stage1.pt: missing (stage 1, trained at arrival 2)"),
+        ("unfinished", "arrivals 0..2 but the stream"),
+        ("from_log_ens", "--from-log works with --mode single only"),
+    ],
+)
+def test_bad_input_is_one_line(stream, tmp_path, capsys, case, needle):
+    argv = {
+        "no_log": lambda: [tmp_path],
+        "gens_continue": lambda: [stream / "ens1", "--mode", "gens"],
+        "ens_other_b": lambda: [
+            stream / "ens1",
+            _other_stream_member(stream, tmp_path),
+            "--mode",
+            "ens",
+        ],
+        "missing_checkpoint": lambda: [
+            _without(stream, tmp_path, "ens1", drop="checkpoint_stage1.pt")
+        ],
+        "unfinished": lambda: [_without(stream, tmp_path, "scratch", keep_records=3)],
+        "from_log_ens": lambda: [stream / "ens1", stream / "ens2", "--mode", "ens", "--from-log"],
+    }[case]()
+    code, out, err = _score(capsys, *argv)
+    lines = err.strip().splitlines()
+    assert (
+        code == 2 and out == "" and len(lines) == 1 and lines[0].startswith("alma-score: error:")
+    ), err
+    assert needle in lines[0]
+
+
+def test_unknown_mode_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["somewhere", "--mode", "moe"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (
+        exc.value.code == 2 and len(err) == 1 and "--mode" in err[0] and "invalid choice" in err[0]
+    )
+
+
+def test_console_script_exits_2_without_traceback(tmp_path):
+    proc = run(
+        [tool("alma-score"), str(tmp_path / "nowhere"), "--mode", "ens", str(tmp_path)], check=False
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"alma-score: error: RUN_DIR {tmp_path / 'nowhere'}: not a directory; pass an alma_stream --save-dir"
+    ]
+
+
+def test_from_log_renders_vision_streams(tmp_path, capsys):
+    """Vision sweeps write the same records with test_error: --from-log shows their CER (Eq. 1)."""
+    run_dir = tmp_path / "sm_mlp8_w1_s1"
+    errors = [0.9, 0.5, 0.3]
+    write_records(
+        run_dir / "stream.jsonl",
+        [
+            ArrivalRecord(
+                arrival=t,
+                stage=t,
+                trained=t > 0,
+                megabatches_seen=t,
+                params_active=100,
+                train_flops_cum=1e9 * t,
+                infer_flops_per_example=10.0,
+                wall_time=1.0,
+                test_error=e,
+                extra={"method": "sm", "arch": "mlp", "width": 8, "wait": 1, "replay": False},
+            )
+            for t, e in enumerate(errors)
+        ],
+    )
+    code, out, err = _score(capsys, run_dir, "--from-log", "--csv", tmp_path / "v.csv")
+    assert code == 0, err
+    row = out.splitlines()[1].split()
+    assert row[:2] == ["sm_w1", "mlp8"] and float(row[4]) == pytest.approx(sum(errors))  # CER = 1.7
