@@ -5,9 +5,11 @@ Issue #2's protocol: d 512, FFN 2048, 8192 tokens, capacity factor 1.0, E in {4,
 E <= 16 and <= 1.10x at E = 64; peak memory beyond parameters and their gradients <= dense +25%.
 
 Peak memory on CPU: torch has no CPU allocator statistics, so every measurement runs in a fresh
-subprocess and reads the process's peak RSS (``ru_maxrss``) after one forward+backward, minus the
-RSS measured once parameters, their gradients and the input already exist.  Large tensors are
-mmap-allocated by glibc and returned on free, so the high-water mark is the true peak.
+subprocess and reads the process's peak RSS (``ru_maxrss``) over one forward+backward, minus the
+RSS once parameters and the input exist, minus the bytes of the gradients that backward creates.
+Gradients start as None, as in training (optimizers zero them with ``set_to_none``), so autograd
+stores each new gradient without an extra accumulation copy.  Large tensors are mmap-allocated by
+glibc and returned on free, so the high-water mark is the true peak.
 
 Usage: python benchmarks/switch_ffn.py [--tokens 8192] [--experts 4,8,16,64] [--repeats 5]
 """
@@ -51,12 +53,12 @@ def measure_one(kind: str, experts: int, tokens: int, d: int, f: int, repeats: i
     torch.manual_seed(seed)
     layer = build(kind, experts, d, f).train()
     x = torch.randn(tokens, d, requires_grad=True)
-    for p in layer.parameters():
-        p.grad = torch.zeros_like(p)
-    x.grad = torch.zeros_like(x)
+    grad_kib = (sum(p.numel() * p.element_size() for p in layer.parameters()) + x.numel() * x.element_size()) / 1024
     base_kib = rss_kib()
 
     def step() -> float:
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
         t0 = time.perf_counter()
         y, aux = layer(x)
         loss = y.float().pow(2).mean()
@@ -75,7 +77,7 @@ def measure_one(kind: str, experts: int, tokens: int, d: int, f: int, repeats: i
             dropped = float(aux.diagnostics["dropped"] / aux.diagnostics["tokens"])
     return {
         "time_s": statistics.median(times),
-        "peak_extra_mib": (peak_kib - base_kib) / 1024.0,
+        "peak_extra_mib": (peak_kib - base_kib - grad_kib) / 1024.0,
         "dropped_frac": dropped,
     }
 

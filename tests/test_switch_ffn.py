@@ -171,10 +171,11 @@ def test_segment_fallback_equals_batched_path():
     logits[:, 3] = 5.0  # every token wants expert 3 -> C = 40, E*C = 320 > 2*40
     logits[:4, 1] = 9.0
     routing = route_top1(logits, None)
+    by_segment = layer._experts_by_segment(x, routing)
+    row = routing.expert * 40 + routing.slot
     kept = routing.keep.nonzero().squeeze(1)
-    expert, slot = routing.expert[kept], routing.slot[kept]
-    by_segment = layer._experts_by_segment(x[kept], expert, 8)
-    batched = layer._experts_batched(x[kept], expert * 40 + slot, 8, 40)
+    slot_token = torch.zeros(8 * 40, dtype=torch.long).index_copy(0, row[kept], kept)
+    batched = layer._experts_batched(x, slot_token, row, 8, 40)
     assert torch.allclose(by_segment, batched, atol=1e-6)
     y = layer.dispatch(x, routing)
     for t in range(40):
