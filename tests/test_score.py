@@ -277,6 +277,19 @@ def test_gens_arrival_t_uses_members_1_to_t(stream, tmp_path, capsys):
     assert err.count("checkpoint ") == 3  # three members, each evaluated once
 
 
+def test_sweep_dir_stands_for_its_runs(stream, tmp_path, capsys):
+    """alma-sweep's --sweep-dir holds run dirs next to jobs.json: passing it scores each run."""
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "jobs.json").write_text("{}")
+    for name in ("ens2", "ens1"):
+        (sweep / name).symlink_to(stream / name)
+    code, out, err = _score(capsys, sweep, "--from-log", "--json", tmp_path / "s.json")
+    assert code == 0, err
+    runs = [s["scoring"]["runs"] for s in json.loads((tmp_path / "s.json").read_text())["series"]]
+    assert runs == [[str(sweep / "ens1")], [str(sweep / "ens2")]] and len(out.splitlines()) == 3
+
+
 def _other_stream_member(stream: Path, tmp_path: Path) -> Path:
     """A copy of ens1 as if trained on a 2-mega-batch stream (its data dir's manifest says B = 2)."""
     data2 = tmp_path / "data2"

@@ -258,7 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="alma-score", description=__doc__,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="--save-dir of an "
-                        "alma_stream training (stream.jsonl, checkpoint_stage{s}.pt)")
+                        "alma_stream training (stream.jsonl, checkpoint_stage{s}.pt), or a "
+                        "directory of them (an alma-sweep --sweep-dir)")
     for flag, options in _FLAGS:
         parser.add_argument(flag, **options)
     return parser
@@ -324,8 +325,22 @@ def _configure_logging() -> None:
     warnings.filterwarnings("ignore", message="Support for mismatched key_padding_mask")
 
 
+def expand_run_dirs(paths: list[str]) -> list[str]:
+    """A directory without stream.jsonl whose sub-directories have one (an ``alma-sweep``
+    --sweep-dir) stands for those run dirs, in name order."""
+    out = []
+    for path in paths:
+        runs = []
+        if os.path.isdir(path) and not os.path.exists(os.path.join(path, "stream.jsonl")):
+            runs = sorted(entry.path for entry in os.scandir(path)
+                          if os.path.isfile(os.path.join(entry.path, "stream.jsonl")))
+        out += runs or [path]
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     """Check the runs, score them, render; every user mistake raises ``UsageError``."""
+    args.run_dirs = expand_run_dirs(args.run_dirs)
     _check_flags(args)
     runs = [load_run(path, args) for path in args.run_dirs]
     if args.mode != "single":
