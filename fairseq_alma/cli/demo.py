@@ -3,18 +3,19 @@
 Steps, each a real command a user could type (printed before it runs), each skipped or resumed
 when its outputs already exist, so re-running after an interruption continues:
   1. ``alma-demo-corpus``: a few MB of real English prose from the Python standard library;
-  2. ``alma-data-prep``: sentencepiece BPE, shuffled split into mega-batches + eval + valid,
+  2. ``alma-data-prep``: sentencepiece BPE, seeded split into 4 mega-batches + eval + valid,
      fairseq binaries and manifest.json;
-  3. ``fairseq-train --task language_modeling --arch switch_transformer_lm_tiny``: a tiny Switch
-     LM on the first mega-batch (stock fairseq task: the plugin works without our task);
-  4. ``fairseq-eval-lm``: perplexity of the trained model on the held-out evaluation mega-batch.
+  3. ``fairseq-train --task alma_stream`` with a tiny Switch LM (4 experts), once per setting of
+     Table 2: SM w=1, a second seed (for Ens of 2), SM w=4 with 4x steps, gEns (scratch init per
+     stage) and gMoE (experts grown 4 -> 6 -> 8 -> 12 by copying the highest-loss experts);
+  4. ``alma-score`` per setting (single / ens / gens), then one Table-2 style table, CSV/JSON and
+     the Fig. 5 plot (average perplexity vs cumulative compute and vs parameters).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import re
 import shlex
 import subprocess
 import sys
@@ -34,8 +35,11 @@ def step(title: str, cmd: list[str], log: Path) -> str:
     """Run one command, echoing it; output goes to ``log`` and is returned.  Exits on failure."""
     print(f"\n== {title}\n$ {' '.join(shlex.quote(c) for c in cmd)}", flush=True)
     start = time.time()
+    # One intra-op thread unless the user says otherwise: the demo's models are tiny, and on a
+    # busy machine OpenMP threads spin-waiting for each other slow them down many times over.
+    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **os.environ}
     with open(log, "w", encoding="utf-8") as fh:
-        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, text=True, env=env)
     text = log.read_text(encoding="utf-8", errors="replace")
     if proc.returncode != 0:
         tail = "\n".join(text.splitlines()[-15:])
@@ -44,58 +48,83 @@ def step(title: str, cmd: list[str], log: Path) -> str:
     return text
 
 
+COMMON_TRAIN = [
+    "--task", "alma_stream", "--arch", "switch_transformer_lm_tiny", "--criterion", "switch_cross_entropy",
+    "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr", "0.003", "--lr-scheduler", "alma_stage_linear",
+    "--tokens-per-sample", "128", "--batch-size", "8", "--dropout", "0.1", "--cpu", "--num-workers", "0",
+    "--log-format", "simple", "--log-interval", "50", "--save-interval-updates", "50", "--no-epoch-checkpoints",
+]
+
+# (name, extra flags, alma-score mode, run dirs for scoring) — Table 2's rows at demo scale
+RUNS = [
+    ("SM_w1", ["--moe-experts", "4", "--seed", "1"]),
+    ("SM_w1_seed2", ["--moe-experts", "4", "--seed", "2"]),
+    ("SM_w4_4x", ["--moe-experts", "4", "--wait", "4", "--scale-updates-by-wait", "--seed", "1"]),
+    ("gEns_w1", ["--moe-experts", "4", "--stage-init", "scratch", "--seed", "3"]),
+    ("gMoE_w1", ["--moe-experts", "4", "--moe-max-experts", "12", "--grow-experts", "2,2,4", "--seed", "1"]),
+]
+SCORES = [
+    ("SM_w1", "single", ["SM_w1"]),
+    ("SM_w4 (4x steps)", "single", ["SM_w4_4x"]),
+    ("Ens_w1", "ens", ["SM_w1", "SM_w1_seed2"]),
+    ("gEns_w1", "gens", ["gEns_w1"]),
+    ("gMoE_w1", "single", ["gMoE_w1"]),
+]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="alma-demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="demo_out", help="working directory for every output (default: demo_out)")
     parser.add_argument("--corpus-mb", type=float, default=3.0, help="size of the demo corpus in MB (default 3)")
     parser.add_argument("--vocab-size", type=int, default=2000, help="BPE vocabulary of the demo (paper: 50000)")
-    parser.add_argument("--updates", type=int, default=200, help="training updates (default 200)")
+    parser.add_argument("--updates-per-stage", type=int, default=100, help="updates per stage U (paper: 120000)")
     parser.add_argument("--workers", type=int, default=2, help="worker processes for data preparation")
     args = parser.parse_args(argv)
-    if args.updates < 1:
-        parser.error(f"--updates must be >= 1 (got {args.updates})")
+    if args.updates_per_stage < 20:
+        parser.error(f"--updates-per-stage must be >= 20 (got {args.updates_per_stage})")
 
     out = Path(args.out).resolve()
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     corpus = out / "corpus" / "demo_corpus.txt"
-    data = out / "data"
-    ckpt = out / "checkpoints" / "switch_lm_tiny"
     corpus.parent.mkdir(parents=True, exist_ok=True)
+    data = out / "data"
+    runs = out / "runs"
+    reports = out / "report"
+    reports.mkdir(parents=True, exist_ok=True)
+    total = 2 + len(RUNS) + len(SCORES) + 1
 
-    step("1/4 build the demo corpus (Python stdlib prose)",
+    step(f"1/{total} build the demo corpus (Python stdlib prose)",
          [tool("alma-demo-corpus"), "--out", str(corpus), "--max-mb", str(args.corpus_mb)], logs / "corpus.log")
-    step("2/4 prepare a 4-mega-batch stream (BPE, split, binarize)",
+    step(f"2/{total} prepare a 4-mega-batch stream (BPE, seeded split, binarize, manifest)",
          [tool("alma-data-prep"), str(corpus), "--out", str(data), "--vocab-size", str(args.vocab_size),
-          "--num-megabatches", "4", "--eval-size", "0.16", "--valid-size", "0.04", "--workers", str(args.workers)],
+          "--num-megabatches", "4", "--eval-size", "0.04", "--valid-size", "0.02", "--workers", str(args.workers)],
          logs / "data_prep.log")
-    train_log = step("3/4 train a tiny Switch Transformer LM on mega-batch 0",
-         [tool("fairseq-train"), str(data), "--user-dir", str(PACKAGE_DIR), "--task", "language_modeling",
-          "--train-subset", "megabatch0", "--valid-subset", "valid",
-          "--arch", "switch_transformer_lm_tiny", "--moe-experts", "4", "--criterion", "switch_cross_entropy",
-          "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr", "0.002",
-          "--lr-scheduler", "polynomial_decay", "--warmup-updates", str(max(1, args.updates // 10)),
-          "--total-num-update", str(args.updates), "--max-update", str(args.updates),
-          "--tokens-per-sample", "128", "--batch-size", "16", "--dropout", "0.1", "--cpu", "--num-workers", "0",
-          "--save-dir", str(ckpt), "--no-epoch-checkpoints", "--log-format", "simple", "--log-interval", "50",
-          "--seed", "1"],
-         logs / "train.log")
-    eval_log = step("4/4 score on the held-out evaluation mega-batch",
-         [tool("fairseq-eval-lm"), str(data), "--user-dir", str(PACKAGE_DIR), "--path", str(ckpt / "checkpoint_last.pt"),
-          "--gen-subset", "eval", "--tokens-per-sample", "128", "--batch-size", "16", "--cpu", "--num-workers", "0"],
-         logs / "eval.log")
+    warmup = str(max(1, args.updates_per_stage // 10))
+    for i, (name, flags) in enumerate(RUNS, start=3):
+        step(f"{i}/{total} train {name}: the whole stream in one fairseq-train",
+             [tool("fairseq-train"), str(data), "--user-dir", str(PACKAGE_DIR), *COMMON_TRAIN,
+              "--updates-per-stage", str(args.updates_per_stage), "--warmup-updates", warmup,
+              "--save-dir", str(runs / name), *flags],
+             logs / f"train_{name}.log")
+    jsons = []
+    for i, (setting, mode, dirs) in enumerate(SCORES, start=3 + len(RUNS)):
+        target = reports / f"{setting.split()[0]}.json"
+        step(f"{i}/{total} score {setting} ({mode})",
+             [tool("alma-score"), *[str(runs / d) for d in dirs], "--mode", mode, "--setting", setting,
+              "--tokens-per-sample", "128", "--batch-size", "16", "--cpu", "--json", str(target)],
+             logs / f"score_{setting.split()[0]}.log")
+        jsons.append(target)
 
-    params = re.search(r"switch_transformer_lm: (.*)", train_log)
-    valid = re.findall(r"\| valid \|.*?\| ppl ([0-9.]+)", train_log)
-    score = re.search(r"Loss \(base 2\): ([0-9.]+), Perplexity: ([0-9.]+)", eval_log)
-    print("\n== summary")
-    if params:
-        print(f"model          : {params.group(1)}")
-    if valid:
-        print(f"valid ppl      : {valid[-1]}")
-    if score:
-        print(f"eval mega-batch: loss {score.group(1)} bits/token, perplexity {score.group(2)}")
-    print(f"outputs        : {out}")
+    from .report import format_table, load_report_json, plot_tradeoffs, write_csv, write_json
+
+    series = [s for path in jsons for s in load_report_json(path)]
+    write_json(series, reports / "table2.json")
+    write_csv(series, reports / "table2.csv")
+    plot_tradeoffs(series, reports / "fig5_tradeoffs.png")
+    print(f"\n== {total}/{total} Table 2 at demo scale (perplexity on the evaluation mega-batch)\n")
+    print(format_table(series))
+    print(f"\nreport: {reports / 'table2.json'}, {reports / 'table2.csv'}, plot: {reports / 'fig5_tradeoffs.png'}")
     return 0
 
 
