@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -29,57 +30,21 @@ USER_DIR = str(REPO / "fairseq_alma")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def _train_cmd(data: Path, save_dir: Path, *extra: str) -> list[str]:
-    return [
-        tool("fairseq-train"),
-        str(data),
-        "--user-dir",
-        USER_DIR,
-        "--task",
-        "alma_stream",
-        "--arch",
-        "switch_transformer_lm_tiny",
-        "--moe-experts",
-        "2",
-        "--criterion",
-        "switch_cross_entropy",
-        "--optimizer",
-        "adam",
-        "--lr",
-        "0.003",
-        "--lr-scheduler",
-        "alma_stage_linear",
-        "--warmup-updates",
-        "2",
-        "--updates-per-stage",
-        "4",
-        "--tokens-per-sample",
-        "32",
-        "--batch-size",
-        "8",
-        "--cpu",
-        "--num-workers",
-        "0",
-        "--save-dir",
-        str(save_dir),
-        "--log-format",
-        "simple",
-        "--dropout",
-        "0",
-        *extra,
-    ]
+TRAIN_FLAGS = shlex.split(
+    "--task alma_stream --arch switch_transformer_lm_tiny --moe-experts 2 --criterion "
+    "switch_cross_entropy --optimizer adam --lr 0.003 --lr-scheduler alma_stage_linear "
+    "--warmup-updates 2 --updates-per-stage 4 --tokens-per-sample 32 --batch-size 8 --cpu "
+    "--num-workers 0 --log-format simple --dropout 0"
+)
 
 
-def _parallel(cmds: list[list[str]]) -> list[str]:
-    """Run commands side by side (the trainings are start-up bound); outputs, or fail loudly."""
+def _parallel(cmds: list[list[str]]) -> list[tuple[int, str, str]]:
+    """Run commands side by side (they are start-up bound): (exit status, stdout, stderr)."""
     procs = [
-        subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+        subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
         for c in cmds
     ]
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-    for cmd, proc, out in zip(cmds, procs, outs):
-        assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{out[-3000:]}"
-    return outs
+    return [(p.wait(timeout=600), *p.communicate()) for p in procs]
 
 
 @pytest.fixture(scope="module")
@@ -88,32 +53,15 @@ def stream(tmp_path_factory):
     lines = sentences(1200, seed=7)
     docs = ["\n".join(lines[i : i + 4]) for i in range(0, len(lines), 4)]
     (root / "corpus.txt").write_text("\n\n".join(docs) + "\n", encoding="utf-8")
-    run(
-        [
-            tool("alma-data-prep"),
-            str(root / "corpus.txt"),
-            "--out",
-            str(root / "data"),
-            "--vocab-size",
-            "400",
-            "--num-megabatches",
-            "3",
-            "--eval-size",
-            "0.1",
-            "--valid-size",
-            "0.05",
-            "--workers",
-            "1",
-        ]
-    )
-    data = root / "data"
-    _parallel(
-        [
-            _train_cmd(data, root / "ens1", "--wait", "2", "--seed", "1"),
-            _train_cmd(data, root / "ens2", "--wait", "2", "--seed", "2"),
-            _train_cmd(data, root / "scratch", "--stage-init", "scratch", "--seed", "3"),
-        ]
-    )
+    prep = "--vocab-size 400 --num-megabatches 3 --eval-size 0.1 --valid-size 0.05 --workers 1"
+    run([tool("alma-data-prep"), str(root / "corpus.txt"), "--out", str(root / "data"),
+         *shlex.split(prep)])
+    runs = {"ens1": "--wait 2 --seed 1", "ens2": "--wait 2 --seed 2",
+            "scratch": "--stage-init scratch --seed 3"}
+    cmds = [[tool("fairseq-train"), str(root / "data"), "--user-dir", USER_DIR, *TRAIN_FLAGS,
+             "--save-dir", str(root / name), *flags.split()] for name, flags in runs.items()]
+    for cmd, (code, out, err) in zip(cmds, _parallel(cmds), strict=True):
+        assert code == 0, f"{' '.join(cmd)} failed:\n{(out + err)[-3000:]}"
     return root
 
 
@@ -140,26 +88,19 @@ def _reference_ppl(checkpoints: list[Path], data: Path) -> float:
     for path in checkpoints:
         if str(path) not in _MODELS:
             models, _, task = checkpoint_utils.load_model_ensemble_and_task(
-                [str(path)], arg_overrides={"data": str(data)}
-            )
+                [str(path)], arg_overrides={"data": str(data)})
             task.load_dataset("eval")
-            _MODELS[str(path)] = (
-                models[0].eval(),
-                task.dataset("eval"),
-                task.target_dictionary.pad(),
-            )
+            pad = task.target_dictionary.pad()
+            _MODELS[str(path)] = (models[0].eval(), task.dataset("eval"), pad)
         members.append(_MODELS[str(path)])
     dataset, pad = members[0][1], members[0][2]
     nll, count = 0.0, 0
     with torch.no_grad():
         for start in range(0, len(dataset), 8):
-            batch = dataset.collater(
-                [dataset[i] for i in range(start, min(start + 8, len(dataset)))]
-            )
-            probs = [
-                torch.softmax(model(**batch["net_input"])[0].double(), dim=-1)
-                for model, _, _ in members
-            ]
+            indices = range(start, min(start + 8, len(dataset)))
+            batch = dataset.collater([dataset[i] for i in indices])
+            probs = [torch.softmax(model(**batch["net_input"])[0].double(), dim=-1)  # (B, T, V)
+                     for model, _, _ in members]
             average = torch.stack(probs).mean(dim=0)  # (B, T, V)
             target = batch["target"]
             p_target = average.gather(-1, target.unsqueeze(-1)).squeeze(-1)
@@ -172,39 +113,13 @@ def _reference_ppl(checkpoints: list[Path], data: Path) -> float:
 @pytest.mark.slow
 def test_single_matches_fairseq_eval_lm_and_writes_outputs(stream, tmp_path):
     run_dir, out = stream / "ens1", tmp_path / "out"
-    score_cmd = [
-        tool("alma-score"),
-        str(run_dir),
-        "--json",
-        str(out / "s.json"),
-        "--csv",
-        str(out / "s.csv"),
-        "--plot",
-        str(out / "s.png"),
-    ]
-    eval_cmd = [
-        tool("fairseq-eval-lm"),
-        str(stream / "data"),
-        "--user-dir",
-        USER_DIR,
-        "--path",
-        str(run_dir / "checkpoint_stage1.pt"),
-        "--gen-subset",
-        "eval",
-        "--tokens-per-sample",
-        "32",
-        "--batch-size",
-        "8",
-        "--cpu",
-        "--num-workers",
-        "0",
-    ]
-    procs = [
-        subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
-        for c in (score_cmd, eval_cmd)
-    ]
-    (score_out, score_err), (eval_out, eval_err) = (p.communicate(timeout=600) for p in procs)
-    assert procs[0].returncode == 0, score_err[-3000:]
+    score_cmd = [tool("alma-score"), str(run_dir), "--json", str(out / "s.json"),
+                 "--csv", str(out / "s.csv"), "--plot", str(out / "s.png")]
+    eval_cmd = [tool("fairseq-eval-lm"), str(stream / "data"), "--user-dir", USER_DIR,
+                "--path", str(run_dir / "checkpoint_stage1.pt"), "--gen-subset", "eval",
+                *shlex.split("--tokens-per-sample 32 --batch-size 8 --cpu --num-workers 0")]
+    (code, score_out, score_err), (_, eval_out, eval_err) = _parallel([score_cmd, eval_cmd])
+    assert code == 0, score_err[-3000:]
     stock = float(re.search(r"Perplexity: ([0-9.]+)", eval_out + eval_err).group(1))
     ppls = _ppls(out / "s.json")
     assert ppls[0] is None and ppls[1] is None  # --wait 2: nothing trained before arrival 2
@@ -246,9 +161,8 @@ def test_ens_averages_member_probabilities(stream, tmp_path, capsys):
     assert ppls[2] < max(member_ppl)
     records = [read_records(m / "stream.jsonl") for m in members]
     assert series["num_experts"] == "2@2" and series["setting"] == "Ens_w2"
-    assert [a["params"] for a in series["arrivals"]] == [
-        sum(r[t].params_active for r in records) for t in range(4)
-    ]
+    summed = [sum(r[t].params_active for r in records) for t in range(4)]
+    assert [a["params"] for a in series["arrivals"]] == summed
     assert series["arrivals"][3]["train_flops_cum"] == sum(r[3].train_flops_cum for r in records)
     assert out.splitlines()[1].split()[:4] == ["Ens_w2", "2@2", "0.22M", "*"]
     assert err.count("checkpoint ") == 2  # each member's checkpoint scored once
@@ -266,13 +180,11 @@ def test_gens_arrival_t_uses_members_1_to_t(stream, tmp_path, capsys):
     for t in (1, 2, 3):
         assert arrivals[t]["members"] == [str(p) for p in stages[:t]]
         assert arrivals[t]["params"] == t * records[t].params_active
-    assert arrivals[1]["ppl"] == pytest.approx(
-        records[1].eval_ppl, rel=1e-6
-    )  # one member = the model
+    # one member is the stage-1 model itself; then members 1..t, averaged in probability space
+    assert arrivals[1]["ppl"] == pytest.approx(records[1].eval_ppl, rel=1e-6)
     for t in (2, 3):
-        assert arrivals[t]["ppl"] == pytest.approx(
-            _reference_ppl(stages[:t], stream / "data"), rel=1e-5
-        )
+        expected = _reference_ppl(stages[:t], stream / "data")
+        assert arrivals[t]["ppl"] == pytest.approx(expected, rel=1e-5)
     assert series["num_experts"] == "2@3" and series["setting"] == "gEns_w1"
     assert err.count("checkpoint ") == 3  # three members, each evaluated once
 
@@ -291,7 +203,7 @@ def test_sweep_dir_stands_for_its_runs(stream, tmp_path, capsys):
 
 
 def _other_stream_member(stream: Path, tmp_path: Path) -> Path:
-    """A copy of ens1 as if trained on a 2-mega-batch stream (its data dir's manifest says B = 2)."""
+    """A copy of ens1 as if trained on a 2-mega-batch stream (its data's manifest says B = 2)."""
     data2 = tmp_path / "data2"
     data2.mkdir()
     manifest = json.loads((stream / "data" / "manifest.json").read_text())
@@ -305,9 +217,9 @@ def _other_stream_member(stream: Path, tmp_path: Path) -> Path:
     return member
 
 
-def _without(
-    stream: Path, tmp_path: Path, run_name: str, drop: str = "", keep_records: int = 0
-) -> Path:
+def _without(stream: Path, tmp_path: Path, run_name: str, drop: str = "",
+             keep_records: int = 0) -> Path:
+    """A copy of a run dir with one file deleted, or its stream.jsonl cut short."""
     copy = tmp_path / run_name
     shutil.copytree(stream / run_name, copy)
     if drop:
@@ -317,83 +229,59 @@ def _without(
     return copy
 
 
-@pytest.mark.parametrize(
-    "case, needle",
-    [
-        ("no_log", "stream.jsonl: missing"),
-        ("gens_continue", "--stage-init scratch"),
-        ("ens_other_b", "has B = 2 mega-batches but"),
-        ("missing_checkpoint", "checkpoint_stage1.pt: missing (stage 1, trained at arrival 2)"),
-        ("unfinished", "arrivals 0..2 but the stream"),
-        ("from_log_ens", "--from-log works with --mode single only"),
-    ],
-)
+@pytest.mark.parametrize("case, needle", [
+    ("no_log", "stream.jsonl: missing"),
+    ("gens_continue", "--stage-init scratch"),
+    ("ens_other_b", "has B = 2 mega-batches but"),
+    ("missing_checkpoint", "checkpoint_stage1.pt: missing (stage 1, trained at arrival 2)"),
+    ("unfinished", "arrivals 0..2 but the stream"),
+    ("from_log_ens", "--from-log works with --mode single only"),
+])
 def test_bad_input_is_one_line(stream, tmp_path, capsys, case, needle):
     argv = {
         "no_log": lambda: [tmp_path],
         "gens_continue": lambda: [stream / "ens1", "--mode", "gens"],
-        "ens_other_b": lambda: [
-            stream / "ens1",
-            _other_stream_member(stream, tmp_path),
-            "--mode",
-            "ens",
-        ],
-        "missing_checkpoint": lambda: [
-            _without(stream, tmp_path, "ens1", drop="checkpoint_stage1.pt")
-        ],
+        "ens_other_b": lambda: [stream / "ens1", _other_stream_member(stream, tmp_path),
+                                "--mode", "ens"],
+        "missing_checkpoint": lambda: [_without(stream, tmp_path, "ens1",
+                                                drop="checkpoint_stage1.pt")],
         "unfinished": lambda: [_without(stream, tmp_path, "scratch", keep_records=3)],
         "from_log_ens": lambda: [stream / "ens1", stream / "ens2", "--mode", "ens", "--from-log"],
     }[case]()
     code, out, err = _score(capsys, *argv)
     lines = err.strip().splitlines()
-    assert (
-        code == 2 and out == "" and len(lines) == 1 and lines[0].startswith("alma-score: error:")
-    ), err
-    assert needle in lines[0]
+    assert code == 2 and out == "" and len(lines) == 1, err
+    assert lines[0].startswith("alma-score: error:") and needle in lines[0]
 
 
 def test_unknown_mode_is_one_line(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["somewhere", "--mode", "moe"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert (
-        exc.value.code == 2 and len(err) == 1 and "--mode" in err[0] and "invalid choice" in err[0]
-    )
+    assert exc.value.code == 2 and len(err) == 1
+    assert "--mode" in err[0] and "invalid choice" in err[0]
 
 
 def test_console_script_exits_2_without_traceback(tmp_path):
-    proc = run(
-        [tool("alma-score"), str(tmp_path / "nowhere"), "--mode", "ens", str(tmp_path)], check=False
-    )
+    cmd = [tool("alma-score"), str(tmp_path / "nowhere"), "--mode", "ens", str(tmp_path)]
+    proc = run(cmd, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines() == [
-        f"alma-score: error: RUN_DIR {tmp_path / 'nowhere'}: not a directory; pass an alma_stream --save-dir"
-    ]
+    expected = f"RUN_DIR {tmp_path / 'nowhere'}: not a directory; pass an alma_stream --save-dir"
+    assert proc.stderr.strip().splitlines() == [f"alma-score: error: {expected}"]
 
 
 def test_from_log_renders_vision_streams(tmp_path, capsys):
     """Vision sweeps write the same records with test_error: --from-log shows their CER (Eq. 1)."""
     run_dir = tmp_path / "sm_mlp8_w1_s1"
     errors = [0.9, 0.5, 0.3]
-    write_records(
-        run_dir / "stream.jsonl",
-        [
-            ArrivalRecord(
-                arrival=t,
-                stage=t,
-                trained=t > 0,
-                megabatches_seen=t,
-                params_active=100,
-                train_flops_cum=1e9 * t,
-                infer_flops_per_example=10.0,
-                wall_time=1.0,
-                test_error=e,
-                extra={"method": "sm", "arch": "mlp", "width": 8, "wait": 1, "replay": False},
-            )
-            for t, e in enumerate(errors)
-        ],
-    )
+    extra = {"method": "sm", "arch": "mlp", "width": 8, "wait": 1, "replay": False}
+    write_records(run_dir / "stream.jsonl", [
+        ArrivalRecord(arrival=t, stage=t, trained=t > 0, megabatches_seen=t, params_active=100,
+                      train_flops_cum=1e9 * t, infer_flops_per_example=10.0, wall_time=1.0,
+                      test_error=error, extra=extra)
+        for t, error in enumerate(errors)])
     code, out, err = _score(capsys, run_dir, "--from-log", "--csv", tmp_path / "v.csv")
     assert code == 0, err
     row = out.splitlines()[1].split()
-    assert row[:2] == ["sm_w1", "mlp8"] and float(row[4]) == pytest.approx(sum(errors))  # CER = 1.7
+    assert row[:2] == ["sm_w1", "mlp8"] and float(row[4]) == pytest.approx(sum(errors))  # CER 1.7
+    assert (tmp_path / "v.csv").read_text().splitlines()[1].startswith("sm_w1,mlp8,100,0.9,0.5,0.3")
