@@ -143,6 +143,28 @@ def test_kill9_mid_stream_then_same_command_continues_to_identical_records(sm_ru
         assert torch.equal(a["generator"], b["generator"])
 
 
+@pytest.mark.slow
+def test_two_data_parallel_ranks_write_the_single_process_records(sm_run, tmp_path):
+    """One sample per worker and stage: each gloo rank trains the same learner (same seeds), the
+    criterion's logs sum across ranks, rank 0 writes the records and stage checkpoints."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    save = tmp_path / "ddp"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    procs = [subprocess.Popen(vision_cmd(
+        save, "--distributed-world-size", "2", "--distributed-rank", str(rank),
+        "--distributed-no-spawn", "--distributed-backend", "gloo", "--ddp-backend", "legacy_ddp",
+        "--distributed-init-method", f"tcp://127.0.0.1:{port}"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for rank in (0, 1)]
+    logs = [proc.communicate(timeout=600)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], logs[0][-2000:] + logs[1][-2000:]
+    assert comparable(read(save)) == comparable(read(sm_run[0]))
+    assert "| stage 4 |" in logs[0]  # per-stage values averaged over the ranks, not summed
+
+
 def test_wait_out_of_range_is_one_line(tmp_path):
     proc = run(vision_cmd(tmp_path / "bad", wait=B + 1), check=False)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("fairseq-alma: error:")]

@@ -43,28 +43,27 @@ class AlmaVisionStageCriterion(FairseqCriterion):
 
     @staticmethod
     def reduce_metrics(logging_outputs: List[Dict[str, Any]]) -> None:
+        """Every value is a sum over workers (and updates): the per-stage numbers are divided by
+        ``stage_logs``, one per worker and stage, so data-parallel runs show the same values."""
+
         def total(key: str) -> float:
             return float(sum(log.get(key, 0) for log in logging_outputs))
 
         examples = total("loss_examples")
-        metrics.log_scalar("loss", total("loss_sum") / examples / math.log(2) if examples else 0.0,
-                           max(examples, 1.0), round=3)
+        loss = total("loss_sum") / examples / math.log(2) if examples else 0.0
+        metrics.log_scalar("loss", loss, max(examples, 1.0), round=3)
         if any("wrong" in log for log in logging_outputs) and examples:
             metrics.log_scalar("error", total("wrong") / examples, examples, round=4)
-        stages = [log["stage"] for log in logging_outputs if "stage" in log]
-        if not stages:
+        count = total("stage_logs")
+        if not count:
             return
         valid = total("valid_examples")
         if valid:
             valid_loss = total("valid_loss_sum") / valid / math.log(2)
             metrics.log_scalar("stage_valid_loss", valid_loss, valid, round=3)
-        count = len(stages)
-        metrics.log_scalar("best_epoch", total("best_epoch") / count, count, round=1)
-        metrics.log_scalar("stage", max(stages), 1, round=0)
-        metrics.log_scalar("gflops", total("gflops") / count, count, round=3)
-        params = max(log.get("params", 0) for log in logging_outputs)
-        metrics.log_scalar("params", params, 1, round=0)
+        for key, digits in (("best_epoch", 1), ("stage", 0), ("gflops", 3), ("params", 0)):
+            metrics.log_scalar(key, total(key) / count, count, round=digits)
 
     @staticmethod
     def logging_outputs_can_be_summed() -> bool:
-        return False  # "stage" and "params" are maxima, not sums
+        return True  # sums across workers (see reduce_metrics); works with gloo on CPU too

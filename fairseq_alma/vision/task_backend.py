@@ -198,8 +198,8 @@ class VisionStreamTask(FairseqTask):
         if info.get("best_epoch"):  # one per selection group (Ens members): the log shows the mean
             log["best_epoch"] = sum(info["best_epoch"]) / len(info["best_epoch"])
         examples = info.get("loss_examples", 0)
-        log.update(stage=stage.index, params=model.learner.params_active(), nsentences=examples,
-                   ntokens=examples * self.train_config.epochs)
+        log.update(stage=stage.index, params=model.learner.params_active(), stage_logs=1,
+                   nsentences=examples, ntokens=examples * self.train_config.epochs)
         result = criterion(model, {**sample, "alma_log": log})
         if self._stop is not None:
             self._stop.check(update_num)  # after a signal: fairseq saves this stage's end, exits
