@@ -13,6 +13,10 @@
 # from the job id (20000 + id % 20000); export either to override. GPUs use fairseq's default
 # backend (NCCL). --cpu adds `--cpu --distributed-backend gloo --ddp-backend legacy_ddp`: CPU
 # training needs gloo, and pytorch_ddp / torchrun-style env init do not work there.
+# OMP_NUM_THREADS, when unset, becomes the task's CPU count ($SLURM_CPUS_PER_TASK, else 1 like
+# torchrun): without CPU binding every task's torch would otherwise start one thread per core
+# of the node, oversubscribing it N times over, and a run's numbers would depend on the node's
+# core count instead of its allocation.
 # Both `alma-sweep submit` jobs and single runs (sbatch --wrap "srun slurm/launch_task.sh ...")
 # launch through this script.
 set -euo pipefail
@@ -30,6 +34,8 @@ if [[ -z ${SLURM_PROCID:-} || -z ${SLURM_NTASKS:-} || -z ${SLURM_JOB_ID:-} ]]; t
   echo "launch_task.sh: SLURM_PROCID/SLURM_NTASKS/SLURM_JOB_ID are unset: start it with srun" >&2
   exit 2
 fi
+
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
 
 world_size=$SLURM_NTASKS
 dist_flags=(--distributed-world-size "$world_size" --device-id "${SLURM_LOCALID:-0}")
