@@ -1,0 +1,197 @@
+"""A data-parallel ``alma_stream`` over 2 gloo processes, no Slurm (issue 5, item 3).
+
+Why 2 ranks must equal 1 process with ``--update-freq 2``: the task builds one fixed-budget batch
+list per stage of ``updates x update_freq x workers`` batches (``_stage_batches``) and fairseq's
+``ShardedIterator`` deals it out round-robin, so rank r takes batches r, r+2, r+4, ...; update k
+on 2 ranks therefore trains on batches 2k (rank 0) and 2k+1 (rank 1), which are exactly the two
+consecutive batches ``--update-freq 2`` groups into update k of one process. The gradients then
+agree to the last bit, not just closely: one process accumulates g0 + g1 in ``.grad``; legacy_ddp
+all-reduces g0 + g1 (a sum of two floats is the same in either order), divides by the world size
+2 and fairseq multiplies by 2 / sample_size (powers of two scale floats exactly). With dropout 0
+and the same intra-op thread count (OMP_NUM_THREADS=1 here; the thread count changes the float
+reduction order inside matmuls, which showed up as 1e-7 differences when it differed) the stage
+weights are identical, and the tests demand that. The per-arrival metrics are computed by
+``evaluate_nll``, which shards the evaluation batches over the ranks and all-reduces float64
+partial sums: the same per-batch NLLs added in another order, so they may differ in the last
+float64 bits (~1e-16 relative); ``CROSS_TOPOLOGY_REL_TOL`` = 1e-12 allows that and nothing more
+(in our runs they came out equal to the last bit).
+
+The runs use the flags of ``train_configs/examples/tiny_stream.yaml``; the helpers here
+(``build_tiny_stream``, ``tiny_stream_argv``) are shared with ``test_slurm_streams.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from lm_fixtures import run, sentences, tool
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+TINY_STREAM = REPO / "train_configs" / "examples" / "tiny_stream.yaml"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+LOADED = re.compile(r"Loaded checkpoint \S+ \(epoch (\d+) @ (\d+) updates\)")
+CROSS_TOPOLOGY_REL_TOL = 1e-12  # eval NLL sums reassociated across ranks (module docstring)
+
+
+def build_tiny_stream(root: Path) -> Path:
+    """A 2-mega-batch stream (+ eval, valid) from generated text, as in test_alma_stream.py."""
+    lines = sentences(1200, seed=7)
+    docs = ["\n".join(lines[i : i + 4]) for i in range(0, len(lines), 4)]
+    (root / "corpus.txt").write_text("\n\n".join(docs) + "\n", encoding="utf-8")
+    out = root / "data-bin" / "tiny-stream"
+    run([tool("alma-data-prep"), str(root / "corpus.txt"), "--out", str(out), "--vocab-size",
+         "400", "--num-megabatches", "2", "--eval-size", "0.1", "--valid-size", "0.05",
+         "--workers", "1"])
+    return out
+
+
+def tiny_stream_argv(data: Path, save_dir: Path, **overrides: object) -> list[str]:
+    """fairseq-train argv of tiny_stream.yaml (as alma-sweep builds it), seed 1, on ``data``."""
+    from fairseq_alma.configs import load_run_config
+
+    config = replace(load_run_config(TINY_STREAM, check_flags=False), data=str(data))
+    flags = {key.replace("_", "-"): value for key, value in overrides.items()}
+    return [tool("fairseq-train"), *config.to_argv(flags, 1, save_dir)]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def rank_commands(data: Path, save_dir: Path, port: int) -> list[list[str]]:
+    """One fairseq-train per rank, wired by hand the way slurm/launch_task.sh does it."""
+    base = tiny_stream_argv(data, save_dir) + ["--cpu", "--ddp-backend", "legacy_ddp"]
+    return [base + ["--distributed-world-size", "2", "--distributed-rank", str(rank),
+                    "--distributed-no-spawn", "--distributed-backend", "gloo",
+                    "--distributed-init-method", f"tcp://127.0.0.1:{port}"] for rank in (0, 1)]
+
+
+def start_ranks(commands: list[list[str]], logs: Path) -> list[subprocess.Popen]:
+    logs.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for rank, command in enumerate(commands):
+        with open(logs / f"rank{rank}.log", "w") as log:
+            procs.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=ENV))
+    return procs
+
+
+def finish_ranks(procs: list[subprocess.Popen], logs: Path, timeout: float = 300) -> str:
+    """Wait for every rank to exit 0; return rank 0's log."""
+    for rank, proc in enumerate(procs):
+        rc = proc.wait(timeout=timeout)
+        text = (logs / f"rank{rank}.log").read_text(errors="replace")
+        assert rc == 0, f"rank {rank} exited {rc}:\n{text[-3000:]}"
+    return (logs / "rank0.log").read_text(errors="replace")
+
+
+def wait_for_file(path: Path, procs: list[subprocess.Popen], timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert all(p.poll() is None for p in procs), f"a rank ended before {path.name} appeared"
+        assert time.monotonic() < deadline, f"{path} did not appear within {timeout} s"
+        time.sleep(0.02)
+
+
+def _metric_key(key: str) -> bool:
+    return key.endswith(("_nll", "_ppl"))
+
+
+def assert_same_stream(got: Path, want: Path, metric_rel_tol: float = 0.0,
+                       stages: tuple[int, ...] = (1, 2)) -> None:
+    """Stage weights equal bit for bit; stream.jsonl equal in every field but wall time, the
+    perplexities and NLLs within ``metric_rel_tol`` (0: exactly)."""
+    import math
+
+    import torch
+
+    from fairseq_alma.stream.records import read_records
+
+    a, b = read_records(got / "stream.jsonl"), read_records(want / "stream.jsonl")
+    shown = ([(r.arrival, r.eval_ppl) for r in a], [(r.arrival, r.eval_ppl) for r in b])
+    assert len(a) == len(b), shown
+    for left, right in zip(a, b):
+        lj, rj = left.to_json(), right.to_json()
+        assert lj.keys() == rj.keys(), shown
+        for key in lj.keys() - {"wall_time"}:
+            if _metric_key(key) and isinstance(lj[key], float):
+                assert math.isclose(lj[key], rj[key], rel_tol=metric_rel_tol, abs_tol=0.0), (
+                    left.arrival, key, lj[key], rj[key])
+            else:
+                assert lj[key] == rj[key], (left.arrival, key, lj[key], rj[key])
+    for stage in stages:
+        wa, wb = (torch.load(d / f"checkpoint_stage{stage}.pt", map_location="cpu",
+                             weights_only=False)["model"] for d in (got, want))
+        assert wa.keys() == wb.keys()
+        for key in wa:
+            assert torch.equal(wa[key], wb[key]), (stage, key)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return build_tiny_stream(tmp_path_factory.mktemp("dist_stream"))
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(data, tmp_path_factory) -> tuple[Path, str]:
+    """An uninterrupted 2-rank gloo stream: its save dir and rank 0's log."""
+    root = tmp_path_factory.mktemp("two_ranks")
+    procs = start_ranks(rank_commands(data, root / "run", free_port()), root / "logs")
+    return root / "run", finish_ranks(procs, root / "logs")
+
+
+def test_two_ranks_equal_one_process_with_update_freq_2(data, two_rank_run, tmp_path):
+    save, log = two_rank_run
+    assert "training on 2 devices" in log, log[-2000:]
+    assert re.search(r"num_updates 12\b", log)  # 2 stages x 6 updates, not 2 x 12
+    single = tmp_path / "single"
+    run(tiny_stream_argv(data, single, update_freq=2) + ["--cpu", "--ddp-backend", "legacy_ddp"])
+    assert_same_stream(save, single, metric_rel_tol=CROSS_TOPOLOGY_REL_TOL)
+    from fairseq_alma.stream.records import read_records
+
+    records = read_records(save / "stream.jsonl")
+    assert [r.arrival for r in records] == [0, 1, 2]
+    assert records[2].eval_ppl < records[1].eval_ppl < records[0].eval_ppl  # it learns
+    # control: the same stream at 8 sequences per update is a different stream
+    lone = tmp_path / "lone"
+    run(tiny_stream_argv(data, lone) + ["--cpu"])
+    assert read_records(lone / "stream.jsonl")[1].eval_ppl != records[1].eval_ppl
+
+
+def test_kill9_both_ranks_then_same_commands_resume(data, two_rank_run, tmp_path):
+    """kill -9 of both ranks inside stage 1, between the stages and inside stage 2; each time the
+    same two commands (same port) resume from checkpoint_last.pt, and the stream ends equal to
+    the uninterrupted 2-rank run."""
+    save = tmp_path / "run"
+    commands = rank_commands(data, save, free_port())
+    markers = ["checkpoint_1_4.pt", "checkpoint_stage1.pt", "checkpoint_2_10.pt"]
+    resumed_at = []
+    for attempt, marker in enumerate(markers + [None]):
+        logs = tmp_path / f"attempt{attempt}"
+        procs = start_ranks(commands, logs)
+        if marker is None:
+            log = finish_ranks(procs, logs)
+        else:
+            wait_for_file(save / marker, procs)
+            for proc in procs:
+                proc.send_signal(signal.SIGKILL)
+            for proc in procs:
+                proc.wait(timeout=30)
+            log = (logs / "rank0.log").read_text(errors="replace")
+        loaded = LOADED.search(log)
+        resumed_at.append(int(loaded.group(2)) if loaded else 0)
+    # every restart continued from where the previous attempt had saved, never from scratch
+    assert resumed_at[0] == 0 and resumed_at[1] >= 2 and resumed_at[2] >= 6 and resumed_at[3] >= 8
+    assert resumed_at == sorted(resumed_at), resumed_at
+    assert not list(save.glob("*.tmp*")), "a temporary file was left behind"
+    assert_same_stream(save, two_rank_run[0])
