@@ -195,3 +195,34 @@ def test_kill9_both_ranks_then_same_commands_resume(data, two_rank_run, tmp_path
     assert resumed_at == sorted(resumed_at), resumed_at
     assert not list(save.glob("*.tmp*")), "a temporary file was left behind"
     assert_same_stream(save, two_rank_run[0])
+
+
+GROW = ["--moe-max-experts", "4", "--grow-experts", "2"]
+
+
+def test_growth_on_two_ranks_equals_one_process(data, tmp_path):
+    """Issue #3 item 3: grown experts are covered by data-parallel gradient synchronisation.
+
+    Growth switches on pre-allocated slots of the same parameter tensors that legacy_ddp
+    all-reduces, so 2 ranks must give exactly the stream of 1 process with --update-freq 2, and
+    the copies must have trained away from their sources during stage 2."""
+    import json
+
+    import torch
+
+    save = tmp_path / "two"
+    procs = start_ranks([cmd + GROW for cmd in rank_commands(data, save, free_port())], tmp_path / "logs")
+    finish_ranks(procs, tmp_path / "logs")
+    single = tmp_path / "single"
+    run(tiny_stream_argv(data, single, update_freq=2) + ["--cpu", "--ddp-backend", "legacy_ddp"] + GROW)
+    assert_same_stream(save, single, metric_rel_tol=CROSS_TOPOLOGY_REL_TOL)
+    grown = [json.loads(line) for line in (save / "growth.jsonl").read_text().splitlines()]
+    assert grown == [json.loads(line) for line in (single / "growth.jsonl").read_text().splitlines()] or \
+        [g["copied"] for g in grown] == [json.loads(line)["copied"] for line in (single / "growth.jsonl").read_text().splitlines()]
+    assert grown[0]["experts"] == 4
+    # the copy of a busy expert receives tokens (router tie broken) and trains away from its
+    # source; a copy of an expert the router had already abandoned may stay idle
+    weights = torch.load(save / "checkpoint_stage2.pt", map_location="cpu", weights_only=False)["model"]
+    w = weights[next(k for k in weights if k.endswith("fc1_weight"))]
+    sources = grown[0]["copied"]["0"]
+    assert any(not torch.equal(w[new], w[src]) for new, src in zip((2, 3), sources)), "no grown expert trained"

@@ -6,10 +6,13 @@ weights, their router row, and their optimizer moments.  Slots were allocated up
 (``--moe-max-experts``), so fairseq's optimizer and data-parallel gradient synchronisation
 already cover the new experts: they are the same parameter tensors, now with more active rows.
 
-Copying the router row makes the copy tie with its source; top-1 argmax keeps tokens on the
-source at first and the softmax splits the source's gate in two, so the loss changes a little
-(the paper notes this flat-mixture growth is slightly worse than the tree split of App. A but
-easier at scale).  ``grow_experts`` returns the validation loss right before and right after.
+An exact copy of the router row would tie with its source: top-1 argmax always picks the lower
+index, so the copy would never receive a token and never train (a 2-rank test caught this).  The
+copied row therefore gets a small seeded perturbation +eps and the source -eps (relative size
+``ROUTER_TIE_BREAK``), which splits the source's tokens between the two while their gates stay
+almost unchanged; the softmax still shares the source's probability mass, so the loss changes a
+little (the paper notes this flat-mixture growth is slightly worse than the tree split of App. A
+but easier at scale).  ``grow_experts`` returns the validation loss right before and right after.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from .stage_start import sync_master_params
 
 logger = logging.getLogger(__name__)
 EXPERT_PARAMS = ("fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias")
+ROUTER_TIE_BREAK = 1e-2  # perturbation of a copied router row, relative to the row's RMS
 
 
 @contextmanager
@@ -109,7 +113,7 @@ def _copy_optimizer_rows(optimizer: Any, param: torch.nn.Parameter, src: List[in
 
 
 @torch.no_grad()
-def copy_experts(layer: SwitchFFN, sources: List[int], optimizer: Any = None) -> List[int]:
+def copy_experts(layer: SwitchFFN, sources: List[int], optimizer: Any = None, seed: int = 0) -> List[int]:
     """Copy experts ``sources`` of ``layer`` into its next free slots; returns the new slot ids."""
     start = layer.num_experts
     if start + len(sources) > layer.max_experts:
@@ -123,14 +127,20 @@ def copy_experts(layer: SwitchFFN, sources: List[int], optimizer: Any = None) ->
         param.data[new] = param.data[sources]
         if optimizer is not None:
             _copy_optimizer_rows(optimizer, param, sources, new)
-    layer.router.weight.data[new] = layer.router.weight.data[sources]
+    rows = layer.router.weight.data[sources].float()  # (k, d)
+    generator = torch.Generator().manual_seed(seed)  # same on every data-parallel rank
+    noise = torch.randn(rows.shape, generator=generator).to(rows.device)
+    noise = noise * ROUTER_TIE_BREAK * rows.pow(2).mean(dim=1, keepdim=True).sqrt()
+    layer.router.weight.data[new] = (rows + noise).to(layer.router.weight.dtype)
+    layer.router.weight.data[sources] = (rows - noise).to(layer.router.weight.dtype)
     if optimizer is not None:
         _copy_optimizer_rows(optimizer, layer.router.weight, sources, new)
     layer.set_num_experts(start + len(sources))
     return new
 
 
-def grow_experts(model: Any, task: Any, dataset: Any, k: int, batch_size: int, optimizer: Any = None) -> Dict[str, Any]:
+def grow_experts(model: Any, task: Any, dataset: Any, k: int, batch_size: int, optimizer: Any = None,
+                 seed: int = 0) -> Dict[str, Any]:
     """One growth step over every MoE block; returns what was copied and the validation loss
     (mean NLL per token, nats) right before and right after."""
     losses, before = expert_validation_losses(model, task, dataset, batch_size)
@@ -138,7 +148,7 @@ def grow_experts(model: Any, task: Any, dataset: Any, k: int, batch_size: int, o
     for i, (layer, layer_losses) in enumerate(zip(model.moe_layers(), losses)):
         top = torch.topk(layer_losses, min(k, layer.num_experts)).indices.tolist()
         copied[i] = top
-        copy_experts(layer, top, optimizer)
+        copy_experts(layer, top, optimizer, seed=seed * 1000 + i)
     if optimizer is not None:
         sync_master_params(optimizer, model)
     _, after = expert_validation_losses(model, task, dataset, batch_size)

@@ -275,7 +275,8 @@ class AlmaStreamTask(LanguageModelingTask):
         if "valid" not in self.datasets:
             super().load_dataset("valid", epoch=1, combine=False)
         batch = self.cfg.batch_size_valid or self.cfg.batch_size or 8
-        info = grow_experts(self.model, self, self.datasets["valid"], self.growth_plan[stage], batch, optimizer)
+        info = grow_experts(self.model, self, self.datasets["valid"], self.growth_plan[stage], batch, optimizer,
+                            seed=self.cfg.seed * 100 + stage)
         info = {"stage": stage, **info, "params_active": int(self.model.parameter_counts()["active"])}
         if self._is_master():
             import json
