@@ -188,13 +188,17 @@ class AlmaStreamTask(LanguageModelingTask):
             return
         self._finish_stages_before(epoch)
         stage = min(epoch, len(self.schedule))
+        self.datasets["train"] = self._stage_dataset(stage)
+
+    def _stage_dataset(self, stage: int) -> Any:
+        """The mega-batches ``stage`` trains on (new ones, or all seen with --replay), concatenated."""
         parts = []
         for k in self.schedule[stage - 1].train_megabatches:
             name = f"megabatch{k}"
             if name not in self.datasets:
                 super().load_dataset(name, epoch=1, combine=False)
             parts.append(self.datasets[name])
-        self.datasets["train"] = parts[0] if len(parts) == 1 else ConcatDataset(parts)
+        return parts[0] if len(parts) == 1 else ConcatDataset(parts)
 
     def has_sharded_data(self, split: str) -> bool:
         return split == "train"  # a new dataset every epoch (= stage)
@@ -235,14 +239,7 @@ class AlmaStreamTask(LanguageModelingTask):
         """Tokens trained on in ``stage``: a function of the stage and the batching flags, so a
         resumed run records the same cumulative compute as an uninterrupted one."""
         if stage not in self.stage_tokens:
-            parts = []
-            for k in self.schedule[stage - 1].train_megabatches:
-                name = f"megabatch{k}"
-                if name not in self.datasets:
-                    super().load_dataset(name, epoch=1, combine=False)
-                parts.append(self.datasets[name])
-            dataset = parts[0] if len(parts) == 1 else ConcatDataset(parts)
-            self._stage_batches(stage, dataset, self.cfg.max_tokens, self.cfg.batch_size,
+            self._stage_batches(stage, self._stage_dataset(stage), self.cfg.max_tokens, self.cfg.batch_size,
                                 self.cfg.required_batch_size_multiple, self.cfg.seed, self.cfg.distributed_world_size)
         return self.stage_tokens[stage]
 
