@@ -11,7 +11,7 @@ Gradients start as None, as in training (optimizers zero them with ``set_to_none
 stores each new gradient without an extra accumulation copy.  Large tensors are mmap-allocated by
 glibc and returned on free, so the high-water mark is the true peak.
 
-Usage: python benchmarks/switch_ffn.py [--tokens 8192] [--experts 4,8,16,64] [--repeats 5]
+Usage: python benchmarks/switch_ffn.py [--tokens 8192] [--experts 4,8,16,64] [--repeats 5] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -110,6 +110,8 @@ def main() -> None:
     parser.add_argument("--ffn", type=int, default=2048, help="FFN width (default 2048)")
     parser.add_argument("--experts", default="4,8,16,64", help="comma-separated expert counts")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per configuration (median)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="interleaved rounds of dense + every E; ratios are per round, median reported")
     parser.add_argument("--child", nargs=2, metavar=("KIND", "E"), help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -120,18 +122,33 @@ def main() -> None:
 
     experts_list = [int(e) for e in args.experts.split(",")]
     print(f"SwitchFFN vs dense FFN: d={args.dim} ffn={args.ffn} tokens={args.tokens} "
-          f"capacity_factor=1.0 threads=2 torch={torch.__version__}", flush=True)
-    dense = run_child("dense", 0, args)
-    print(f"dense FFN: {dense['time_s'] * 1000:.1f} ms fwd+bwd, peak extra {dense['peak_extra_mib']:.0f} MiB", flush=True)
+          f"capacity_factor=1.0 threads=2 rounds={args.rounds} torch={torch.__version__}", flush=True)
+    # Rounds interleave dense and every E, so a slow spell of a shared machine hits both sides of
+    # a ratio; each ratio is taken within its round and the median over rounds is reported.
+    rows: dict[int, list[dict]] = {e: [] for e in experts_list}
+    dense_runs: list[dict] = []
+    for round_index in range(args.rounds):
+        dense = run_child("dense", 0, args)
+        dense_runs.append(dense)
+        for experts in experts_list:
+            r = run_child("switch", experts, args)
+            r["time_ratio"] = r["time_s"] / dense["time_s"]
+            r["mem_ratio"] = r["peak_extra_mib"] / dense["peak_extra_mib"]
+            rows[experts].append(r)
+        print(f"round {round_index + 1}/{args.rounds}: dense {dense['time_s'] * 1000:.0f} ms, x dense "
+              + " ".join(f"E={e}:{rows[e][-1]['time_ratio']:.2f}" for e in experts_list), flush=True)
+    med = statistics.median
+    print(f"dense FFN: {med(d['time_s'] for d in dense_runs) * 1000:.1f} ms fwd+bwd, "
+          f"peak extra {med(d['peak_extra_mib'] for d in dense_runs):.0f} MiB", flush=True)
     header = f"{'E':>4} {'time ms':>9} {'x dense':>8} {'peak MiB':>9} {'x dense':>8} {'dropped':>8}"
     print(header)
     print("-" * len(header))
     for experts in experts_list:
-        r = run_child("switch", experts, args)
+        runs = rows[experts]
         print(
-            f"{experts:>4} {r['time_s'] * 1000:>9.1f} {r['time_s'] / dense['time_s']:>8.2f} "
-            f"{r['peak_extra_mib']:>9.0f} {r['peak_extra_mib'] / dense['peak_extra_mib']:>8.2f} "
-            f"{100 * r['dropped_frac']:>7.1f}%",
+            f"{experts:>4} {med(r['time_s'] for r in runs) * 1000:>9.1f} {med(r['time_ratio'] for r in runs):>8.2f} "
+            f"{med(r['peak_extra_mib'] for r in runs):>9.0f} {med(r['mem_ratio'] for r in runs):>8.2f} "
+            f"{100 * runs[0]['dropped_frac']:>7.1f}%",
             flush=True,
         )
 

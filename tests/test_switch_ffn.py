@@ -14,9 +14,14 @@ def manual_expert(layer: SwitchFFN, e: int, x: torch.Tensor) -> torch.Tensor:
     return F.linear(h, layer.fc2_weight[e], layer.fc2_bias[e])
 
 
-def test_exact_outputs_on_hand_made_routing():
+KERNELS = pytest.mark.parametrize("kernel", ["segments", "batched"])
+
+
+@KERNELS
+def test_exact_outputs_on_hand_made_routing(kernel):
     torch.manual_seed(0)
     layer = SwitchFFN(4, 6, 2, capacity_factor=1.0)
+    layer.expert_kernel = kernel
     x = torch.randn(6, 4)
     logits = torch.zeros(6, 2)
     logits[torch.arange(6), torch.tensor([0, 1, 0, 0, 0, 1])] = 3.0
@@ -40,12 +45,14 @@ def test_forward_shape_and_aux():
     assert set(aux.diagnostics) == {"tokens", "dropped", "entropy_sum", "load_max", "load_min", "unused"}
 
 
+@KERNELS
 @pytest.mark.parametrize("shape", [(1, 4, 8, 16), (3, 7, 16, 32), (2, 33, 32, 64)])
-def test_single_expert_equals_dense_ffn_outputs_and_gradients(shape):
+def test_single_expert_equals_dense_ffn_outputs_and_gradients(shape, kernel):
     batch, seq, d, f = shape
     torch.manual_seed(1)
     dense = DenseFFN(d, f, "relu", 0.0)
     moe = SwitchFFN(d, f, 1, capacity_factor=1.0)
+    moe.expert_kernel = kernel
     with torch.no_grad():
         moe.fc1_weight[0].copy_(dense.fc1.weight)
         moe.fc1_bias[0].copy_(dense.fc1.bias)
@@ -67,9 +74,11 @@ def test_single_expert_equals_dense_ffn_outputs_and_gradients(shape):
     assert torch.allclose(dense.fc2.bias.grad, moe.fc2_bias.grad[0], atol=1e-5)
 
 
-def test_gradients_reach_router_and_every_used_expert():
+@KERNELS
+def test_gradients_reach_router_and_every_used_expert(kernel):
     torch.manual_seed(2)
     layer = SwitchFFN(8, 16, 4, capacity_factor=2.0)
+    layer.expert_kernel = kernel
     y, aux = layer(torch.randn(64, 8))
     (y.pow(2).sum() + aux.balance_loss).backward()
     assert layer.router.weight.grad is not None and layer.router.weight.grad.abs().sum() > 0

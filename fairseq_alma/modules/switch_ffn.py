@@ -4,9 +4,10 @@ Why this layout:
 - Expert weights are stacked tensors ``[E_max, ...]`` instead of a ModuleList.  Growth (ALMA
   gMoE for LMs, Table 2: 4 -> 6 -> 8 -> 12 experts) then only switches on pre-allocated slots,
   so fairseq's optimizer and DDP keep the same parameter list (see DESIGN.md).
-- Kept tokens are placed by index into an ``[E, C, d]`` buffer and all experts run as one
-  batched matmul; no tokens x experts x capacity tensor exists (the fairseq ``moe`` branch's
-  dense one-hot dispatch is 4x slower than a dense FFN on CPU; see benchmarks/switch_ffn.py).
+- Dispatch is by index, never by a tokens x experts x capacity one-hot tensor (the fairseq
+  ``moe`` branch's dense dispatch is 4x slower than a dense FFN on CPU): on CPU kept tokens are
+  sorted by expert and each expert runs one matmul on its segment (expert_segments.py); on GPU
+  all experts run as one batched matmul over an ``[E, C, d]`` buffer (see ``dispatch``).
 - Router logits and softmax are float32 even under --fp16/--bf16 (Switch §2.4: selective
   precision), and the balance loss is *returned*, never stored on the module.
 """
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .expert_segments import GradientPool, relu_expert_segments
 from .switch_routing import Top1Routing, balance_loss, route_top1, router_z_loss, routing_diagnostics
 
 
@@ -99,6 +101,10 @@ class SwitchFFN(nn.Module):
         self.capacity_factor = capacity_factor
         self.eval_capacity_factor = eval_capacity_factor
         self.activation = _activation(activation_fn, inplace=True)
+        self.activation_name = activation_fn
+        # "auto" | "segments" | "batched": which expert kernel dispatch() runs (see there).
+        self.expert_kernel = "auto"
+        self._grad_pool = GradientPool()  # CPU: expert-weight gradient memory reused (see there)
         self.activation_dropout = activation_dropout
         self.jitter_eps = jitter_eps
         self.use_z_loss = z_loss
@@ -181,20 +187,27 @@ class SwitchFFN(nn.Module):
     def dispatch(self, tokens: Tensor, routing: Top1Routing) -> Tensor:
         """Run each kept token through its expert; dropped and padding tokens get 0.
 
-        Every expert runs as one batched matmul (``baddbmm``) over an ``[E, C, d]`` buffer in which
-        kept token t sits at row ``expert * C + slot``.  The buffer is gathered straight from the
-        tokens (empty slots repeat token 0: computed, never read, so they get no gradient) and the
-        outputs are gathered straight back to token order (dropped and padding tokens read an
-        arbitrary row and are multiplied by a gate of 0).  So autograd keeps only the buffer, the
-        hidden activations and one (tokens, d) output, about what a dense FFN keeps, and on
-        2 CPU threads this is 1.3x (E=4) to 14x (E=64) faster than one matmul per expert.
-        With no capacity limit (evaluation) C is the busiest expert's load; if that buffer would
-        exceed 2x the tokens, experts run one by one on contiguous segments instead.
+        Two kernels, chosen by ``self.expert_kernel`` ("auto" picks by device):
+
+        - ``segments`` (CPU with ReLU): kept tokens sorted by expert, one small matmul per
+          expert in a fused autograd function (expert_segments.py).  On 2 CPU threads this is
+          as fast as the dense FFN at E <= 16 (benchmarks/switch_ffn.py); it needs the group
+          sizes on the host, free on CPU.
+        - ``batched`` (GPU, or other activations): every expert runs as one ``baddbmm`` over an
+          ``[E, C, d]`` buffer in which kept token t sits at row ``expert * C + slot``.  No
+          host synchronisation, so CUDA kernels queue without stalls.  The buffer is gathered
+          straight from the tokens (empty slots repeat token 0: computed, never read) and the
+          outputs straight back to token order (dropped tokens read an arbitrary row times a
+          gate of 0).  With no capacity limit (evaluation) C is the busiest expert's load; if
+          that buffer would exceed 2x the tokens, experts run one by one instead.
         """
+        keep = routing.keep
+        gate = (routing.gate * keep).to(tokens.dtype)  # (T,): 0 if dropped/padding
+        if self._segment_kernel(tokens):
+            return self._dispatch_segments(tokens, routing, gate)
         num_tokens = tokens.shape[0]
         num_experts = self.num_experts
-        keep = routing.keep
-        gate = (routing.gate * keep).to(tokens.dtype).unsqueeze(-1)  # (T, 1): 0 if dropped/padding
+        gate = gate.unsqueeze(-1)  # (T, 1)
         capacity = routing.capacity
         if capacity is None:  # evaluation without limit: the busiest expert sets the buffer depth
             capacity = int(routing.slot[keep].max()) + 1 if bool(keep.any()) else 1
@@ -208,6 +221,28 @@ class SwitchFFN(nn.Module):
         slot_token.index_copy_(0, row.index_select(0, kept), kept)  # (E*C,) token id of each slot
         y = self._experts_batched(tokens, slot_token, row, num_experts, capacity)  # (T, d)
         return y * gate
+
+    def _segment_kernel(self, tokens: Tensor) -> bool:
+        """Whether ``dispatch`` uses the per-expert segment kernel (see ``expert_kernel``)."""
+        if self.expert_kernel == "auto":
+            return tokens.device.type == "cpu" and self.activation_name == "relu"
+        return self.expert_kernel == "segments"
+
+    def _group_by_expert(self, routing: Top1Routing) -> tuple[Tensor, list[int]]:
+        """Kept token ids grouped by expert (token order inside a group) and the group sizes."""
+        kept = routing.keep.nonzero().squeeze(1)  # (K,)
+        expert = routing.expert.index_select(0, kept)
+        index = kept.index_select(0, torch.argsort(expert, stable=True))
+        return index, torch.bincount(expert, minlength=self.num_experts).tolist()
+
+    def _dispatch_segments(self, tokens: Tensor, routing: Top1Routing, gate: Tensor) -> Tensor:
+        """The ``segments`` kernel: (T, d) tokens -> gate x expert output in token order."""
+        index, counts = self._group_by_expert(routing)
+        w1, b1, w2, b2 = self._active_weights(self.num_experts)
+        dropout_p = self.activation_dropout if self.training else 0.0
+        out = relu_expert_segments(tokens.index_select(0, index), w1, b1, w2, b2, counts, dropout_p, self._grad_pool)
+        out = out * gate.index_select(0, index).unsqueeze(-1)  # (K, d)
+        return tokens.new_zeros(tokens.shape).index_copy(0, index, out)
 
     def _experts_batched(self, tokens: Tensor, slot_token: Tensor, row: Tensor, num_experts: int, capacity: int) -> Tensor:
         """Tokens (T, d) -> experts' outputs in token order (T, d), rows read at ``row``."""
@@ -230,11 +265,7 @@ class SwitchFFN(nn.Module):
 
     def _experts_by_segment(self, tokens: Tensor, routing: Top1Routing) -> Tensor:
         """Experts one by one over kept tokens sorted by expert; (T, d) in token order, 0 elsewhere."""
-        kept = routing.keep.nonzero().squeeze(1)  # (K,)
-        expert = routing.expert.index_select(0, kept)
-        order = torch.argsort(expert, stable=True)
-        index = kept.index_select(0, order)  # token ids grouped by expert
-        counts = torch.bincount(expert, minlength=self.num_experts).tolist()
+        index, counts = self._group_by_expert(routing)
         x_sorted = tokens.index_select(0, index)  # (K, d)
         outputs = []
         start = 0
