@@ -27,6 +27,8 @@ CASES = {
     "drops_and_padding": dict(world=2, size=2, experts=4, slots=4, cf=1.0, padding="some"),
     "grown_slots_idle_rank": dict(world=2, size=2, experts=2, slots=4, cf=1.5, padding="rank1_all"),
     "two_groups_of_two": dict(world=4, size=2, experts=4, slots=4, cf=1.25, padding="none"),
+    # the GPU kernels (batched in SwitchFFN, plain autograd for the local experts), run on CPU
+    "gpu_kernels": dict(world=2, size=2, experts=4, slots=4, cf=1.0, padding="some", kernel="batched"),
 }
 
 
@@ -88,6 +90,7 @@ def _run_case(rank: int, world: int, case: dict) -> dict:
     torch.manual_seed(0)
     layer = build_switch_ffn(size, D, F_DIM, experts, **kwargs)
     assert isinstance(layer, ExpertParallelSwitchFFN)
+    ref.expert_kernel = layer.expert_kernel = case.get("kernel", "auto")
     out: dict = {"init_state": _copy(layer.state_dict()), "ref_init_state": _copy(ref.state_dict())}
 
     # single process: every rank's tokens through the reference, one summed loss

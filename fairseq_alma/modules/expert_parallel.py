@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import UsageError, require
+from .expert_segments import relu_expert_segments
 from .switch_ffn import SwitchFFN
 from .switch_routing import Top1Routing
 
@@ -241,9 +242,21 @@ class ExpertParallelSwitchFFN(SwitchFFN):
         needs_grad = torch.is_grad_enabled() and self.fc1_weight.requires_grad
         if needs_grad:  # each expert's gradient sums the tokens of all G ranks: see module doc
             weights = [_ScaleGrad.apply(w, 1.0 / size) for w in weights]
-        fc1_w, fc1_b, fc2_w, fc2_b = weights
+        counts = recv_counts.sum(0).tolist()
+        if self._segment_kernel(rows):  # CPU + ReLU: SwitchFFN's fused kernel, zero rows for idle slots
+            dropout_p = self.activation_dropout if self.training else 0.0
+            out = relu_expert_segments(rows, *weights, counts, dropout_p, self._grad_pool)
+        else:
+            out = self._local_experts_autograd(rows, weights, counts, needs_grad)
+        return received.new_zeros(received.shape).index_copy(0, order, out)  # (R, d)
+
+    def _local_experts_autograd(self, rows: Tensor, weights: list[Tensor], counts: list[int], needs_grad: bool) -> Tensor:
+        """Local experts one by one with plain autograd (GPU, or activations other than ReLU).
+        ``unbind`` gives each slot's weights as views whose gradients are stacked once, rather
+        than one zero-filled full-size gradient per slot as ``weight[slot]`` indexing would."""
+        fc1_w, fc1_b, fc2_w, fc2_b = (w.unbind(0) for w in weights)
         outputs, start = [], 0
-        for slot, count in enumerate(recv_counts.sum(0).tolist()):
+        for slot, count in enumerate(counts):
             if count == 0:
                 continue
             seg = rows[start : start + count]  # (c, d)
@@ -255,7 +268,7 @@ class ExpertParallelSwitchFFN(SwitchFFN):
         if needs_grad:  # every local expert gets a (possibly zero) gradient on every rank, as the
             # stacked tensors of a single-process SwitchFFN do; optimizers then step them alike
             out = out + 0.0 * sum(w.sum() for w in weights)
-        return received.new_zeros(received.shape).index_copy(0, order, out)  # (R, d)
+        return out
 
     def _average_replica_grads(self) -> None:
         """At the end of backward, average the gradients of the W/G copies of this shard.

@@ -267,14 +267,17 @@ class SwitchFFN(nn.Module):
         """Experts one by one over kept tokens sorted by expert; (T, d) in token order, 0 elsewhere."""
         index, counts = self._group_by_expert(routing)
         x_sorted = tokens.index_select(0, index)  # (K, d)
+        # unbind: per-expert views whose gradients are stacked once (indexing weight[e] would
+        # build one zero-filled full-size gradient per expert)
+        fc1_w, fc1_b, fc2_w, fc2_b = (p.unbind(0) for p in self._active_weights(self.num_experts))
         outputs = []
         start = 0
         for e, count in enumerate(counts):
             if count == 0:
                 continue
             seg = x_sorted[start : start + count]  # (c, d)
-            h = self.activation(F.linear(seg, self.fc1_weight[e], self.fc1_bias[e]))  # (c, f)
+            h = self.activation(F.linear(seg, fc1_w[e], fc1_b[e]))  # (c, f)
             h = F.dropout(h, p=self.activation_dropout, training=self.training)
-            outputs.append(F.linear(h, self.fc2_weight[e], self.fc2_bias[e]))  # (c, d)
+            outputs.append(F.linear(h, fc2_w[e], fc2_b[e]))  # (c, d)
             start += count
         return tokens.new_zeros(tokens.shape).index_copy(0, index, torch.cat(outputs))  # (T, d)
