@@ -84,6 +84,8 @@ def test_stream_records_and_stage_checkpoints(stream_dir, reference_run):
     assert [r["stage"] for r in records] == [0, 1, 2]
     assert records[0]["train_flops_cum"] == 0 < records[1]["train_flops_cum"] < records[2]["train_flops_cum"]
     assert records[2]["eval_ppl"] < records[0]["eval_ppl"]
+    # wall_time: seconds this run has trained so far (fairseq's wall meter), not a clock reading
+    assert 0 <= records[0]["wall_time"] <= records[1]["wall_time"] <= records[2]["wall_time"] < 3600
     # exactly the budget per stage: 2 stages x 6 updates
     assert re.search(r"num_updates 12\b", out)
     for stage in (1, 2):

@@ -13,7 +13,8 @@ Fields (JSON keys):
   eval_ppl, eval_nll, eval_tokens                LM: perplexity, mean NLL in nats per token, tokens
   test_error                                     vision: error rate in [0, 1]
   valid_*                                        optional metrics on the learner's validation data
-  wall_time                                      wall-clock seconds the run has spent so far
+  wall_time                                      wall-clock seconds the run has spent so far (time
+                                                 queued or stopped between resumes not counted)
 Any other key is kept verbatim in ``extra`` so newer writers do not break older readers.
 
 Why ``write_records`` rewrites the whole file instead of appending: the task keeps its records in

@@ -13,7 +13,6 @@ after a crash continues and writes the same files.
 import logging
 import math
 import os
-import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -78,6 +77,16 @@ def _verify_stream_dir(data: str) -> dict:
         return verify_stream_dir(data)
     except StreamDataError as exc:
         raise UsageError(str(exc)) from None
+
+
+def _training_seconds() -> float:
+    """Wall-clock seconds the run has spent so far: fairseq's ``wall`` meter, which the trainer
+    starts at launch and carries over resumes in its checkpointed metrics (so a requeued run
+    does not count the time it sat in the queue)."""
+    from fairseq.logging import metrics as fairseq_metrics
+
+    meter = fairseq_metrics.get_meter("default", "wall")
+    return round(float(meter.elapsed_time), 3) if meter is not None else 0.0
 
 
 def _root(cfg: Any) -> Any:
@@ -326,7 +335,7 @@ class AlmaStreamTask(LanguageModelingTask):
         return ArrivalRecord(
             arrival=info.arrival, stage=info.stage, trained=info.trained, megabatches_seen=info.megabatches_seen,
             params_active=int(params), train_flops_cum=float(train), infer_flops_per_example=float(infer),
-            wall_time=time.time(), eval_ppl=metrics["eval_ppl"], eval_nll=metrics["eval_nll"],
+            wall_time=_training_seconds(), eval_ppl=metrics["eval_ppl"], eval_nll=metrics["eval_nll"],
             eval_tokens=int(metrics["eval_tokens"]),
             valid={"valid_ppl": metrics["valid_ppl"], "valid_nll": metrics["valid_nll"]},
             extra={"train_tokens_cum": train_tokens})

@@ -1,0 +1,143 @@
+"""Run directories for ``alma-score``: reading one, and checking it (and an ensemble) is scorable.
+
+Why separate from score.py: everything here is about *which* runs may be scored and what they
+say about themselves (records, stage checkpoints, flags); score.py turns them into series and
+tables.  Every refusal is a one-line ``UsageError`` naming the file and the way out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import UsageError
+from ..stream.records import ArrivalRecord, StreamLogError, read_records
+
+logger = logging.getLogger("fairseq_alma.cli.score")
+
+
+@dataclass
+class StreamRun:
+    """One run dir: its per-arrival records and, for an LM, its stage checkpoints' configs."""
+
+    path: Path
+    records: list[ArrivalRecord]
+    checkpoints: dict[int, str]  # stage s -> checkpoint_stage{s}.pt
+    cfg: Any = None  # fairseq config of the last stage checkpoint (None: a vision log)
+    experts: int | None = None  # active experts per MoE block at the last stage
+
+    @property
+    def metric(self) -> str:
+        return "ppl" if self.records[0].eval_ppl is not None else "error"
+
+    @property
+    def stages(self) -> list[int]:
+        return sorted(r.stage for r in self.records if r.trained)
+
+    def logged_metric(self) -> list[float | None]:
+        if self.metric == "error":
+            return [r.test_error for r in self.records]
+        return [r.eval_ppl if r.stage >= 1 else None for r in self.records]
+
+    def experts_label(self) -> str:
+        if self.cfg is None:  # vision sweep records say what they trained
+            extra = self.records[-1].extra
+            return f"{extra.get('arch', '')}{extra.get('width', '')}" or "?"
+        return str(self.experts) if self.experts else "dense"
+
+    def default_setting(self, prefix: str | None = None) -> str:
+        """Table 2's names: 'SM_w1', 'Ens_w4 (4x steps)', 'gEns_w1'; ' replay' when replaying."""
+        flags = self.records[-1].extra if self.cfg is None else self.cfg.task  # vision: records
+        wait, replay = flags.get("wait") or 1, flags.get("replay")
+        steps = flags.get("scale_updates_by_wait")
+        grows = flags.get("grow_experts")
+        prefix = prefix or flags.get("method") or ("gMoE" if grows else "SM")
+        name = f"{prefix}_w{wait}" + (f" ({wait}x steps)" if steps and wait > 1 else "")
+        return name + (" replay" if replay else "")
+
+
+def load_run(run_dir: str, args: argparse.Namespace) -> StreamRun:
+    """Read and check one run dir (records, stage checkpoints, complete stream)."""
+    import torch
+    from omegaconf import OmegaConf
+
+    path = Path(run_dir)
+    if not path.is_dir():
+        raise UsageError(f"RUN_DIR {run_dir}: not a directory; pass an alma_stream --save-dir")
+    if not (path / "stream.jsonl").is_file():
+        raise UsageError(f"{path / 'stream.jsonl'}: missing; pass the --save-dir of a "
+                         f"fairseq-train --task alma_stream run")
+    try:
+        records = read_records(path / "stream.jsonl")
+    except StreamLogError as err:
+        raise UsageError(str(err)) from None
+    if len(records) < 2 or [r.arrival for r in records] != list(range(len(records))):
+        raise UsageError(f"{path / 'stream.jsonl'}: needs arrivals 0..B in order; re-run the "
+                         f"training command to complete it")
+    run = StreamRun(path, records, {})
+    if run.metric == "error":
+        if not args.from_log:
+            raise UsageError(f"{path}: a vision stream (test_error): only --from-log reads it")
+        return run
+    if not run.stages:
+        raise UsageError(f"{path / 'stream.jsonl'}: no stage has trained yet; nothing to score")
+    for record in records:
+        if record.trained:
+            ckpt = path / f"checkpoint_stage{record.stage}.pt"
+            if not ckpt.is_file():
+                raise UsageError(f"{ckpt}: missing (stage {record.stage}, trained at arrival "
+                                 f"{record.arrival}); re-run the training command to restore it")
+            run.checkpoints[record.stage] = str(ckpt)
+    last = run.checkpoints[run.stages[-1]]
+    try:  # mmap: only the config and the small buffers read here are paged in
+        state = torch.load(last, map_location="cpu", mmap=True, weights_only=False)
+        run.cfg = OmegaConf.create(state["cfg"])
+    except Exception as err:  # noqa: BLE001 - any unreadable file gets the same one-line error
+        raise UsageError(
+            f"{last}: not a readable checkpoint ({err}); re-run the training"
+        ) from None
+    counts = [int(v) for k, v in state["model"].items() if k.endswith("num_active")]
+    run.experts = max(counts) if counts else run.cfg.model.get("moe_experts")
+    _check_complete(run, args.data or run.cfg.task.data, args.from_log)
+    return run
+
+
+def _check_complete(run: StreamRun, data: str, from_log: bool) -> None:
+    """An unfinished run has fewer arrivals than its stream's B: scoring it would mislabel t."""
+    from data_prep.manifest import StreamDataError, load_manifest
+
+    try:
+        b = int(load_manifest(data.split(os.pathsep)[0])["num_megabatches"])
+    except StreamDataError as err:
+        if from_log:  # logs copied without their data: still readable, completeness unchecked
+            logger.warning("%s; cannot check that %s is complete", err, run.path)
+            return
+        raise UsageError(f"{err} (the data of {run.path}; point --data at it)") from None
+    arrivals = len(run.records) - 1
+    if arrivals != b:
+        raise UsageError(f"{run.path / 'stream.jsonl'}: arrivals 0..{arrivals} but the stream in "
+                         f"{data} has B = {b}; finish the run (same fairseq-train command)")
+
+
+def check_members(runs: list[StreamRun], mode: str) -> None:
+    """Ens members share one stream schedule; gEns needs fresh members, each on its own stage."""
+    first = runs[0]
+    if mode == "gens":
+        init, replay = first.cfg.task.get("stage_init", "continue"), first.cfg.task.get("replay")
+        if init != "scratch" or replay:
+            raise UsageError(f"--mode gens: {first.path} was trained with --stage-init {init}"
+                             f"{' --replay' if replay else ''}; gEns members need a run with "
+                             f"--stage-init scratch and no --replay")
+        return
+    for run in runs[1:]:
+        if len(run.records) != len(first.records):
+            raise UsageError(f"--mode ens: {run.path} has B = {len(run.records) - 1} mega-batches "
+                             f"but {first.path} has B = {len(first.records) - 1}; members must "
+                             f"run the same stream")
+        if [r.trained for r in run.records] != [r.trained for r in first.records]:
+            raise UsageError(f"--mode ens: {run.path} trains at other arrivals than {first.path} "
+                             f"(--wait differs); members must share the stream settings")
