@@ -8,6 +8,7 @@ MultiheadAttention (incremental decoding included) and keeps the FFN a swappable
 
 from __future__ import annotations
 
+import warnings
 from typing import Dict, Optional
 
 import torch.nn.functional as F
@@ -15,6 +16,12 @@ from fairseq.modules import LayerNorm, MultiheadAttention
 from torch import Tensor, nn
 
 from .switch_ffn import SwitchAux, SwitchFFN, _activation
+
+# fairseq's MultiheadAttention hands torch a bool key-padding mask (it calls .bool() itself) next
+# to the additive float causal mask; torch then converts the bool mask to -inf exactly as intended
+# but warns on every batch with padding.  The combination is fairseq's, the result is correct,
+# and the warning would bury the training log, so only this message is silenced.
+warnings.filterwarnings("ignore", message="Support for mismatched key_padding_mask and attn_mask")
 
 
 class DenseFFN(nn.Module):
