@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 
 class GradientPool:
@@ -111,6 +112,7 @@ class ReluExpertSegments(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # second derivatives (e.g. gradient penalties) are not supported
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Optional[Tensor], ...]:  # type: ignore[override]
         x_sorted, w1, w2, hidden = ctx.saved_tensors
         pool: GradientPool = ctx.pool
