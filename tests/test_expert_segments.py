@@ -133,3 +133,11 @@ def test_copied_module_gets_an_empty_pool():
     assert layer._grad_pool._storages
     assert not copy.deepcopy(layer)._grad_pool._storages
     assert isinstance(copy.deepcopy(layer)._grad_pool, GradientPool)
+
+
+def test_forcing_the_relu_kernel_on_another_activation_is_refused():
+    layer = SwitchFFN(8, 16, 2, activation_fn="gelu")
+    layer(torch.randn(4, 8))  # auto: the batched kernel
+    layer.expert_kernel = "segments"
+    with pytest.raises(ValueError, match="fuses ReLU"):
+        layer(torch.randn(4, 8))

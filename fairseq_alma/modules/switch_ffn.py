@@ -226,6 +226,10 @@ class SwitchFFN(nn.Module):
         """Whether ``dispatch`` uses the per-expert segment kernel (see ``expert_kernel``)."""
         if self.expert_kernel == "auto":
             return tokens.device.type == "cpu" and self.activation_name == "relu"
+        if self.expert_kernel not in ("segments", "batched"):
+            raise ValueError(f"expert_kernel must be auto, segments or batched (got {self.expert_kernel!r})")
+        if self.expert_kernel == "segments" and self.activation_name != "relu":
+            raise ValueError(f"the segments kernel fuses ReLU; use 'batched' for {self.activation_name}")
         return self.expert_kernel == "segments"
 
     def _group_by_expert(self, routing: Top1Routing) -> tuple[Tensor, list[int]]:
