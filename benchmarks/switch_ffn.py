@@ -11,7 +11,7 @@ Gradients start as None, as in training (optimizers zero them with ``set_to_none
 stores each new gradient without an extra accumulation copy.  Large tensors are mmap-allocated by
 glibc and returned on free, so the high-water mark is the true peak.
 
-Usage: python benchmarks/switch_ffn.py [--tokens 8192] [--experts 4,8,16,64] [--repeats 5] [--rounds 3]
+Usage: python benchmarks/switch_ffn.py [--tokens 8192] [--experts 4,8,16,64] [--repeats 5] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def main() -> None:
     parser.add_argument("--ffn", type=int, default=2048, help="FFN width (default 2048)")
     parser.add_argument("--experts", default="4,8,16,64", help="comma-separated expert counts")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per configuration (median)")
-    parser.add_argument("--rounds", type=int, default=3,
+    parser.add_argument("--rounds", type=int, default=5,
                         help="interleaved rounds of dense + every E; ratios are per round, median reported")
     parser.add_argument("--child", nargs=2, metavar=("KIND", "E"), help=argparse.SUPPRESS)
     args = parser.parse_args()
