@@ -37,11 +37,9 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import UsageError, require
-from .expert_segments import relu_expert_segments
 from .switch_ffn import SwitchFFN
 from .switch_routing import Top1Routing
 
@@ -242,33 +240,12 @@ class ExpertParallelSwitchFFN(SwitchFFN):
         needs_grad = torch.is_grad_enabled() and self.fc1_weight.requires_grad
         if needs_grad:  # each expert's gradient sums the tokens of all G ranks: see module doc
             weights = [_ScaleGrad.apply(w, 1.0 / size) for w in weights]
-        counts = recv_counts.sum(0).tolist()
-        if self._segment_kernel(rows):  # CPU + ReLU: SwitchFFN's fused kernel, zero rows for idle slots
-            dropout_p = self.activation_dropout if self.training else 0.0
-            out = relu_expert_segments(rows, *weights, counts, dropout_p, self._grad_pool)
-        else:
-            out = self._local_experts_autograd(rows, weights, counts, needs_grad)
-        return received.new_zeros(received.shape).index_copy(0, order, out)  # (R, d)
-
-    def _local_experts_autograd(self, rows: Tensor, weights: list[Tensor], counts: list[int], needs_grad: bool) -> Tensor:
-        """Local experts one by one with plain autograd (GPU, or activations other than ReLU).
-        ``unbind`` gives each slot's weights as views whose gradients are stacked once, rather
-        than one zero-filled full-size gradient per slot as ``weight[slot]`` indexing would."""
-        fc1_w, fc1_b, fc2_w, fc2_b = (w.unbind(0) for w in weights)
-        outputs, start = [], 0
-        for slot, count in enumerate(counts):
-            if count == 0:
-                continue
-            seg = rows[start : start + count]  # (c, d)
-            h = self.activation(F.linear(seg, fc1_w[slot], fc1_b[slot]))  # (c, f)
-            h = F.dropout(h, p=self.activation_dropout, training=self.training)
-            outputs.append(F.linear(h, fc2_w[slot], fc2_b[slot]))  # (c, d)
-            start += count
-        out = torch.cat(outputs) if outputs else rows * 0.0  # keep the graph even with no rows
-        if needs_grad:  # every local expert gets a (possibly zero) gradient on every rank, as the
-            # stacked tensors of a single-process SwitchFFN do; optimizers then step them alike
+        out = self._run_experts(rows, weights, recv_counts.sum(0).tolist())  # (R, d)
+        if needs_grad and not self._segment_kernel(rows):  # the fused kernel already gives idle
+            # slots zero gradients; with autograd, every local expert still gets a (possibly zero)
+            # gradient on every rank, as the stacked tensors of one SwitchFFN do
             out = out + 0.0 * sum(w.sum() for w in weights)
-        return out
+        return received.new_zeros(received.shape).index_copy(0, order, out)  # (R, d)
 
     def _average_replica_grads(self) -> None:
         """At the end of backward, average the gradients of the W/G copies of this shard.

@@ -242,11 +242,34 @@ class SwitchFFN(nn.Module):
     def _dispatch_segments(self, tokens: Tensor, routing: Top1Routing, gate: Tensor) -> Tensor:
         """The ``segments`` kernel: (T, d) tokens -> gate x expert output in token order."""
         index, counts = self._group_by_expert(routing)
-        w1, b1, w2, b2 = self._active_weights(self.num_experts)
-        dropout_p = self.activation_dropout if self.training else 0.0
-        out = relu_expert_segments(tokens.index_select(0, index), w1, b1, w2, b2, counts, dropout_p, self._grad_pool)
+        out = self._run_experts(tokens.index_select(0, index), list(self._active_weights(self.num_experts)), counts)
         out = out * gate.index_select(0, index).unsqueeze(-1)  # (K, d)
         return tokens.new_zeros(tokens.shape).index_copy(0, index, out)
+
+    def _run_experts(self, rows: Tensor, weights: list[Tensor], counts: list[int]) -> Tensor:
+        """(K, d) rows grouped by expert (group sizes ``counts``) -> (K, d) expert outputs, with
+        the fused ReLU kernel when ``_segment_kernel`` says so, else plain autograd.  ``weights``
+        are stacked (fc1_w, fc1_b, fc2_w, fc2_b); expert parallelism passes its local shards."""
+        if self._segment_kernel(rows):
+            dropout_p = self.activation_dropout if self.training else 0.0
+            return relu_expert_segments(rows, *weights, counts, dropout_p, self._grad_pool)
+        return self._experts_autograd(rows, weights, counts)
+
+    def _experts_autograd(self, rows: Tensor, weights: list[Tensor], counts: list[int]) -> Tensor:
+        """Experts one by one with plain autograd (any activation, any device).  ``unbind`` gives
+        per-expert views whose gradients are stacked once; indexing ``weight[e]`` would build one
+        zero-filled full-size gradient per expert."""
+        fc1_w, fc1_b, fc2_w, fc2_b = (w.unbind(0) for w in weights)
+        outputs, start = [], 0
+        for e, count in enumerate(counts):
+            if count == 0:
+                continue
+            seg = rows[start : start + count]  # (c, d)
+            h = self.activation(F.linear(seg, fc1_w[e], fc1_b[e]))  # (c, f)
+            h = F.dropout(h, p=self.activation_dropout, training=self.training)
+            outputs.append(F.linear(h, fc2_w[e], fc2_b[e]))  # (c, d)
+            start += count
+        return torch.cat(outputs) if outputs else rows * 0.0  # keep the graph even with no rows
 
     def _experts_batched(self, tokens: Tensor, slot_token: Tensor, row: Tensor, num_experts: int, capacity: int) -> Tensor:
         """Tokens (T, d) -> experts' outputs in token order (T, d), rows read at ``row``."""
@@ -270,18 +293,5 @@ class SwitchFFN(nn.Module):
     def _experts_by_segment(self, tokens: Tensor, routing: Top1Routing) -> Tensor:
         """Experts one by one over kept tokens sorted by expert; (T, d) in token order, 0 elsewhere."""
         index, counts = self._group_by_expert(routing)
-        x_sorted = tokens.index_select(0, index)  # (K, d)
-        # unbind: per-expert views whose gradients are stacked once (indexing weight[e] would
-        # build one zero-filled full-size gradient per expert)
-        fc1_w, fc1_b, fc2_w, fc2_b = (p.unbind(0) for p in self._active_weights(self.num_experts))
-        outputs = []
-        start = 0
-        for e, count in enumerate(counts):
-            if count == 0:
-                continue
-            seg = x_sorted[start : start + count]  # (c, d)
-            h = self.activation(F.linear(seg, fc1_w[e], fc1_b[e]))  # (c, f)
-            h = F.dropout(h, p=self.activation_dropout, training=self.training)
-            outputs.append(F.linear(h, fc2_w[e], fc2_b[e]))  # (c, d)
-            start += count
-        return tokens.new_zeros(tokens.shape).index_copy(0, index, torch.cat(outputs))  # (T, d)
+        out = self._experts_autograd(tokens.index_select(0, index), list(self._active_weights(self.num_experts)), counts)
+        return tokens.new_zeros(tokens.shape).index_copy(0, index, out)  # (T, d)
