@@ -26,6 +26,8 @@ import sys
 import tempfile
 import time
 
+from fairseq_alma.tables import format_table
+
 PREP_FLAGS = ["--vocab-size", "2000", "--valid-size", "0.05", "--spm-threads", "2"]
 PARALLEL_STEPS = ("encode", "binarize")  # the steps that --workers parallelises
 
@@ -90,11 +92,10 @@ def main() -> None:
             print(f"  workers={workers}: {best['wall']:.1f} s wall, {best['cpu']:.1f} s CPU",
                   flush=True)
     columns = ["wall", *PARALLEL_STEPS]
-    print(f"\n{'workers':>8}" + "".join(f"{c + ' MB/s':>16}" for c in columns))
-    for workers, r in results.items():
-        print(f"{workers:>8}" + "".join(f"{mb / r[c]:>16.2f}" for c in columns))
     ratio = {c: results[1][c] / results[2][c] for c in columns}
-    print(f"{'2w / 1w':>8}" + "".join(f"{ratio[c]:>15.2f}x" for c in columns))
+    table = [[str(workers), *(f"{mb / r[c]:.2f}" for c in columns)] for workers, r in results.items()]
+    table.append(["2w / 1w", *(f"{ratio[c]:.2f}x" for c in columns)])
+    print("\n" + format_table(["workers", *(f"{c} MB/s" for c in columns)], table), end="")
     same = results[1]["digest"] == results[2]["digest"]
     print(f"\noutputs identical with 1 and 2 workers: {'yes' if same else 'NO'}; "
           f"load average after: {os.getloadavg()[0]:.1f}")

@@ -39,6 +39,8 @@ import sys
 import tempfile
 import time
 
+from fairseq_alma.tables import format_table
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 USER_DIR = os.path.join(REPO, "fairseq_alma")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -174,11 +176,11 @@ def main() -> None:
          score["alma_wall"] / args.repeats, "fairseq-eval-lm x2", score["stock_wall"] / args.repeats,
          score["stock_wall"] / score["alma_wall"], 1.0),
     ]
-    print(f"\n{'measure':<44}{'ours':>24}{'stock fairseq':>32}{'ratio':>8}  target")
-    for what, ours, ours_value, stock, stock_value, ratio, target in rows:
-        verdict = "ok" if ratio >= target else "BELOW"
-        print(f"{what:<44}{ours:>13} {ours_value:10.2f}{stock:>21} {stock_value:10.2f}"
-              f"{ratio:7.2f}x  >={target} {verdict}")
+    table = [[what, ours, f"{ours_value:.2f}", stock, f"{stock_value:.2f}", f"{ratio:.2f}x",
+              f">={target} {'ok' if ratio >= target else 'BELOW'}"]
+             for what, ours, ours_value, stock, stock_value, ratio, target in rows]
+    print("\n" + format_table(["measure", "ours", "", "stock fairseq", "", "ratio", "target"], table,
+                              left=2), end="")
 
 
 if __name__ == "__main__":

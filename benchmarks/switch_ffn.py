@@ -31,12 +31,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def build(kind: str, experts: int, d: int, f: int):
+    from fairseq_alma.modules import SwitchFFN, SwitchFFNConfig
     from fairseq_alma.modules.switch_decoder_layer import DenseFFN
-    from fairseq_alma.modules.switch_ffn import SwitchFFN
 
     if kind == "dense":
         return DenseFFN(d, f, "relu", 0.0)
-    return SwitchFFN(d, f, experts, capacity_factor=1.0)
+    return SwitchFFN(SwitchFFNConfig(d, f, experts, capacity_factor=1.0))
 
 
 def rss_kib() -> int:
@@ -140,17 +140,17 @@ def main() -> None:
     med = statistics.median
     print(f"dense FFN: {med(d['time_s'] for d in dense_runs) * 1000:.1f} ms fwd+bwd, "
           f"peak extra {med(d['peak_extra_mib'] for d in dense_runs):.0f} MiB", flush=True)
-    header = f"{'E':>4} {'time ms':>9} {'x dense':>8} {'peak MiB':>9} {'x dense':>8} {'dropped':>8}"
-    print(header)
-    print("-" * len(header))
+    from fairseq_alma.tables import format_table
+
+    table = []
     for experts in experts_list:
         runs = rows[experts]
-        print(
-            f"{experts:>4} {med(r['time_s'] for r in runs) * 1000:>9.1f} {med(r['time_ratio'] for r in runs):>8.2f} "
-            f"{med(r['peak_extra_mib'] for r in runs):>9.0f} {med(r['mem_ratio'] for r in runs):>8.2f} "
-            f"{100 * runs[0]['dropped_frac']:>7.1f}%",
-            flush=True,
-        )
+        table.append([str(experts), f"{med(r['time_s'] for r in runs) * 1000:.1f}",
+                      f"{med(r['time_ratio'] for r in runs):.2f}",
+                      f"{med(r['peak_extra_mib'] for r in runs):.0f}",
+                      f"{med(r['mem_ratio'] for r in runs):.2f}", f"{100 * runs[0]['dropped_frac']:.1f}%"])
+    print(format_table(["E", "time ms", "x dense", "peak MiB", "x dense", "dropped"], table, left=0),
+          end="", flush=True)
 
 
 if __name__ == "__main__":

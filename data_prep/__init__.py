@@ -2,6 +2,6 @@
 
 Console entry points: ``alma-data-prep`` (``data_prep.cli``) and ``alma-demo-corpus``
 (``data_prep.demo_corpus``). Training code imports only ``data_prep.manifest``
-(``load_manifest``, ``verify_stream_dir``, ``StreamDataError``), which needs neither fairseq nor
+(``load_manifest``, ``verify_stream_dir``, ``DataError``), which needs neither fairseq nor
 sentencepiece.
 """

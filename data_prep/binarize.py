@@ -129,5 +129,7 @@ def binarize_splits(texts: dict[str, str], dict_path: str, out_dir: str, work_di
         os.replace(partial + ".bin", out_prefix + ".bin")
         info[name] = {"lines": sum(counts[c][0] for c in chunk_prefixes),
                       "tokens": sum(counts[c][1] for c in chunk_prefixes),
-                      "unk_tokens": sum(counts[c][2] for c in chunk_prefixes)}
+                      "unk_tokens": sum(counts[c][2] for c in chunk_prefixes),
+                      "bin_sha256": sha256_file(out_prefix + ".bin"),
+                      "idx_sha256": sha256_file(out_prefix + ".idx")}
     return info

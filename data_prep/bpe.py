@@ -22,7 +22,8 @@ from multiprocessing import Pool
 
 import sentencepiece as spm
 
-from .errors import DataPrepError
+from fairseq_alma.errors import DataError
+
 from .fileio import PARTIAL_SUFFIX, aligned_offsets, atomic_output, sha256_file
 from .progress import Progress
 
@@ -57,7 +58,7 @@ def train_sentencepiece(docs_path: str, out_dir: str, vocab_size: int, sample_se
             shuffle_input_sentence=True, num_threads=threads, byte_fallback=byte_fallback,
             minloglevel=2)
     except RuntimeError as exc:
-        raise DataPrepError(_explain_spm_error(str(exc), vocab_size)) from None
+        raise DataError(_explain_spm_error(str(exc), vocab_size)) from None
     model = spm.SentencePieceProcessor(model_proto=model_bytes.getvalue())
     with atomic_output(os.path.join(out_dir, "spm.vocab")) as f:  # sentencepiece's own format
         for piece_id in range(model.get_piece_size()):

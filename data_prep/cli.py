@@ -11,7 +11,10 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-from .errors import DataPrepError, OneLineArgumentParser, run_cli
+from fairseq_alma.cli.entry import OneLineArgumentParser, run_console
+from fairseq_alma.errors import DataError
+from fairseq_alma.tables import format_table
+
 from .pipeline import PrepOptions, prepare
 from .split import parse_size
 
@@ -60,9 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineArgumentParser(prog="alma-data-prep", description=DESCRIPTION,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     d = PrepOptions(inputs=[], out="")
-    p.add_argument("inputs", nargs="+", metavar="INPUT",
+    p.add_argument("inputs", nargs="*", metavar="INPUT",
                    help="text file (.gz allowed) or directory of them")
-    p.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    p.add_argument("--out", metavar="DIR", help="output directory (required to prepare)")
+    p.add_argument("--verify", metavar="DIR", help="check a prepared stream instead: the "
+                   "dictionary and every shard against the sha256 in DIR/manifest.json (reads "
+                   "every shard once); prints what was checked, or one line naming the bad file")
     p.add_argument("--vocab-size", type=_at_least(1), default=d.vocab_size,
                    help=f"BPE vocabulary size (default: {d.vocab_size}, as in the paper)")
     p.add_argument("--spm-sample-sentences", type=_at_least(0), default=d.spm_sample_sentences,
@@ -96,13 +102,31 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _verify(data_dir: str) -> None:
+    from .manifest import has_shard_checksums, verify_stream_dir
+
+    manifest = verify_stream_dir(data_dir, hashes=True)
+    files = 2 * len(manifest["splits"]) + 1
+    what = "sizes and sha256" if has_shard_checksums(manifest) else \
+        "sizes only (this manifest predates shard checksums: re-run alma-data-prep to add them)"
+    print(f"{data_dir}: {files} files match manifest.json ({what})")
+
+
 def _run(args: argparse.Namespace, command: str) -> None:
+    if args.verify:
+        if args.inputs or args.out:
+            raise DataError("--verify DIR checks a prepared stream: give no INPUT or --out with it")
+        return _verify(args.verify)
+    if not args.inputs or not args.out:
+        raise DataError("give INPUT files and --out DIR to prepare a stream (or --verify DIR to "
+                        "check one)")
+    del args.verify
     valid, eval_size = parse_size(args.valid_size), parse_size(args.eval_size)
     if valid.fraction is None and valid.tokens is None:
-        raise DataPrepError("--valid-size cannot be 'megabatch'; give a fraction or a token "
+        raise DataError("--valid-size cannot be 'megabatch'; give a fraction or a token "
                             "count")
     if (valid.fraction or 0) + (eval_size.fraction or 0) >= 1:
-        raise DataPrepError(f"--valid-size {args.valid_size} and --eval-size {args.eval_size} "
+        raise DataError(f"--valid-size {args.valid_size} and --eval-size {args.eval_size} "
                             "leave nothing for the training mega-batches; lower them")
     options = PrepOptions(**vars(args))
     manifest = prepare(options, command)
@@ -111,16 +135,13 @@ def _run(args: argparse.Namespace, command: str) -> None:
 
 def format_summary(manifest: dict) -> str:
     """The table printed at the end: split, documents, tokens, MB of binaries."""
-    rows = [("split", "documents", "tokens", "MB")]
-    totals = [0, 0, 0]
+    rows, totals = [], [0, 0, 0]
     for name, split in manifest["splits"].items():
         size = split["bin_bytes"] + split["idx_bytes"]
-        rows.append((name, f"{split['documents']:,}", f"{split['tokens']:,}", f"{size / 1e6:.2f}"))
+        rows.append([name, f"{split['documents']:,}", f"{split['tokens']:,}", f"{size / 1e6:.2f}"])
         totals = [totals[0] + split["documents"], totals[1] + split["tokens"], totals[2] + size]
-    rows.append(("total", f"{totals[0]:,}", f"{totals[1]:,}", f"{totals[2] / 1e6:.2f}"))
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    lines = [row[0].ljust(widths[0]) + "".join(f"  {c.rjust(w)}" for c, w in
-                                               zip(row[1:], widths[1:])) for row in rows]
+    rows.append(["total", f"{totals[0]:,}", f"{totals[1]:,}", f"{totals[2] / 1e6:.2f}"])
+    lines = format_table(["split", "documents", "tokens", "MB"], rows).rstrip("\n").splitlines()
     dictionary = manifest["dictionary"]
     lines.append(f"dictionary: {dictionary['size']:,} symbols; sentencepiece vocabulary: "
                  f"{manifest['sentencepiece']['vocab_size']:,}")
@@ -130,7 +151,9 @@ def format_summary(manifest: dict) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = shlex.join(["alma-data-prep", *argv])
-    return run_cli(build_parser(), argv, lambda args: _run(args, command))
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return run_console(parser.prog, lambda: _run(args, command))
 
 
 if __name__ == "__main__":

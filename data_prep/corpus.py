@@ -17,7 +17,8 @@ import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from .errors import DataPrepError
+from fairseq_alma.errors import DataError
+
 from .fileio import atomic_output
 from .progress import Progress
 
@@ -35,11 +36,11 @@ def discover_sources(inputs: Iterable[str]) -> list[SourceFile]:
     seen: set[str] = set()
     for given in inputs:
         if not os.path.exists(given):
-            raise DataPrepError(f"input {given}: no such file or directory")
+            raise DataError(f"input {given}: no such file or directory")
         if os.path.isdir(given):
             files = _walk_sorted(given)
             if not files:
-                raise DataPrepError(f"input {given}: directory has no (non-hidden) files")
+                raise DataError(f"input {given}: directory has no (non-hidden) files")
         else:
             files = [given]
         for path in files:
@@ -69,14 +70,14 @@ def iter_lines(path: str) -> Iterator[str]:
             for lineno, line in enumerate(f, start=1):
                 yield line
     except UnicodeDecodeError as exc:
-        raise DataPrepError(
+        raise DataError(
             f"input {path}: not valid UTF-8 near line {lineno + 1} ({exc.reason}); "
             "convert it to UTF-8 (e.g. iconv) or leave it out") from None
     except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
-        raise DataPrepError(f"input {path}: unreadable .gz file ({exc}); "
+        raise DataError(f"input {path}: unreadable .gz file ({exc}); "
                             "re-create it or leave it out") from None
     except OSError as exc:
-        raise DataPrepError(f"input {path}: cannot read ({exc.strerror or exc})") from None
+        raise DataError(f"input {path}: cannot read ({exc.strerror or exc})") from None
 
 
 def iter_documents(lines: Iterable[str]) -> Iterator[list[str]]:
@@ -115,7 +116,7 @@ def extract_documents(sources: list[SourceFile], out_path: str) -> dict:
     progress.finish()
     if documents == 0:
         os.remove(out_path)
-        raise DataPrepError("the inputs contain no text (every line is blank); "
+        raise DataError("the inputs contain no text (every line is blank); "
                             "pass files with documents separated by blank lines")
     return {"documents": documents, "lines": lines, "bytes": os.path.getsize(out_path),
             "sha256": digest.hexdigest()}

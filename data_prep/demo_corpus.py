@@ -24,7 +24,9 @@ import sysconfig
 import tokenize
 from collections.abc import Iterator
 
-from .errors import DataPrepError, OneLineArgumentParser, run_cli
+from fairseq_alma.cli.entry import OneLineArgumentParser, run_console
+from fairseq_alma.errors import DataError
+
 from .fileio import atomic_output
 
 DEFAULT_FILE_NAME = "demo_corpus.txt"
@@ -137,18 +139,18 @@ def write_demo_corpus(out: str, max_mb: float) -> tuple[str, bool]:
     (path, written). Identical content already there is left untouched, so its mtime, and with
     it ``alma-data-prep``'s reuse of finished steps, survives a re-run of ``make demo``."""
     if max_mb <= 0:
-        raise DataPrepError(f"--max-mb must be positive, got {max_mb}")
+        raise DataError(f"--max-mb must be positive, got {max_mb}")
     path = _resolve_output(out)
     text, n_docs, n_files = build_demo_corpus(int(max_mb * 1e6))
     if n_docs == 0:
-        raise DataPrepError(f"no docstrings found under {sysconfig.get_paths()['stdlib']}")
+        raise DataError(f"no docstrings found under {sysconfig.get_paths()['stdlib']}")
     print(f"alma-demo-corpus: {n_docs:,} documents from {n_files} stdlib files, "
           f"{len(text) / 1e6:.2f} MB", file=sys.stderr)
     if _existing_digest(path) == hashlib.sha256(text).hexdigest():
         return path, False
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
-        raise DataPrepError(f"--out {out}: folder {parent} does not exist; create it first")
+        raise DataError(f"--out {out}: folder {parent} does not exist; create it first")
     with atomic_output(path, "wb") as f:
         if path.endswith(".gz"):
             # mtime=0: the same text gives the same bytes, run after run.
@@ -174,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="stop after the source file that takes the corpus past this many "
                         "MB of UTF-8 text (default: 5; the whole Python 3.11 stdlib gives about "
                         "3.3 MB, enough for a 4-mega-batch stream with a 2000-piece BPE)")
-    return run_cli(parser, argv, lambda args: _report(*write_demo_corpus(args.out, args.max_mb)))
+    args = parser.parse_args(argv)
+    return run_console(parser.prog, lambda: _report(*write_demo_corpus(args.out, args.max_mb)))
 
 
 def _report(path: str, written: bool) -> None:

@@ -17,10 +17,11 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from fairseq_alma.errors import DataError
+
 from .bpe import SPM_SAMPLE_SEED, encode_documents, train_sentencepiece
 from .corpus import discover_sources, extract_documents
-from .errors import DataPrepError
-from .fileio import PARTIAL_SUFFIX, write_json_atomic
+from .fileio import PARTIAL_SUFFIX, sha256_file, write_json_atomic
 from .manifest import MANIFEST_FORMAT, MANIFEST_NAME
 from .split import assign_documents, check_document_count, parse_size, split_names, write_splits
 from .steps import StepRunner
@@ -155,11 +156,11 @@ class Pipeline:
 def _check_output_dir(options: PrepOptions) -> None:
     out = os.path.realpath(options.out)
     if os.path.exists(out) and not os.path.isdir(out):
-        raise DataPrepError(f"--out {options.out}: exists and is not a directory")
+        raise DataError(f"--out {options.out}: exists and is not a directory")
     for given in options.inputs:
         real = os.path.realpath(given)
         if os.path.isdir(real) and os.path.commonpath([real, out]) == real:
-            raise DataPrepError(f"--out {options.out} lies inside input directory {given}; "
+            raise DataError(f"--out {options.out} lies inside input directory {given}; "
                                 "a re-run would read its own outputs -- choose another --out")
 
 
@@ -169,7 +170,7 @@ def _lock(out_dir: str) -> int:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise DataPrepError(f"--out {out_dir} is in use by another alma-data-prep run; wait "
+        raise DataError(f"--out {out_dir} is in use by another alma-data-prep run; wait "
                             "for it to finish") from None
     return fd
 
@@ -200,6 +201,17 @@ def prepare(options: PrepOptions, command: str) -> dict:
         os.close(lock)
 
 
+def _shard_facts(pipeline: Pipeline, name: str, info: dict) -> dict:
+    """Size and sha256 of a split's .bin/.idx (the binarize step hashes what it writes; shards
+    binarized before it did are hashed here)."""
+    facts = {}
+    for ext in ("bin", "idx"):
+        path = pipeline.path(f"{name}.{ext}")
+        facts[f"{ext}_bytes"] = os.path.getsize(path)
+        facts[f"{ext}_sha256"] = info.get(f"{ext}_sha256") or sha256_file(path)
+    return facts
+
+
 def _manifest(pipeline: Pipeline, spm_info: dict, dict_info: dict, splits: dict,
               command: str) -> dict:
     o = pipeline.o
@@ -208,8 +220,7 @@ def _manifest(pipeline: Pipeline, spm_info: dict, dict_info: dict, splits: dict,
         "num_megabatches": o.num_megabatches, "seed": o.seed,
         "splits": {name: {"tokens": info["tokens"], "documents": info["documents"],
                           "lines": info["lines"], "unk_tokens": info["unk_tokens"],
-                          "bin_bytes": os.path.getsize(pipeline.path(f"{name}.bin")),
-                          "idx_bytes": os.path.getsize(pipeline.path(f"{name}.idx"))}
+                          **_shard_facts(pipeline, name, info)}
                    for name, info in splits.items()},
         "dictionary": {"file": "dict.txt", "sha256": dict_info["sha256"],
                        "size": dict_info["size"]},

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import DataPrepError
+from fairseq_alma.errors import DataError
+
 from .fileio import atomic_output
 from .progress import Progress
 
@@ -71,7 +72,7 @@ def split_names(num_megabatches: int) -> list[str]:
 def check_document_count(documents: int, num_megabatches: int) -> None:
     """Every split needs a document: B mega-batches, eval and valid."""
     if documents < num_megabatches + 2:
-        raise DataPrepError(
+        raise DataError(
             f"the corpus has {documents} documents but --num-megabatches {num_megabatches} "
             f"needs at least {num_megabatches + 2} (one per mega-batch, plus eval and valid); "
             "add text or lower it")
@@ -98,7 +99,7 @@ def carve(tokens: np.ndarray, num_megabatches: int, valid: SizeSpec,
     eval_target = eval_size.target(total)
     assert valid_target is not None, "the validation size cannot be 'megabatch'"
     if valid_target + (eval_target or 0) >= total:
-        raise DataPrepError(
+        raise DataError(
             f"--valid-size ({valid_target:,} tokens) and --eval-size "
             f"({eval_target or 0:,} tokens) leave nothing of the corpus's {total:,} tokens for "
             "the training mega-batches; lower them")

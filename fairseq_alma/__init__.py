@@ -1,7 +1,20 @@
 """fairseq-alma: Anytime Learning at Macroscale with Switch Transformers (a fairseq user dir).
 
-Importing the package registers its fairseq components (models, criterions, tasks, LR
-schedulers); fairseq's ``--user-dir`` imports it, and our console tools import it directly.
+Importing the package registers its fairseq components (tasks, models, criterions, LR
+schedulers): fairseq's ``--user-dir`` imports it, and so do our console tools.  When fairseq
+itself cannot be imported, nothing is registered and the parts that need no fairseq (the
+stream core in ``stream/``, the errors) still import: the core is tested that way.
 """
 
-from . import criterions, models, optim, tasks  # noqa: F401  (registration side effects)
+try:
+    import fairseq  # noqa: F401
+except ModuleNotFoundError as err:  # only the fairseq-free parts are usable
+    if err.name != "fairseq":
+        raise
+else:
+    from . import criterions, models, optim, tasks  # noqa: F401  (registration side effects)
+    from .fairseq_patches import install_checkpoint_errors, install_console_errors, install_quiet_startup
+
+    install_console_errors()
+    install_checkpoint_errors()
+    install_quiet_startup()

@@ -1,23 +1,60 @@
-"""User-facing errors that end a command with one clear line instead of a traceback."""
+"""The errors of fairseq-alma: one small hierarchy, raised by library code, printed by entry points.
+
+Why typed errors and not prints or ``sys.exit``: library code (the task, the learners, the data
+readers) cannot know whether it runs under ``fairseq-train``, ``alma-score``, a test or a
+notebook.  It raises one of the classes below with a one-line message that names the file or
+flag at fault and says what to do next.  Only console entry points (``cli/``, and the wrapper
+around fairseq's own commands in ``fairseq_patches.py``) turn an ``AlmaError`` into
+``<prog>: error: <message>`` on stderr and exit with ``exit_status``; anything else is a bug
+and keeps its traceback.
+"""
 
 from __future__ import annotations
 
+# sysexits.h EX_TEMPFAIL: "a temporary failure, the user is invited to retry".  A preempted
+# training exits with it after saving, and slurm/sweep.sbatch.in requeues on it.
+REQUEUE_EXIT_STATUS = 75
 
-class UsageError(SystemExit):
-    """A bad flag, file or config value.
 
-    Subclassing SystemExit makes ``fairseq-train``/``fairseq-eval-lm`` (whose main functions we
-    do not own) print just ``fairseq-alma: error: <message>`` on stderr and exit with status 2,
-    the argparse convention, instead of a traceback that hides the one line users need.
-    """
+class AlmaError(Exception):
+    """Base class: a problem the user can fix.  ``str(err)`` is the one-line message."""
 
-    def __init__(self, message: str) -> None:
-        self.message = message
-        super().__init__(f"fairseq-alma: error: {message}")
-        self.code = f"fairseq-alma: error: {message}"
+    exit_status = 2  # argparse's status for a usage error
+
+    @property
+    def message(self) -> str:
+        return str(self)
+
+
+class UsageError(AlmaError):
+    """A bad flag, option, config file value or flag combination."""
+
+
+class DataError(AlmaError):
+    """Input data that cannot be used: a stream directory, manifest, shard, corpus or data set."""
+
+
+class RunDirError(AlmaError):
+    """A run directory that cannot be used as asked: unreadable records, missing stage
+    checkpoints, another run's files."""
+
+
+class CheckpointError(AlmaError):
+    """A checkpoint that cannot be read or does not belong where it was found."""
+
+
+class ClusterError(AlmaError):
+    """A Slurm command failed or the cluster refused a request."""
+
+
+class Preempted(AlmaError):
+    """Not a fault: training stopped on SIGUSR1/SIGTERM after saving where it was; the same
+    command continues.  Exits with ``REQUEUE_EXIT_STATUS`` so a scheduler requeues the job."""
+
+    exit_status = REQUEUE_EXIT_STATUS
 
 
 def require(condition: bool, message: str) -> None:
-    """Raise UsageError(message) unless condition holds."""
+    """Raise ``UsageError(message)`` unless ``condition`` holds."""
     if not condition:
         raise UsageError(message)

@@ -29,6 +29,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
 _signalled: list[int] = []
 
@@ -37,10 +38,17 @@ def _on_signal(signum: int, _frame: object) -> None:
     _signalled.append(signum)
 
 
-def _write_json_atomic(path: Path, obj: object) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, path)
+def _atomic() -> ModuleType:
+    """fairseq_alma's one atomic-write module, imported on first use: importing fairseq_alma
+    imports fairseq and torch (seconds), and until ``main`` has installed its handlers a USR1
+    would kill this process instead of asking it to save. A Python without the package
+    installed gets the one of this checkout."""
+    try:
+        from fairseq_alma.stream import atomic
+    except ModuleNotFoundError:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from fairseq_alma.stream import atomic
+    return atomic
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -66,9 +74,7 @@ def _resume(save_dir: Path) -> dict:
     stream = save_dir / "stream.jsonl"
     if stream.exists():
         kept = stream.read_text().splitlines(keepends=True)[: state["stage"]]
-        tmp = stream.with_name(".stream.jsonl.tmp")
-        tmp.write_text("".join(kept))
-        os.replace(tmp, stream)
+        _atomic().atomic_write_text(stream, "".join(kept))
     return state
 
 
@@ -98,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                 "argv": sys.argv[1:] if argv is None else argv,
             }
         )
-        _write_json_atomic(checkpoint, state)
+        _atomic().atomic_write_json(checkpoint, state)
     print(f"contract_trainer: rank {args.distributed_rank} starts after stage {state['stage']}")
     stage = state["stage"]
     while stage < args.max_epoch and not (stop_after and stage >= stop_after):
@@ -111,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         if _signalled:
             if writer:
                 state["saved_on_signal"] = state.get("saved_on_signal", 0) + 1
-                _write_json_atomic(save_dir / "checkpoint_last.json", state)
+                _atomic().atomic_write_json(save_dir / "checkpoint_last.json", state)
             print(f"contract_trainer: signal {_signalled[0]}: saved after stage {stage}, exiting")
             return 0 if _signalled[0] == signal.SIGUSR1 else 143
         stage += 1
@@ -127,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             with open(save_dir / "stream.jsonl", "a") as stream:
                 stream.write(json.dumps(record) + "\n")
             state["stage"] = stage
-            _write_json_atomic(checkpoint, state)
+            _atomic().atomic_write_json(checkpoint, state)
     print(f"contract_trainer: rank {args.distributed_rank} stops after stage {stage}")
     return 0
 

@@ -58,3 +58,61 @@ def preprocess_lm(dest: Path, train_sentences: int = 1200, valid_sentences: int 
         "--testpref", str(raw / "test.txt"), "--destdir", str(dest / "bin"), "--workers", "1",
     ])
     return dest / "bin"
+
+
+USER_DIR = str(Path(__file__).resolve().parent.parent / "fairseq_alma")
+
+
+def prepare_stream(root: Path, out: Path, num_megabatches: int = 2, lines: int = 1200,
+                   vocab_size: int = 400, seed: int = 1) -> Path:
+    """``alma-data-prep`` of a generated corpus (documents of 4 sentences) into ``out``."""
+    text = sentences(lines, seed=7)
+    docs = ["\n".join(text[i : i + 4]) for i in range(0, len(text), 4)]
+    (root / "corpus.txt").write_text("\n\n".join(docs) + "\n", encoding="utf-8")
+    run([tool("alma-data-prep"), str(root / "corpus.txt"), "--out", str(out), "--vocab-size",
+         str(vocab_size), "--num-megabatches", str(num_megabatches), "--eval-size", "0.1",
+         "--valid-size", "0.05", "--workers", "1", "--seed", str(seed)])
+    return out
+
+
+def stream_cmd(data: Path, save_dir: Path, *extra: str) -> list[str]:
+    return [
+        tool("fairseq-train"), str(data), "--user-dir", USER_DIR, "--task", "alma_stream",
+        "--arch", "switch_transformer_lm_tiny", "--moe-experts", "2", "--criterion", "switch_cross_entropy",
+        "--optimizer", "adam", "--lr", "0.003", "--lr-scheduler", "alma_stage_linear", "--warmup-updates", "2",
+        "--updates-per-stage", "6", "--tokens-per-sample", "32", "--batch-size", "8", "--cpu", "--num-workers", "0",
+        "--save-dir", str(save_dir), "--log-format", "simple", "--log-interval", "2", "--seed", "1", "--dropout", "0",
+        *extra,
+    ]
+
+
+RESUMABLE = ("--save-interval-updates", "2")
+
+
+def stage_weights(save: Path, stage: int) -> dict:
+    import torch
+
+    return torch.load(save / f"checkpoint_stage{stage}.pt", map_location="cpu", weights_only=False)["model"]
+
+
+def assert_same_stream(a: Path, b: Path, stages=(1, 2)) -> None:
+    import torch
+
+    from fairseq_alma.stream.records import read_records, records_equal
+
+    assert records_equal(read_records(a / "stream.jsonl"), read_records(b / "stream.jsonl"))
+    for stage in stages:
+        wa, wb = stage_weights(a, stage), stage_weights(b, stage)
+        assert wa.keys() == wb.keys()
+        for key in wa:
+            assert torch.equal(wa[key], wb[key]), (stage, key)
+
+
+def wait_for(path: Path, proc, timeout: float = 600.0) -> None:
+    import time
+
+    start = time.time()
+    while not path.exists():
+        assert proc.poll() is None, f"run ended before {path.name} appeared"
+        assert time.time() - start < timeout, f"{path} did not appear"
+        time.sleep(0.05)

@@ -6,9 +6,9 @@ import re
 from pathlib import Path
 
 import pytest
+from lm_fixtures import RESUMABLE, assert_same_stream, run, stream_cmd, tool, wait_for
 
 from fairseq_alma.optim.alma_stage_linear import stage_budget, stage_lr
-from lm_fixtures import run, sentences, tool
 
 REPO = Path(__file__).resolve().parent.parent
 USER_DIR = str(REPO / "fairseq_alma")
@@ -21,58 +21,6 @@ def test_stage_lr_restarts_every_stage():
     assert lrs[9] == pytest.approx(1 / 8)  # last update of the stage, one step above 0
     assert lrs[10:] == lrs[:10]  # the next stage restarts with warmup
     assert stage_budget(100, 3, True) == 300 and stage_budget(100, 3, False) == 100
-
-
-@pytest.fixture(scope="module")
-def stream_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("stream")
-    lines = sentences(1200, seed=7)
-    docs = ["\n".join(lines[i : i + 4]) for i in range(0, len(lines), 4)]
-    (root / "corpus.txt").write_text("\n\n".join(docs) + "\n", encoding="utf-8")
-    run([tool("alma-data-prep"), str(root / "corpus.txt"), "--out", str(root / "data"), "--vocab-size", "400",
-         "--num-megabatches", "2", "--eval-size", "0.1", "--valid-size", "0.05", "--workers", "1"])
-    return root / "data"
-
-
-def stream_cmd(data: Path, save_dir: Path, *extra: str) -> list[str]:
-    return [
-        tool("fairseq-train"), str(data), "--user-dir", USER_DIR, "--task", "alma_stream",
-        "--arch", "switch_transformer_lm_tiny", "--moe-experts", "2", "--criterion", "switch_cross_entropy",
-        "--optimizer", "adam", "--lr", "0.003", "--lr-scheduler", "alma_stage_linear", "--warmup-updates", "2",
-        "--updates-per-stage", "6", "--tokens-per-sample", "32", "--batch-size", "8", "--cpu", "--num-workers", "0",
-        "--save-dir", str(save_dir), "--log-format", "simple", "--log-interval", "2", "--seed", "1", "--dropout", "0",
-        *extra,
-    ]
-
-
-RESUMABLE = ("--save-interval-updates", "2")
-
-
-@pytest.fixture(scope="module")
-def reference_run(stream_dir, tmp_path_factory):
-    """An uninterrupted 2-stage stream (periodic saves do not change results)."""
-    save = tmp_path_factory.mktemp("reference") / "run"
-    proc = run(stream_cmd(stream_dir, save, *RESUMABLE))
-    return save, proc.stdout + proc.stderr
-
-
-def stage_weights(save: Path, stage: int) -> dict:
-    import torch
-
-    return torch.load(save / f"checkpoint_stage{stage}.pt", map_location="cpu", weights_only=False)["model"]
-
-
-def assert_same_stream(a: Path, b: Path, stages=(1, 2)) -> None:
-    import torch
-
-    from fairseq_alma.stream.records import read_records, records_equal
-
-    assert records_equal(read_records(a / "stream.jsonl"), read_records(b / "stream.jsonl"))
-    for stage in stages:
-        wa, wb = stage_weights(a, stage), stage_weights(b, stage)
-        assert wa.keys() == wb.keys()
-        for key in wa:
-            assert torch.equal(wa[key], wb[key]), (stage, key)
 
 
 @pytest.mark.slow
@@ -116,43 +64,13 @@ def test_missing_shard_is_named(stream_dir, tmp_path):
     assert proc.returncode != 0 and len(errors) == 1 and "megabatch1.bin" in errors[0], proc.stderr[-1500:]
 
 
-def wait_for(path: Path, proc, timeout: float = 600.0) -> None:
-    import time
-
-    start = time.time()
-    while not path.exists():
-        assert proc.poll() is None, f"run ended before {path.name} appeared"
-        assert time.time() - start < timeout, f"{path} did not appear"
-        time.sleep(0.05)
-
-
-@pytest.mark.slow
-def test_kill9_inside_and_between_stages_then_same_command_continues(stream_dir, reference_run, tmp_path):
-    """kill -9 at 5 points: twice inside stage 1, right after stage 1's end (between stages), twice
-    inside stage 2; each time the same command continues, and the stream log and the stage
-    checkpoints equal the uninterrupted run's."""
-    import os
-    import signal
-    import subprocess
-
-    save = tmp_path / "run"
-    cmd = stream_cmd(stream_dir, save, *RESUMABLE)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    kills = [save / "checkpoint_1_2.pt", save / "checkpoint_1_4.pt", save / "checkpoint_stage1.pt",
-             save / "checkpoint_2_8.pt", save / "checkpoint_2_10.pt"]
-    for marker in kills:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-        wait_for(marker, proc)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    run(cmd)
-    assert not list(save.glob("*.tmp*")), "a temporary file was left behind"
-    assert_same_stream(save, reference_run[0])
+# kill -9 and SIGTERM at six points: tests/test_resume_points.py
 
 
 @pytest.mark.slow
 def test_sigusr1_saves_then_resumes(stream_dir, reference_run, tmp_path):
-    """The Slurm requeue contract: SIGUSR1 -> save checkpoint_last and exit 0; rerun continues."""
+    """The Slurm requeue contract: SIGUSR1 -> save checkpoint_last.pt only, no validation, exit
+    with the requeue status and one line saying so; the same command continues."""
     import os
     import signal
     import subprocess
@@ -166,7 +84,12 @@ def test_sigusr1_saves_then_resumes(stream_dir, reference_run, tmp_path):
     wait_for(save / "checkpoint_stage1.pt", proc)
     proc.send_signal(signal.SIGUSR1)
     out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out[-2000:]
+    from fairseq_alma.errors import REQUEUE_EXIT_STATUS
+
+    assert proc.returncode == REQUEUE_EXIT_STATUS, out[-2000:]
+    after = out[out.index("received SIGUSR1"):]
+    assert re.search(r"fairseq-alma: preempted at update \d+, checkpoint saved", after), after
+    assert "begin validation" not in after and "checkpoint_best" not in after, after
     state = torch.load(save / "checkpoint_last.pt", map_location="cpu", weights_only=False)
     assert 6 < state["optimizer_history"][-1]["num_updates"] < 12  # saved inside stage 2
     run(cmd)

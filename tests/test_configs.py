@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from fairseq_alma.configs import ConfigError, load_profile, load_run_config
+from fairseq_alma.configs import load_profile, load_run_config, parse_grid_option
 from fairseq_alma.configs.profile import PROFILES_DIR, parse_profile
 from fairseq_alma.configs.run_config import PLUGIN_DIR
+from fairseq_alma.errors import UsageError
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "train_configs" / "examples"
 BASE = """\
@@ -36,7 +37,7 @@ def write(folder: Path, name: str, text: str) -> Path:
 
 
 def error_of(path: Path, check_flags: bool = True) -> str:
-    with pytest.raises(ConfigError) as caught:
+    with pytest.raises(UsageError) as caught:
         load_run_config(path, check_flags=check_flags)
     message = str(caught.value)
     assert "\n" not in message
@@ -150,6 +151,39 @@ def test_missing_data_arch_and_include_cycle(tmp_path):
 def test_invalid_yaml_names_the_line(tmp_path):
     path = write(tmp_path, "run.yaml", BASE + "grid: {lr: [1, 2}\n")
     assert f"{path}:12: invalid YAML" in error_of(path, check_flags=False)
+    path = write(tmp_path, "key.yaml", BASE + "grid:\n  ? [lr]\n  : [1]\n")
+    assert f"{path}:13: invalid YAML (found unhashable key)" in error_of(path, check_flags=False)
+
+
+def test_values_read_as_written_and_reach_fairseq_unchanged(tmp_path):
+    # OmegaConf.load would read 1e-3 and 5e-4 as floats (--lr 0.001) and dates as text; the
+    # YAML 1.1 reading keeps the command lines (and run directory names) of existing configs
+    args = ("  optimizer: adam\n  lr: 1e-3\n  dropout: .5\n  decoder-embed-dim: 0x10\n"
+            "  adam-eps: 1.0e-8\n")
+    text = BASE.replace("  lr: 0.001\n", "") + "grid: {weight-decay: [5e-4, 0.01]}\n"
+    text = text.replace("  fp16: true\n", args + "  restore-file: ${HOME}/2024-01-01\n"
+                        "  tensorboard-logdir: 2024-01-01\n")
+    config = load_run_config(write(tmp_path, "run.yaml", text))
+    argv = config.to_argv(config.grid_points()[0], 1, "/runs/a")
+    shown = " ".join(argv[argv.index("--decoder-layers"):argv.index("--seed")])
+    assert shown == (
+        "--decoder-layers 2 --optimizer adam --lr 1e-3 --dropout 0.5 --decoder-embed-dim 16 "
+        "--adam-eps 1e-08 "
+        "--restore-file ${HOME}/2024-01-01 --tensorboard-logdir 2024-01-01 "
+        "--no-epoch-checkpoints --weight-decay 5e-4"
+    )
+    assert parse_grid_option("lr=1e-3,.5,0x10") == ("lr", ["1e-3", 0.5, 16])
+
+
+def test_merge_errors_name_file_and_key(tmp_path):
+    write(tmp_path, "base.yaml", BASE + "grid: {lr: [0.1, 0.2]}\n")
+    child = write(tmp_path, "child.yaml", "include: base.yaml\ngrid: {lr: {a: 1}}\n")
+    assert error_of(child, check_flags=False) == (
+        f"{child}: 'grid.lr' is a mapping here but a list in an included config; write a list"
+    )
+    path = write(tmp_path, "interp.yaml", BASE.replace("description: base", "description: ${oops"))
+    message = error_of(path, check_flags=False)
+    assert message.startswith(f"{path}: 'description': ") and "${oops" in message
 
 
 def test_example_configs_load_and_expand():
@@ -183,10 +217,10 @@ def test_shipped_profiles():
     ],
 )
 def test_bad_profiles(data, expected):
-    with pytest.raises(ConfigError, match=expected):
+    with pytest.raises(UsageError, match=expected):
         parse_profile(data, "p", "p.yaml")
 
 
 def test_unknown_profile_lists_the_shipped_ones():
-    with pytest.raises(ConfigError, match="local-cpu"):
+    with pytest.raises(UsageError, match="local-cpu"):
         load_profile("no-such-profile")

@@ -16,7 +16,8 @@ import sys
 
 import pytest
 
-from data_prep.manifest import StreamDataError, verify_stream_dir
+from data_prep.manifest import verify_stream_dir
+from fairseq_alma.errors import DataError
 
 pytestmark = pytest.mark.slow
 
@@ -232,7 +233,7 @@ def stream_copy(prepared, tmp_path):
 def test_verify_stream_dir_names_the_damaged_file(stream_copy, damage, named):
     verify_stream_dir(str(stream_copy))
     damage(stream_copy)
-    with pytest.raises(StreamDataError) as info:
+    with pytest.raises(DataError) as info:
         verify_stream_dir(str(stream_copy))
     message = str(info.value)
     assert named in message and "\n" not in message

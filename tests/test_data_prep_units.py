@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import textwrap
 from itertools import pairwise
@@ -11,9 +12,9 @@ import pytest
 
 from data_prep.corpus import discover_sources, iter_documents
 from data_prep.demo_corpus import build_demo_corpus, documents_of_file
-from data_prep.errors import DataPrepError
 from data_prep.split import SizeSpec, assign_documents, carve, parse_size
 from data_prep.steps import StepRunner
+from fairseq_alma.errors import DataError
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -66,7 +67,7 @@ def test_carve_gives_each_split_a_document_even_when_sizes_are_tiny():
     (np.full(10, 10), 2, SizeSpec(tokens=100), SizeSpec(), "--eval-size"),
 ])
 def test_carve_refuses_impossible_splits_naming_the_flag(tokens, parts, valid, eval_size, named):
-    with pytest.raises(DataPrepError, match=named):
+    with pytest.raises(DataError, match=named):
         carve(tokens, parts, valid, eval_size)
 
 
@@ -101,7 +102,7 @@ def test_discover_sources_sorts_dedupes_and_skips_hidden(tmp_path):
                               str(tmp_path / "d" / "a.txt")])
     assert [os.path.relpath(s.path, tmp_path) for s in found] == [
         "top.txt", "d/a.txt", "d/z.txt", "d/b/m.txt"]
-    with pytest.raises(DataPrepError, match="nope"):
+    with pytest.raises(DataError, match="nope"):
         discover_sources([str(tmp_path / "nope")])
 
 
@@ -182,7 +183,11 @@ def test_binarizer_writes_the_same_bytes_as_fairseq_preprocess(tmp_path):
     for workers in (1, 3):
         info = binarize_splits({"ours": str(text)}, str(tmp_path / "dict.txt"), str(tmp_path),
                                str(tmp_path), workers)
-        assert info["ours"] == {"tokens": 9 * 7 + len(lines), "lines": len(lines), "unk_tokens": 7}
+        counts = {k: v for k, v in info["ours"].items() if not k.endswith("_sha256")}
+        assert counts == {"tokens": 9 * 7 + len(lines), "lines": len(lines), "unk_tokens": 7}
+        for ext in ("bin", "idx"):  # the checksums the manifest records are of what was written
+            assert info["ours"][f"{ext}_sha256"] == hashlib.sha256(
+                (tmp_path / f"ours.{ext}").read_bytes()).hexdigest()
         for ext in ("bin", "idx"):
             assert (tmp_path / f"ours.{ext}").read_bytes() == \
                 (tmp_path / f"fairseq.{ext}").read_bytes()

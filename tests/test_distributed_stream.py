@@ -32,7 +32,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from lm_fixtures import run, sentences, tool
+from lm_fixtures import prepare_stream, run, tool
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -43,15 +43,8 @@ CROSS_TOPOLOGY_REL_TOL = 1e-12  # eval NLL sums reassociated across ranks (modul
 
 
 def build_tiny_stream(root: Path) -> Path:
-    """A 2-mega-batch stream (+ eval, valid) from generated text, as in test_alma_stream.py."""
-    lines = sentences(1200, seed=7)
-    docs = ["\n".join(lines[i : i + 4]) for i in range(0, len(lines), 4)]
-    (root / "corpus.txt").write_text("\n\n".join(docs) + "\n", encoding="utf-8")
-    out = root / "data-bin" / "tiny-stream"
-    run([tool("alma-data-prep"), str(root / "corpus.txt"), "--out", str(out), "--vocab-size",
-         "400", "--num-megabatches", "2", "--eval-size", "0.1", "--valid-size", "0.05",
-         "--workers", "1"])
-    return out
+    """A 2-mega-batch stream (+ eval, valid) from generated text, as ``stream_dir``."""
+    return prepare_stream(root, root / "data-bin" / "tiny-stream")
 
 
 def tiny_stream_argv(data: Path, save_dir: Path, **overrides: object) -> list[str]:

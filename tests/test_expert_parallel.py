@@ -82,15 +82,15 @@ def _run_case(rank: int, world: int, case: dict) -> dict:
     from fairseq_alma.modules.expert_parallel import ExpertParallelSwitchFFN, build_switch_ffn
     from fairseq_alma.modules.expert_parallel_fairseq import prepare_expert_parallel, register_optimizer_hooks
     from fairseq_alma.modules.switch_ffn import SwitchFFN
+    from fairseq_alma.modules.switch_ffn_config import SwitchFFNConfig
 
     size, experts, slots = case["size"], case["experts"], case["slots"]
-    kwargs = dict(capacity_factor=case["cf"], max_experts=slots, z_loss=True)
+    kwargs = dict(capacity_factor=case["cf"], max_experts=slots, z_loss=True, expert_kernel=case.get("kernel", "auto"))
     torch.manual_seed(0)
-    ref = SwitchFFN(D, F_DIM, experts, **kwargs)
+    ref = SwitchFFN(SwitchFFNConfig(D, F_DIM, experts, **kwargs))
     torch.manual_seed(0)
-    layer = build_switch_ffn(size, D, F_DIM, experts, **kwargs)
+    layer = build_switch_ffn(SwitchFFNConfig(D, F_DIM, experts, **kwargs), size)
     assert isinstance(layer, ExpertParallelSwitchFFN)
-    ref.expert_kernel = layer.expert_kernel = case.get("kernel", "auto")
     out: dict = {"init_state": _copy(layer.state_dict()), "ref_init_state": _copy(ref.state_dict())}
 
     # single process: every rank's tokens through the reference, one summed loss
@@ -146,7 +146,7 @@ def _run_case(rank: int, world: int, case: dict) -> dict:
 
     # checkpoint round trip: load another full state, save it again unchanged
     torch.manual_seed(1)
-    other = SwitchFFN(D, F_DIM, experts, **kwargs).state_dict()
+    other = SwitchFFN(SwitchFFNConfig(D, F_DIM, experts, **kwargs)).state_dict()
     layer.load_state_dict(other)
     out["other_state"], out["resaved_state"] = other, _copy(layer.state_dict())
     out["shard_after_load"] = layer.fc1_weight.detach().clone()
@@ -167,7 +167,7 @@ def _run_case(rank: int, world: int, case: dict) -> dict:
     out["ddp_grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
 
     try:  # a group size that does not divide the number of processes
-        build_switch_ffn(2 * world, D, F_DIM, 2 * world)
+        build_switch_ffn(SwitchFFNConfig(D, F_DIM, 2 * world), 2 * world)
         out["bad_size_error"] = None
     except UsageError as err:
         out["bad_size_error"] = err.message
@@ -308,13 +308,14 @@ def test_group_size_must_divide_process_count(ranks):
 def test_experts_must_divide_evenly():
     from fairseq_alma.errors import UsageError
     from fairseq_alma.modules.expert_parallel import build_switch_ffn
+    from fairseq_alma.modules.switch_ffn_config import SwitchFFNConfig
 
     with pytest.raises(UsageError, match=r"--moe-experts \(3\) must be divisible by --moe-expert-parallel-size \(2\)"):
-        build_switch_ffn(2, D, F_DIM, 3)
+        build_switch_ffn(SwitchFFNConfig(D, F_DIM, 3), 2)
     with pytest.raises(UsageError, match=r"--moe-expert-parallel-size must be an integer >= 1"):
-        build_switch_ffn(0, D, F_DIM, 4)
+        build_switch_ffn(SwitchFFNConfig(D, F_DIM, 4), 0)
     # one process holds all experts (e.g. fairseq-eval-lm on an expert-parallel checkpoint)
-    layer = build_switch_ffn(2, D, F_DIM, 4)
+    layer = build_switch_ffn(SwitchFFNConfig(D, F_DIM, 4), 2)
     assert type(layer).__name__ == "SwitchFFN" and layer.fc1_weight.shape[0] == 4
 
 

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from lm_fixtures import run, tool
 
 REPO = Path(__file__).resolve().parent.parent

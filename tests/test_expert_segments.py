@@ -1,12 +1,14 @@
 """The CPU expert kernel (issue #2 speed): exact against autograd, and its memory pool is safe."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from fairseq_alma.modules import SwitchFFN
+from fairseq_alma.errors import UsageError
+from fairseq_alma.modules import SwitchFFN, SwitchFFNConfig
 from fairseq_alma.modules.expert_segments import GradientPool, relu_expert_segments
 
 
@@ -72,10 +74,11 @@ def _switch_step(layer: SwitchFFN, x: torch.Tensor) -> None:
 def test_pool_reuses_released_gradient_memory():
     """After ``grad = None`` (what fairseq's zero_grad does) the next backward reuses the memory."""
     torch.manual_seed(1)
-    layer = SwitchFFN(8, 16, 4, capacity_factor=2.0)
+    layer = SwitchFFN(SwitchFFNConfig(8, 16, 4, capacity_factor=2.0))
     x = torch.randn(64, 8)
     _switch_step(layer, x)
     first = layer.fc1_weight.grad.data_ptr()
+    assert first == layer._grad_pool._blocks["w1"].ctypes.data  # adopted as .grad without a copy
     layer.zero_grad(set_to_none=True)
     _switch_step(layer, x)
     assert layer.fc1_weight.grad.data_ptr() == first
@@ -84,7 +87,7 @@ def test_pool_reuses_released_gradient_memory():
 def test_pool_never_overwrites_a_gradient_still_held():
     """A caller keeping .grad across steps keeps its values; accumulation (--update-freq) adds."""
     torch.manual_seed(2)
-    layer = SwitchFFN(8, 16, 4, capacity_factor=2.0)
+    layer = SwitchFFN(SwitchFFNConfig(8, 16, 4, capacity_factor=2.0))
     x1, x2 = torch.randn(64, 8), torch.randn(64, 8)
     _switch_step(layer, x1)
     kept = layer.fc1_weight.grad
@@ -100,10 +103,33 @@ def test_pool_never_overwrites_a_gradient_still_held():
     assert torch.allclose(layer.fc1_weight.grad, snapshot + alone, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_pool_reuses_a_block_only_when_no_tensor_or_view_holds_it(dtype):
+    pool, ref = GradientPool(), torch.empty(0, dtype=dtype)
+    first = pool.empty("w", (4, 8), ref)
+    assert first.dtype == dtype and first.is_contiguous() and not first._is_view()
+    assert first.data_ptr() % GradientPool.ALIGNMENT == 0
+    view, ptr = first[1:].t(), first.data_ptr()
+    del first
+    second = pool.empty("w", (4, 8), ref)  # a view of the first hand-out is still alive
+    assert second.data_ptr() != ptr
+    del view  # the first block is now unreferenced: freed, never handed out again
+    ptr = second.data_ptr()
+    storage = second.untyped_storage()  # a bare storage also counts as a holder
+    del second
+    third = pool.empty("w", (4, 8), ref)
+    assert third.data_ptr() != ptr
+    del storage
+    ptr = third.data_ptr()
+    del third  # released (like ``param.grad = None``): a smaller request reuses it
+    assert pool.empty("w", (2, 8), ref).data_ptr() == ptr
+    assert pool.empty("w", (8, 8), ref).data_ptr() != ptr  # a larger one gets a new block
+
+
 def test_pooled_hidden_survives_two_forwards_before_backward():
     """Two graphs alive at once (e.g. an ensemble step) must not share the saved activations."""
     torch.manual_seed(3)
-    layer = SwitchFFN(8, 16, 2, capacity_factor=4.0)
+    layer = SwitchFFN(SwitchFFNConfig(8, 16, 2, capacity_factor=4.0))
     x1, x2 = torch.randn(32, 8), torch.randn(32, 8)
     y1, _ = layer(x1)
     y2, _ = layer(x2)
@@ -117,9 +143,9 @@ def test_pooled_hidden_survives_two_forwards_before_backward():
 
 def test_segments_and_batched_kernels_agree():
     torch.manual_seed(4)
-    layer = SwitchFFN(8, 16, 4, capacity_factor=1.0)
+    layer = SwitchFFN(SwitchFFNConfig(8, 16, 4, capacity_factor=1.0, expert_kernel="segments"))
     twin = copy.deepcopy(layer)
-    layer.expert_kernel, twin.expert_kernel = "segments", "batched"
+    twin.cfg = dataclasses.replace(layer.cfg, expert_kernel="batched")
     x = torch.randn(3, 20, 8)
     _switch_step(layer, x)
     _switch_step(twin, x)
@@ -128,16 +154,15 @@ def test_segments_and_batched_kernels_agree():
 
 
 def test_copied_module_gets_an_empty_pool():
-    layer = SwitchFFN(8, 16, 2)
+    layer = SwitchFFN(SwitchFFNConfig(8, 16, 2))
     _switch_step(layer, torch.randn(16, 8))
-    assert layer._grad_pool._storages
-    assert not copy.deepcopy(layer)._grad_pool._storages
+    assert layer._grad_pool._blocks
+    assert not copy.deepcopy(layer)._grad_pool._blocks
     assert isinstance(copy.deepcopy(layer)._grad_pool, GradientPool)
 
 
 def test_forcing_the_relu_kernel_on_another_activation_is_refused():
-    layer = SwitchFFN(8, 16, 2, activation_fn="gelu")
+    layer = SwitchFFN(SwitchFFNConfig(8, 16, 2, activation_fn="gelu"))
     layer(torch.randn(4, 8))  # auto: the batched kernel
-    layer.expert_kernel = "segments"
-    with pytest.raises(ValueError, match="fuses ReLU"):
-        layer(torch.randn(4, 8))
+    with pytest.raises(UsageError, match="fuses ReLU"):
+        layer.cfg = dataclasses.replace(layer.cfg, expert_kernel="segments")

@@ -3,12 +3,12 @@
 import torch
 
 from fairseq_alma.lm.growth import copy_experts
-from fairseq_alma.modules import SwitchFFN
+from fairseq_alma.modules import SwitchFFN, SwitchFFNConfig
 
 
 def test_copy_experts_copies_weights_router_rows_and_adam_moments():
     torch.manual_seed(0)
-    layer = SwitchFFN(8, 16, 2, max_experts=5, capacity_factor=2.0)
+    layer = SwitchFFN(SwitchFFNConfig(8, 16, 2, max_experts=5, capacity_factor=2.0))
     opt = torch.optim.Adam(layer.parameters(), lr=1e-2)
     y, aux = layer(torch.randn(32, 8))
     (y.pow(2).sum() + aux.balance_loss).backward()
@@ -39,7 +39,7 @@ def test_copy_experts_copies_weights_router_rows_and_adam_moments():
 
 
 def test_copy_beyond_allocated_slots_is_refused():
-    layer = SwitchFFN(8, 16, 2, max_experts=3)
+    layer = SwitchFFN(SwitchFFNConfig(8, 16, 2, max_experts=3))
     try:
         copy_experts(layer, [0, 1])
     except ValueError as exc:

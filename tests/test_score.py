@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lm_fixtures import run, sentences, tool
+from lm_fixtures import prepare_stream, run, tool
 
 from fairseq_alma.cli.score import main
 from fairseq_alma.stream.records import ArrivalRecord, read_records, write_records
@@ -50,12 +50,7 @@ def _parallel(cmds: list[list[str]]) -> list[tuple[int, str, str]]:
 @pytest.fixture(scope="module")
 def stream(tmp_path_factory):
     root = tmp_path_factory.mktemp("score")
-    lines = sentences(1200, seed=7)
-    docs = ["\n".join(lines[i : i + 4]) for i in range(0, len(lines), 4)]
-    (root / "corpus.txt").write_text("\n\n".join(docs) + "\n", encoding="utf-8")
-    prep = "--vocab-size 400 --num-megabatches 3 --eval-size 0.1 --valid-size 0.05 --workers 1"
-    run([tool("alma-data-prep"), str(root / "corpus.txt"), "--out", str(root / "data"),
-         *shlex.split(prep)])
+    prepare_stream(root, root / "data", num_megabatches=3)
     runs = {"ens1": "--wait 2 --seed 1", "ens2": "--wait 2 --seed 2",
             "scratch": "--stage-init scratch --seed 3"}
     cmds = [[tool("fairseq-train"), str(root / "data"), "--user-dir", USER_DIR, *TRAIN_FLAGS,
@@ -164,7 +159,7 @@ def test_ens_averages_member_probabilities(stream, tmp_path, capsys):
     summed = [sum(r[t].params_active for r in records) for t in range(4)]
     assert [a["params"] for a in series["arrivals"]] == summed
     assert series["arrivals"][3]["train_flops_cum"] == sum(r[3].train_flops_cum for r in records)
-    assert out.splitlines()[1].split()[:4] == ["Ens_w2", "2@2", "0.22M", "*"]
+    assert out.splitlines()[2].split()[:4] == ["Ens_w2", "2@2", "0.22M", "*"]  # under the rule
     assert err.count("checkpoint ") == 2  # each member's checkpoint scored once
 
 
@@ -199,7 +194,7 @@ def test_sweep_dir_stands_for_its_runs(stream, tmp_path, capsys):
     code, out, err = _score(capsys, sweep, "--from-log", "--json", tmp_path / "s.json")
     assert code == 0, err
     runs = [s["scoring"]["runs"] for s in json.loads((tmp_path / "s.json").read_text())["series"]]
-    assert runs == [[str(sweep / "ens1")], [str(sweep / "ens2")]] and len(out.splitlines()) == 3
+    assert runs == [[str(sweep / "ens1")], [str(sweep / "ens2")]] and len(out.splitlines()) == 4
 
 
 def _other_stream_member(stream: Path, tmp_path: Path) -> Path:
@@ -282,6 +277,33 @@ def test_from_log_renders_vision_streams(tmp_path, capsys):
         for t, error in enumerate(errors)])
     code, out, err = _score(capsys, run_dir, "--from-log", "--csv", tmp_path / "v.csv")
     assert code == 0, err
-    row = out.splitlines()[1].split()
+    row = out.splitlines()[2].split()  # header, rule, first row
     assert row[:2] == ["sm_w1", "mlp8"] and float(row[4]) == pytest.approx(sum(errors))  # CER 1.7
     assert (tmp_path / "v.csv").read_text().splitlines()[1].startswith("sm_w1,mlp8,100,0.9,0.5,0.3")
+
+
+def _snapshot(directory: Path) -> dict[str, tuple[int, int, str]]:
+    import hashlib
+
+    return {p.name: (p.stat().st_size, p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+            for p in sorted(directory.iterdir())}
+
+
+@pytest.mark.slow
+def test_scoring_changes_nothing_in_the_run_dir(stream, tmp_path, capsys):
+    """alma-score and fairseq-eval-lm only read a run dir: a stream still training there keeps its
+    in-flight checkpoint temporaries, and no signal handler is taken from the scoring process."""
+    import signal
+
+    run_dir = tmp_path / "live"
+    shutil.copytree(stream / "ens1", run_dir)
+    (run_dir / "checkpoint_last.pt.tmp").write_bytes(b"half a checkpoint")  # fairseq's own
+    (run_dir / ".checkpoint_stage2.pt.x1y2.tmp").write_bytes(b"half a copy")  # ours
+    before = _snapshot(run_dir)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM)}
+    assert _score(capsys, run_dir, "--json", tmp_path / "s.json")[0] == 0
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
+    run([tool("fairseq-eval-lm"), str(stream / "data"), "--user-dir", USER_DIR, "--path",
+         str(run_dir / "checkpoint_stage1.pt"), "--gen-subset", "eval", "--tokens-per-sample", "32",
+         "--batch-size", "8", "--cpu", "--num-workers", "0"])
+    assert _snapshot(run_dir) == before

@@ -14,11 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from slurm_cluster import slurm  # noqa: F401  (module-scoped cluster fixture)
 
 from fairseq_alma.cli.sweep import main
 from fairseq_alma.configs.sbatch_script import LAUNCH_TASK
 from fairseq_alma.configs.sweep_records import read_jsonl
-from slurm_cluster import slurm  # noqa: F401  (module-scoped cluster fixture)
 
 pytestmark = pytest.mark.slurm
 REPO = Path(__file__).resolve().parents[1]

@@ -8,10 +8,10 @@ import textwrap
 
 import pytest
 
+from fairseq_alma.errors import RunDirError
 from fairseq_alma.stream.atomic import atomic_copy, atomic_write_bytes, atomic_write_json
 from fairseq_alma.stream.records import (
     ArrivalRecord,
-    StreamLogError,
     read_records,
     records_equal,
     write_records,
@@ -77,7 +77,7 @@ def test_malformed_line_error_names_file_and_line(tmp_path):
     path = tmp_path / "stream.jsonl"
     good = json.dumps(_record(0).to_json())
     path.write_text(good + "\n" + '{"arrival": 1, "stage": 1\n')
-    with pytest.raises(StreamLogError) as info:
+    with pytest.raises(RunDirError) as info:
         read_records(path)
     message = str(info.value)
     assert message.startswith(f"{path}:2: malformed stream record")
@@ -86,13 +86,13 @@ def test_malformed_line_error_names_file_and_line(tmp_path):
     del missing["stage"]
     path.write_text(good + "\n\n" + json.dumps(missing) + "\n")
     with pytest.raises(
-        StreamLogError, match=r":3: malformed stream record \(missing key\(s\) stage\)"
+        RunDirError, match=r":3: malformed stream record \(missing key\(s\) stage\)"
     ):
         read_records(path)
     path.write_text(json.dumps(_record(1).to_json()) + "\n" + good + "\n")
-    with pytest.raises(StreamLogError, match=r":2: arrival 0 follows arrival 1"):
+    with pytest.raises(RunDirError, match=r":2: arrival 0 follows arrival 1"):
         read_records(path)
-    with pytest.raises(StreamLogError, match="no such file"):
+    with pytest.raises(RunDirError, match="no such file"):
         read_records(tmp_path / "absent.jsonl")
 
 

@@ -63,18 +63,24 @@ def test_lm_table_exact_layout():
     # averages: (28.5 + 27.5 + 27 + 26) / 4 = 27.25; SM_w3: (25.5 + 25) / 2 = 25.25
     # cum params: 5 x 65M = 325M, 5 x 91M = 455M; TFLOPs: 4e15 / 1e12 = 4000, 3000
     assert format_table(lm_series()) == (
-        "setting  #experts  params     t0     t1     t2     t3  avg ppl  cum TFLOPs  cum params\n"
-        "SM_w1    4            65M  28.50  27.50  27.00  26.00    27.25        4000        325M\n"
-        "SM_w3    8            91M      *      *  25.50  25.00    25.25        3000        455M\n"
+        "setting    #experts      params     t0     t1     t2     t3    avg ppl    cum TFLOPs"
+        "    cum params\n"
+        "---------  ----------  --------  -----  -----  -----  -----  ---------  ------------"
+        "  ------------\n"
+        "SM_w1      4                65M  28.50  27.50  27.00  26.00      27.25          4000"
+        "          325M\n"
+        "SM_w3      8                91M      *      *  25.50  25.00      25.25          3000"
+        "          455M\n"
     )
 
 
 def test_vision_table_exact_layout():
     # CER: 0.875 + 0.5 + 0.25 = 1.625 and 0.875 + 0.875 + 0.125 = 1.875 (Eq. 1)
     assert format_table(vision_series()) == (
-        "setting  size  params  final error    CER  cum TFLOPs  cum params\n"
-        "SM_w1    h8    0.001M       0.2500  1.625        2.00      0.003M\n"
-        "SM_w2    h8    0.001M       0.1250  1.875        2.00      0.003M\n"
+        "setting    size      params    final error    CER    cum TFLOPs    cum params\n"
+        "---------  ------  --------  -------------  -----  ------------  ------------\n"
+        "SM_w1      h8        0.001M         0.2500  1.625          2.00        0.003M\n"
+        "SM_w2      h8        0.001M         0.1250  1.875          2.00        0.003M\n"
     )
 
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from fairseq_alma.cli.sweep import main
-from fairseq_alma.configs import ConfigError, load_run_config, parse_grid_option, plan_sweep
-from fairseq_alma.configs import run_dir_name
+from fairseq_alma.configs import load_run_config, parse_grid_option, plan_sweep, run_dir_name
 from fairseq_alma.configs.sbatch_script import LAUNCH_TASK, array_spec
-from fairseq_alma.configs.sweep_records import write_json_atomic
+from fairseq_alma.errors import UsageError
+from fairseq_alma.stream.atomic import atomic_write_json
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "train_configs" / "examples" / "tiny_sweep.yaml"
@@ -82,7 +82,7 @@ def test_parse_grid_option_values_and_errors():
     assert parse_grid_option("arch=switch_lm_base, switch_lm_large") == (
         "arch", ["switch_lm_base", "switch_lm_large"])
     for bad in ("wait", "wait=", "=1,2", "wait=1,,2"):
-        with pytest.raises(ConfigError, match="--grid"):
+        with pytest.raises(UsageError, match="--grid"):
             parse_grid_option(bad)
 
 
@@ -104,7 +104,12 @@ def test_dry_run_prints_table_commands_script_and_chain(tmp_path, capsys):
                    "--stages-per-link", "2")
     sweep_dir = tmp_path / "sw"
     assert "2 run(s) of tiny_sweep.yaml on profile local-cpu" in out
-    assert "   0  decoder-layers1.seed1     1  decoder-layers=1" in out
+    assert (
+        "#    run                    seed    overrides\n"
+        "---  ---------------------  ------  ----------------\n"
+        "0    decoder-layers1.seed1  1       decoder-layers=1\n"
+        "1    decoder-layers2.seed1  1       decoder-layers=2\n"
+    ) in out
     train = Path(sys.executable).parent / "fairseq-train"
     assert (
         f"[1] srun --kill-on-bad-exit=1 --cpus-per-task=1 {LAUNCH_TASK} --cpu {train} "
@@ -180,6 +185,28 @@ def test_cli_errors_in_process(tmp_path, monkeypatch, capsys, args, expected):
     assert err[-1].startswith("alma-sweep: error: ") and expected in err[-1], err
 
 
+def test_submit_writes_records_and_an_executable_script(tmp_path, monkeypatch, capsys):
+    bin_dir = tmp_path / "bin"  # a fake sbatch: prints a job id, remembers its arguments
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/calls\necho 77\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data-bin" / "tiny-lm").mkdir(parents=True)
+    assert main(["submit", str(EXAMPLE), "--sweep-dir", "sw"]) == 0
+    sweep_dir = tmp_path / "sw"
+    assert "submitted job 77 (array 0-1%2, link 1/1)" in capsys.readouterr().out
+    assert (sweep_dir / "sweep.sbatch").stat().st_mode & 0o777 == 0o755
+    assert (tmp_path / "calls").read_text().split()[-1] == str(sweep_dir / "sweep.sbatch")
+    jobs = json.loads((sweep_dir / "jobs.json").read_text())["jobs"]
+    assert [job["name"] for job in jobs] == ["decoder-layers1.seed1", "decoder-layers2.seed1"]
+    [submission] = json.loads((sweep_dir / "submissions.json").read_text())
+    assert (submission["job_id"], submission["array"]) == ("77", "0-1%2")
+    assert sorted(p.name for p in sweep_dir.iterdir()) == [
+        "jobs.json", "logs", "submissions.json", "sweep.sbatch"]  # no temp files left
+
+
 def test_submit_refuses_missing_data_before_calling_sbatch(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # data-bin/tiny-lm does not exist here
     assert main(["submit", str(EXAMPLE), "--sweep-dir", "sw"]) == 2
@@ -195,8 +222,8 @@ def _jsonl(path: Path, records: list[dict], torn_tail: str = "") -> None:
 def test_status_from_run_directories_only(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))  # squeue cannot be found
     jobs = [{"index": i, "name": f"run{i}", "run_dir": str(tmp_path / f"run{i}")} for i in range(4)]
-    write_json_atomic(tmp_path / "jobs.json", {"jobs": jobs})
-    write_json_atomic(tmp_path / "submissions.json", [{"job_id": "41", "link": 1}])
+    atomic_write_json(tmp_path / "jobs.json", {"jobs": jobs})
+    atomic_write_json(tmp_path / "submissions.json", [{"job_id": "41", "link": 1}])
     event = {"job_id": 42, "array_job_id": 41, "restart": 0}
     _jsonl(tmp_path / "run0" / "slurm_events.jsonl", [
         {**event, "event": "started", "array_task_id": 0},
@@ -226,5 +253,13 @@ def test_status_from_run_directories_only(tmp_path, monkeypatch, capsys):
     ]
     assert main(["status", str(tmp_path)]) == 0
     text = capsys.readouterr().out
-    assert "4 run(s): done 1, failed 1, pending 1, running 1" in text
-    assert "(squeue not reachable: states come from the run directories only)" in text
+    assert text == (
+        f"{tmp_path}: 4 run(s): done 1, failed 1, pending 1, running 1\n"
+        "(squeue not reachable: states come from the run directories only)\n"
+        "#    run    state      arrival             best    restarts    slurm job\n"
+        "---  -----  -------  ---------  ---------------  ----------  -----------\n"
+        "0    run0   done             3      eval_ppl 21           1         41_0\n"
+        "1    run1   failed           1  test_error 0.25           0         41_1\n"
+        "2    run2   running          1      eval_ppl 90           0         41_2\n"
+        "3    run3   pending          -                -           0            -\n"
+    )

@@ -4,7 +4,7 @@ import re
 from pathlib import Path
 
 import pytest
-
+import torch
 from lm_fixtures import run, tool
 
 REPO = Path(__file__).resolve().parent.parent
@@ -43,6 +43,17 @@ def test_train_then_eval_lm(tiny_lm_bin, tmp_path):
     # the criterion's reported loss is the cross-entropy alone, so it matches eval-lm (same data,
     # same blocks, no capacity limit at evaluation)
     assert float(m.group(1)) == pytest.approx(valid_loss, abs=0.01)
+
+    # a checkpoint as written before format versions were recorded (no decoder.version) still
+    # loads strictly through fairseq's own loader and scores the same
+    state = torch.load(ckpt, weights_only=False)
+    del state["model"]["decoder.version"]
+    legacy = tmp_path / "legacy.pt"
+    torch.save(state, legacy)
+    ev = run([tool("fairseq-eval-lm"), str(tiny_lm_bin), "--user-dir", USER_DIR, "--path", str(legacy),
+              "--gen-subset", "valid", "--tokens-per-sample", "32", "--batch-size", "16", "--cpu"])
+    legacy_m = re.search(r"Loss \(base 2\): ([0-9.]+)", ev.stdout + ev.stderr)
+    assert legacy_m and legacy_m.group(1) == m.group(1), ev.stderr[-2000:]
 
 
 @pytest.mark.parametrize(

@@ -1,10 +1,13 @@
 """SwitchFFN layer behaviour (issue #2): dispatch, exact outputs, dense equivalence, gradients."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from fairseq_alma.modules import SwitchFFN
+from fairseq_alma.errors import UsageError
+from fairseq_alma.modules import SwitchFFN, SwitchFFNConfig
 from fairseq_alma.modules.switch_decoder_layer import DenseFFN
 from fairseq_alma.modules.switch_routing import route_top1
 
@@ -20,8 +23,7 @@ KERNELS = pytest.mark.parametrize("kernel", ["segments", "batched"])
 @KERNELS
 def test_exact_outputs_on_hand_made_routing(kernel):
     torch.manual_seed(0)
-    layer = SwitchFFN(4, 6, 2, capacity_factor=1.0)
-    layer.expert_kernel = kernel
+    layer = SwitchFFN(SwitchFFNConfig(4, 6, 2, capacity_factor=1.0, expert_kernel=kernel))
     x = torch.randn(6, 4)
     logits = torch.zeros(6, 2)
     logits[torch.arange(6), torch.tensor([0, 1, 0, 0, 0, 1])] = 3.0
@@ -37,7 +39,7 @@ def test_exact_outputs_on_hand_made_routing(kernel):
 
 
 def test_forward_shape_and_aux():
-    layer = SwitchFFN(8, 16, 4)
+    layer = SwitchFFN(SwitchFFNConfig(8, 16, 4))
     y, aux = layer(torch.randn(3, 5, 8))
     assert y.shape == (3, 5, 8)
     assert aux.balance_loss.requires_grad
@@ -51,8 +53,7 @@ def test_single_expert_equals_dense_ffn_outputs_and_gradients(shape, kernel):
     batch, seq, d, f = shape
     torch.manual_seed(1)
     dense = DenseFFN(d, f, "relu", 0.0)
-    moe = SwitchFFN(d, f, 1, capacity_factor=1.0)
-    moe.expert_kernel = kernel
+    moe = SwitchFFN(SwitchFFNConfig(d, f, 1, capacity_factor=1.0, expert_kernel=kernel))
     with torch.no_grad():
         moe.fc1_weight[0].copy_(dense.fc1.weight)
         moe.fc1_bias[0].copy_(dense.fc1.bias)
@@ -77,8 +78,7 @@ def test_single_expert_equals_dense_ffn_outputs_and_gradients(shape, kernel):
 @KERNELS
 def test_gradients_reach_router_and_every_used_expert(kernel):
     torch.manual_seed(2)
-    layer = SwitchFFN(8, 16, 4, capacity_factor=2.0)
-    layer.expert_kernel = kernel
+    layer = SwitchFFN(SwitchFFNConfig(8, 16, 4, capacity_factor=2.0, expert_kernel=kernel))
     y, aux = layer(torch.randn(64, 8))
     (y.pow(2).sum() + aux.balance_loss).backward()
     assert layer.router.weight.grad is not None and layer.router.weight.grad.abs().sum() > 0
@@ -89,7 +89,7 @@ def test_gradients_reach_router_and_every_used_expert(kernel):
 
 def test_padding_is_excluded():
     torch.manual_seed(3)
-    layer = SwitchFFN(8, 16, 4, capacity_factor=1.0)
+    layer = SwitchFFN(SwitchFFNConfig(8, 16, 4, capacity_factor=1.0))
     x = torch.randn(2, 6, 8)
     pad = torch.zeros(2, 6, dtype=torch.bool)
     pad[0, 4:] = True
@@ -105,19 +105,19 @@ def test_padding_is_excluded():
 
 def test_train_and_eval_capacity():
     torch.manual_seed(4)
-    layer = SwitchFFN(8, 16, 4, capacity_factor=0.5, eval_capacity_factor=None)
+    layer = SwitchFFN(SwitchFFNConfig(8, 16, 4, capacity_factor=0.5, eval_capacity_factor=None))
     x = torch.randn(64, 8)
     _, aux_train = layer.train()(x)
     assert aux_train.diagnostics["dropped"].item() >= 32  # capacity 8 per expert -> at most 32 kept
     _, aux_eval = layer.eval()(x)
     assert aux_eval.diagnostics["dropped"].item() == 0  # default: no capacity limit at evaluation
-    layer.eval_capacity_factor = 0.5
+    layer.cfg = dataclasses.replace(layer.cfg, eval_capacity_factor=0.5)  # validated again
     _, aux_eval_capped = layer.eval()(x)
     assert aux_eval_capped.diagnostics["dropped"].item() == aux_train.diagnostics["dropped"].item()
 
 
 def test_inactive_slots_take_no_tokens():
-    layer = SwitchFFN(8, 16, 2, max_experts=6)
+    layer = SwitchFFN(SwitchFFNConfig(8, 16, 2, max_experts=6))
     with torch.no_grad():
         layer.router.weight[2:] = 100.0  # would win every token if it were active
     y, aux = layer(torch.rand(32, 8))
@@ -126,7 +126,7 @@ def test_inactive_slots_take_no_tokens():
 
 
 def test_router_is_float32_under_half_precision():
-    layer = SwitchFFN(8, 16, 4).to(torch.bfloat16)
+    layer = SwitchFFN(SwitchFFNConfig(8, 16, 4)).to(torch.bfloat16)
     logits = layer.router_logits(torch.randn(5, 8, dtype=torch.bfloat16))
     assert logits.dtype == torch.float32
     y, aux = layer(torch.randn(5, 8, dtype=torch.bfloat16))
@@ -135,7 +135,7 @@ def test_router_is_float32_under_half_precision():
 
 
 def test_z_loss_optional():
-    layer = SwitchFFN(8, 16, 4, z_loss=True)
+    layer = SwitchFFN(SwitchFFNConfig(8, 16, 4, z_loss=True))
     _, aux = layer(torch.randn(10, 8))
     assert aux.z_loss is not None and aux.z_loss.item() > 0
 
@@ -143,21 +143,41 @@ def test_z_loss_optional():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(num_experts=0), "num_experts"),
-        (dict(num_experts=2, capacity_factor=0.0), "capacity_factor"),
-        (dict(num_experts=2, eval_capacity_factor=-1.0), "eval_capacity_factor"),
-        (dict(num_experts=4, max_experts=2), "max_experts"),
+        (dict(num_experts=0), "--moe-experts must be an integer >= 1 (got 0)"),
+        (dict(num_experts=2.5), "--moe-experts must be an integer >= 1 (got 2.5)"),
+        (dict(num_experts=2, capacity_factor=0.0), "--capacity-factor must be > 0, e.g. 1.0 (got 0.0)"),
+        (dict(num_experts=2, eval_capacity_factor=-1.0), "--eval-capacity-factor must be > 0"),
+        (dict(num_experts=4, max_experts=2), "--moe-max-experts must be >= --moe-experts (4)"),
+        (dict(num_experts=2, activation_fn="tanh"), "--activation-fn must be one of relu, gelu, silu"),
+        (dict(num_experts=2, activation_dropout=1.0), "--activation-dropout must be in [0, 1)"),
+        (dict(num_experts=2, jitter_eps=-0.1), "--moe-jitter-eps must be in [0, 1)"),
+        (dict(num_experts=2, expert_kernel="fast"), "expert_kernel must be one of auto, segments, batched"),
+        (dict(num_experts=2, activation_fn="gelu", expert_kernel="segments"), "'segments' fuses ReLU"),
     ],
 )
-def test_bad_arguments(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        SwitchFFN(8, 16, **kwargs)
+def test_bad_config_values_are_one_line_usage_errors_naming_the_flag(kwargs, message):
+    with pytest.raises(UsageError) as err:
+        SwitchFFNConfig(8, 16, **kwargs)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_config_is_frozen_and_replace_validates():
+    cfg = SwitchFFNConfig(8, 16, 4)
+    assert cfg.slots == 4 and SwitchFFNConfig(8, 16, 4, max_experts=6).slots == 6
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.num_experts = 2  # type: ignore[misc]
+    with pytest.raises(UsageError, match="--capacity-factor"):
+        dataclasses.replace(cfg, capacity_factor=-1.0)
+    with pytest.raises(TypeError):
+        SwitchFFN(8, 16, 4)  # type: ignore[call-arg]  # the old loose arguments
+    with pytest.raises(TypeError, match="SwitchFFNConfig"):
+        SwitchFFN(dict(embed_dim=8, ffn_dim=16, num_experts=4))  # type: ignore[arg-type]
 
 
 def test_no_tokens_x_experts_x_capacity_tensor():
     """Every tensor saved for backward is at most tokens x max(d, f) (no T x E x C dispatch mask)."""
     tokens, d, f, experts = 256, 8, 16, 16
-    layer = SwitchFFN(d, f, experts, capacity_factor=1.0)
+    layer = SwitchFFN(SwitchFFNConfig(d, f, experts, capacity_factor=1.0))
     sizes = []
 
     def pack(t):
@@ -174,7 +194,7 @@ def test_no_tokens_x_experts_x_capacity_tensor():
 def test_segment_fallback_equals_batched_path():
     """Unbounded evaluation with one overloaded expert (E*C > 2T) runs expert by expert."""
     torch.manual_seed(5)
-    layer = SwitchFFN(8, 16, 8).eval()
+    layer = SwitchFFN(SwitchFFNConfig(8, 16, 8)).eval()
     x = torch.randn(40, 8)
     logits = torch.zeros(40, 8)
     logits[:, 3] = 5.0  # every token wants expert 3 -> C = 40, E*C = 320 > 2*40

@@ -11,7 +11,13 @@ from fairseq.models import ARCH_CONFIG_REGISTRY
 from omegaconf import OmegaConf
 
 from fairseq_alma.criterions.switch_cross_entropy import SwitchCrossEntropyCriterion
-from fairseq_alma.models.switch_transformer_lm import SwitchTransformerLanguageModel, SwitchTransformerLMConfig
+from fairseq_alma.errors import CheckpointError, UsageError
+from fairseq_alma.models.checkpoint_format import SWITCH_DECODER_VERSION
+from fairseq_alma.models.switch_transformer_lm import (
+    SwitchTransformerLanguageModel,
+    SwitchTransformerLMConfig,
+    validate_config,
+)
 
 
 class FakeTask:
@@ -98,6 +104,57 @@ def test_state_dict_round_trip_is_exact():
     assert clone.moe_layers()[0].num_experts == 4
     tokens = torch.randint(4, 60, (2, 10))
     assert torch.equal(model(tokens)[0], clone(tokens)[0])
+
+
+@pytest.mark.parametrize(
+    "criterion, refused", [("cross_entropy", True), ("switch_cross_entropy", False), (None, False)]
+)
+def test_criterion_check_reads_the_full_config_and_skips_a_bare_model_config(criterion, refused):
+    """As fairseq-train builds it (a node of the whole config), as a checkpoint's saved config
+    reloads it (plain containers), and alone (tests): the check runs only where it can."""
+    model_cfg = SwitchTransformerLMConfig(tokens_per_sample=64)
+    validate_config(model_cfg)  # a bare dataclass: no criterion to check
+    validate_config(OmegaConf.structured(model_cfg))  # a lone config node: nothing to check either
+    sections = {} if criterion is None else {"criterion": {"_name": criterion}}
+    saved = OmegaConf.create({"model": OmegaConf.to_container(OmegaConf.structured(model_cfg)), **sections})
+    OmegaConf.set_struct(saved, True)  # as fairseq's load_checkpoint_to_cpu leaves it
+    live = OmegaConf.create({"model": OmegaConf.structured(model_cfg), **sections})
+    for cfg in (saved, live):
+        if refused:
+            with pytest.raises(UsageError, match=f"--criterion {criterion} ignores the Switch balance loss"):
+                validate_config(cfg.model)
+        else:
+            validate_config(cfg.model)
+
+
+def _without_version_entries(state: dict) -> dict:
+    """The state dict exactly as checkpoints written before format versions were recorded hold it:
+    every tensor of today's model except the ``version`` entries (SwitchFFN's keys are unchanged)."""
+    return {key: value.clone() for key, value in state.items() if key.rsplit(".", 1)[-1] != "version"}
+
+
+def test_checkpoint_without_version_entry_loads_strictly_through_fairseqs_path():
+    torch.manual_seed(0)
+    model = build("switch_transformer_lm_tiny", 60, moe_experts=3, moe_max_experts=5, dropout=0.0).eval()
+    assert int(model.state_dict()["decoder.version"][0]) == SWITCH_DECODER_VERSION
+    legacy = _without_version_entries(model.state_dict())
+    assert set(model.state_dict()) - set(legacy) == {"decoder.version"}
+    clone = build("switch_transformer_lm_tiny", 60, moe_experts=3, moe_max_experts=5, dropout=0.0).eval()
+    model_cfg = OmegaConf.structured(SwitchTransformerLMConfig(tokens_per_sample=512))
+    clone.load_state_dict(legacy, strict=True, model_cfg=model_cfg)  # what fairseq's loaders call
+    assert int(clone.decoder.version[0]) == SWITCH_DECODER_VERSION
+    tokens = torch.randint(4, 60, (2, 10))
+    assert torch.equal(model(tokens)[0], clone(tokens)[0])
+
+
+def test_checkpoint_from_a_newer_format_is_refused_in_one_line():
+    model = build("switch_transformer_lm_tiny", 60, moe_experts=2)
+    state = model.state_dict()
+    state["decoder.version"] = torch.tensor([SWITCH_DECODER_VERSION + 1])
+    with pytest.raises(CheckpointError) as err:
+        model.load_state_dict(state, strict=True)
+    message = str(err.value)
+    assert "\n" not in message and "decoder.version" in message and f"version {SWITCH_DECODER_VERSION + 1}" in message
 
 
 def test_incremental_decoding_matches_full_forward():

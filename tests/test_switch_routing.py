@@ -5,7 +5,13 @@ import math
 import pytest
 import torch
 
-from fairseq_alma.modules.switch_routing import balance_loss, expert_capacity, route_top1, router_z_loss, routing_diagnostics
+from fairseq_alma.modules.switch_routing import (
+    balance_loss,
+    expert_capacity,
+    route_top1,
+    router_z_loss,
+    routing_diagnostics,
+)
 
 
 def logits_for(experts: list[int], num_experts: int, strength: float = 5.0) -> torch.Tensor:

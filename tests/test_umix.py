@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 from test_switch_lm import FakeTask  # a dictionary of VOCAB symbols, as task.target_dictionary
 
 from fairseq_alma.criterions.switch_cross_entropy import SwitchCrossEntropyCriterion
+from fairseq_alma.errors import CheckpointError
 from fairseq_alma.models.switch_transformer_lm import (
     SwitchTransformerLanguageModel,
     SwitchTransformerLMConfig,
@@ -158,6 +159,23 @@ def test_incremental_decoding_matches_the_full_forward():
 def test_features_only_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="no single feature vector"):
         build(2).decoder(tokens(), features_only=True)
+
+
+def test_checkpoint_without_version_entries_loads_strictly_and_newer_is_refused():
+    """UMix records its own format version and each member's; checkpoints from before that
+    (no ``version`` entries) load with strict=True through fairseq's upgrade path."""
+    torch.manual_seed(0)
+    umix = build(2).eval()
+    versions = sorted(k for k in umix.state_dict() if k.endswith(".version"))
+    assert versions == ["decoder.members.0.version", "decoder.members.1.version", "decoder.version"]
+    legacy = {k: v.clone() for k, v in umix.state_dict().items() if k not in versions}
+    clone = build(2).eval()
+    clone.load_state_dict(legacy, strict=True, model_cfg=OmegaConf.structured(UMixSwitchLMConfig()))
+    assert torch.equal(umix(tokens())[0], clone(tokens())[0])
+    newer = umix.state_dict()
+    newer["decoder.members.1.version"] = torch.tensor([99])
+    with pytest.raises(CheckpointError, match=r"decoder\.members\.1\.version has format version 99"):
+        clone.load_state_dict(newer, strict=True)
 
 
 def train_cmd(data: Path, save_dir: Path, *extra: str) -> list[str]:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from fairseq_alma.errors import UsageError
+from fairseq_alma.errors import DataError, UsageError
 from fairseq_alma.vision.augment import random_crop_flip
 from fairseq_alma.vision.data import load_vision_data, normalize
 from fairseq_alma.vision.data_cifar import load_cifar10
@@ -66,25 +66,25 @@ def test_mnist_wrong_magic_names_file(tmp_path):
         tmp_path / "train-labels-idx1-ubyte", np.zeros((6, 28, 28)), 0x803
     )  # images as labels
     with pytest.raises(
-        UsageError, match="train-labels-idx1-ubyte: wrong IDX magic number 0x00000803"
+        DataError, match="train-labels-idx1-ubyte: wrong IDX magic number 0x00000803"
     ):
         load_mnist(str(tmp_path))
 
 
 def test_mnist_count_mismatch_and_truncation(tmp_path):
     make_mnist(tmp_path, label_count=5)
-    with pytest.raises(UsageError, match=r"train-images-idx3-ubyte: 6 images but .*5 labels"):
+    with pytest.raises(DataError, match=r"train-images-idx3-ubyte: 6 images but .*5 labels"):
         load_mnist(str(tmp_path))
     path = tmp_path / "train-labels-idx1-ubyte"
     path.write_bytes(path.read_bytes()[:-1])
-    with pytest.raises(UsageError, match="train-labels-idx1-ubyte: header promises"):
+    with pytest.raises(DataError, match="train-labels-idx1-ubyte: header promises"):
         load_mnist(str(tmp_path))
 
 
 def test_mnist_missing_file(tmp_path):
     make_mnist(tmp_path)
     (tmp_path / "t10k-images-idx3-ubyte").unlink()
-    with pytest.raises(UsageError, match=r"t10k-images-idx3-ubyte\[\.gz\]: missing"):
+    with pytest.raises(DataError, match=r"t10k-images-idx3-ubyte\[\.gz\]: missing"):
         load_mnist(str(tmp_path))
 
 
@@ -116,12 +116,12 @@ def test_cifar_pickles(tmp_path):
 
 def test_cifar_missing_batch_and_unsafe_pickle(tmp_path):
     write_cifar(tmp_path, skip="data_batch_3")
-    with pytest.raises(UsageError, match="data_batch_3: missing CIFAR-10 batch file"):
+    with pytest.raises(DataError, match="data_batch_3: missing CIFAR-10 batch file"):
         load_cifar10(str(tmp_path))
     write_cifar(tmp_path)
     with open(tmp_path / "data_batch_3", "wb") as handle:
         pickle.dump({"data": __import__("os").getcwd}, handle)  # would call a function on load
-    with pytest.raises(UsageError, match="data_batch_3: not a CIFAR-10 python pickle batch"):
+    with pytest.raises(DataError, match="data_batch_3: not a CIFAR-10 python pickle batch"):
         load_cifar10(str(tmp_path))
 
 
@@ -138,7 +138,7 @@ def test_npz_layouts_and_missing_arrays(tmp_path):
     data = load_npz(str(path))
     assert data.x_train.shape == (5, 3, 8, 8) and data.num_classes == 5
     np.savez(path, x_train=np.zeros((4, 7)), y_train=np.zeros(4, dtype=int))
-    with pytest.raises(UsageError, match="d.npz: missing array.*x_test, y_test"):
+    with pytest.raises(DataError, match="d.npz: missing array.*x_test, y_test"):
         load_npz(str(path))
     np.savez(
         path,
@@ -147,8 +147,33 @@ def test_npz_layouts_and_missing_arrays(tmp_path):
         x_test=np.zeros((1, 7)),
         y_test=np.zeros(1, dtype=int),
     )
-    with pytest.raises(UsageError, match="4 train inputs but 3 train labels"):
+    with pytest.raises(DataError, match="x_train has 4 examples but y_train 3 labels"):
         load_npz(str(path))
+
+
+@pytest.mark.parametrize("arrays, needle", [
+    ({"y_train": np.array([0, 1, 2, 255])}, "labels go up to 255 but classes 3, 4, 5, 6, 7 ... never occur"),
+    ({"y_test": np.array([0, 9]), "x_test": np.zeros((2, 2))}, "labels go up to 9 but classes 3, 4, 5, 6, 7 ... never occur"),
+    ({"y_train": np.array([0, 1, 2, 5]), "num_classes": np.array(4)}, "y_train holds label 5 but num_classes is 4"),
+    ({"x_train": np.array([[0.0, np.nan], [1, 2], [3, 4], [5, 6]])}, "x_train holds NaN or inf in 1 example"),
+    ({"x_test": np.array([[np.inf, 0.0]])}, "x_test holds NaN or inf in 1 example"),
+    ({"x_train": np.array([["a", "b"]] * 4)}, "x_train has dtype <U1; inputs must be real numbers"),
+    ({"y_train": np.array([0.0, 1.0, 2.0, 1.0])}, "y_train must be a 1-D array of integer class ids"),
+    ({"y_train": np.array([0, -1, 2, 1])}, "y_train holds negative labels (-1)"),
+    ({"x_test": np.zeros((1, 3))}, "x_train has shape (2,) per example but x_test (3,)"),
+])
+def test_npz_that_would_train_on_wrong_data_is_refused(tmp_path, arrays, needle):
+    """Out-of-range labels, NaN/inf inputs, wrong dtypes and shapes: refused before training,
+    naming the array (a stray label would otherwise widen the output layer silently)."""
+    path = tmp_path / "d.npz"
+    base = {"x_train": np.zeros((4, 2)), "y_train": np.array([0, 1, 2, 1]),
+            "x_test": np.zeros((1, 2)), "y_test": np.array([2])}
+    np.savez(path, **(base | arrays))
+    with pytest.raises(DataError) as caught:
+        load_npz(str(path))
+    assert needle in str(caught.value) and "\n" not in str(caught.value)
+    np.savez(path, **base, num_classes=np.array(5))  # a class that never occurs, declared
+    assert load_npz(str(path)).num_classes == 5
 
 
 def test_digits_normalised_with_training_statistics():

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-CMD = [sys.executable, "-m", "fairseq_alma.vision.sweep"]
+CMD = [sys.executable, "-m", "fairseq_alma.vision.sweep"]  # as alma-vision-sweep
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -34,7 +34,8 @@ def test_sweep_table_summary_and_resume(tmp_path, capsys):
     first = run(*args)
     assert first.returncode == 0, first.stderr
     lines = first.stdout.strip().splitlines()
-    assert lines[0].split()[:4] == ["method", "model", "replay", "w"] and len(lines) == 3
+    assert lines[0].split()[:4] == ["method", "model", "replay", "w"] and len(lines) == 4
+    assert set(lines[1]) <= {"-", " "}  # the rule under the header
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [r["wait"] for r in summary["runs"]] == [1, 3]
     # CER sums B + 1 = 4 error rates, so it lies in [0, 4]; w = B is untrained until the end.
@@ -42,7 +43,7 @@ def test_sweep_table_summary_and_resume(tmp_path, capsys):
     jsonl = tmp_path / "sm_mlp4_w3_s1" / "stream.jsonl"
     assert len(jsonl.read_text().splitlines()) == 4
     stamp = os.stat(jsonl).st_mtime_ns
-    from fairseq_alma.vision.sweep import main
+    from fairseq_alma.cli.vision_sweep import main
 
     assert main(args) == 0  # the same sweep again, in process: nothing is re-run
     assert capsys.readouterr().out == first.stdout
@@ -55,12 +56,12 @@ def test_sweep_bad_flags_are_one_line(tmp_path):
     )
     assert bad.returncode == 2
     assert bad.stderr.strip() == (
-        "fairseq-alma: error: --waits must all be between 1 and --num-megabatches (3), got [5]"
+        "alma-vision-sweep: error: --waits must all be between 1 and --num-megabatches (3), got [5]"
     )
 
 
 def test_sweep_missing_data_dir_in_process(tmp_path, capsys):
-    from fairseq_alma.vision.sweep import main
+    from fairseq_alma.cli.vision_sweep import main
 
     assert (
         main(

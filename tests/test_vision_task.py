@@ -1,21 +1,20 @@
-"""Vision streams through ``fairseq-train --task alma_stream`` (issue 4, item 5): one record per
-arrival and stage checkpoints, the same numbers as the in-process ``run_stream`` (both call
-``train_one_stage``/``evaluate``), kill -9 then the same command continues to identical records,
-and bad flags end in one line naming the flag.  Embedded digits, an MLP of width 8, B = 4."""
+"""Vision streams through ``fairseq-train --task alma_stream --vision-dataset``: a thin entry into
+the vision runner, the code the sweep runs too (same records), checkpoints that resume the
+learner, kill -9 and SIGUSR1 then the same command continue to identical records, 2 ranks write
+the single-process records, and bad flags end in one line naming the flag.  Embedded digits, an
+MLP of width 8, B = 4."""
 
 from __future__ import annotations
 
-import argparse
 import os
+import re
 import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-
-from lm_fixtures import run, tool
-from test_alma_stream import wait_for  # the LM stream's kill -9 helper
+from lm_fixtures import run, tool, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 USER_DIR = str(REPO / "fairseq_alma")
@@ -25,37 +24,37 @@ B, WIDTH, EPOCHS = 4, 8, 20
 def vision_cmd(save_dir: Path, *extra: str, method: str = "sm", wait: int = 1) -> list[str]:
     return [
         tool("fairseq-train"), "digits", "--user-dir", USER_DIR, "--task", "alma_stream",
-        "--vision-dataset", "digits", "--arch", "alma_vision", "--criterion", "alma_vision_stage",
+        "--vision-dataset", "digits", "--arch", "alma_vision",
         "--vision-method", method, "--vision-width", str(WIDTH), "--num-megabatches", str(B),
         "--wait", str(wait), "--epochs-per-stage", str(EPOCHS), "--batch-size", "128",
-        "--save-dir", str(save_dir), "--cpu", "--num-workers", "0", "--no-epoch-checkpoints",
+        "--save-dir", str(save_dir), "--cpu", "--num-workers", "0",
         "--log-format", "simple", "--seed", "1", *extra,
     ]
 
 
-def in_process(method: str, wait: int) -> list[dict]:
-    """The same stream through ``run_stream`` (the sweep's in-process path)."""
-    from fairseq_alma.vision.data import load_vision_data
+def in_process(method: str, wait: int, save_dir: Path) -> list[dict]:
+    """The same stream through the sweep's in-process path (``run_vision_stream``)."""
+    from fairseq_alma.stream.progress import StreamPlan
+    from fairseq_alma.stream.run_dir import RunDirectory
     from fairseq_alma.vision.learners import LearnerSpec
+    from fairseq_alma.vision.runner import VisionRun, run_vision_stream
     from fairseq_alma.vision.stage_trainer import StageTrainConfig
-    from fairseq_alma.vision.stream_runner import StreamSpec, run_stream
 
     torch.set_num_threads(1)
-    spec = LearnerSpec(method, "mlp", WIDTH, seed=1)
-    config = StageTrainConfig(epochs=EPOCHS, batch_size=128)
-    stream = StreamSpec(B, wait, seed=1)
-    return run_stream(load_vision_data("digits"), spec, stream, config, log=None)
+    run_spec = VisionRun(dataset="digits", data_path=None, plan=StreamPlan(B, wait),
+                         learner=LearnerSpec(method, "mlp", WIDTH, seed=1),
+                         training=StageTrainConfig(epochs=EPOCHS, batch_size=128), seed=1)
+    with RunDirectory.for_training(save_dir) as run_dir:
+        return [r.to_json() for r in run_vision_stream(run_spec, run_dir)]
 
 
 def comparable(records: list[dict]) -> list[dict]:
-    """Records without the wall-clock fields (stage_wall_time is only in run_stream's)."""
-    clocks = ("wall_time", "stage_wall_time")
-    return [{k: v for k, v in r.items() if k not in clocks} for r in records]
+    """Records without the wall-clock field."""
+    return [{k: v for k, v in r.items() if k != "wall_time"} for r in records]
 
 
-def load_model_state(save: Path, stage: int) -> dict:
-    path = save / f"checkpoint_stage{stage}.pt"
-    return torch.load(path, map_location="cpu", weights_only=False)["model"]
+def load_state(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=False)
 
 
 def read(save: Path) -> list[dict]:
@@ -66,7 +65,7 @@ def read(save: Path) -> list[dict]:
 
 @pytest.fixture(autouse=True)
 def keep_signal_handlers():
-    """setup_task installs the SIGUSR1/SIGTERM save-and-exit handlers; keep pytest's own."""
+    """Runs started in this process install SIGUSR1/SIGTERM handlers; keep pytest's own."""
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM)}
     yield
     for sig, handler in saved.items():
@@ -76,34 +75,36 @@ def keep_signal_handlers():
 @pytest.fixture(scope="module")
 def sm_run(tmp_path_factory):
     save = tmp_path_factory.mktemp("vision") / "sm"
-    proc = run(vision_cmd(save))
+    proc = run(vision_cmd(save, "--keep-stage-checkpoints"))
     return save, proc.stdout + proc.stderr
 
 
 @pytest.mark.slow
-def test_sm_stream_equals_in_process_run_and_stage_checkpoints_load(sm_run):
+def test_sm_stream_equals_in_process_run_and_checkpoints_resume_the_learner(sm_run, tmp_path):
     save, log = sm_run
     records = read(save)
     assert [r["arrival"] for r in records] == list(range(B + 1))
     assert [r["trained"] for r in records] == [False] + [True] * B
-    assert comparable(records) == comparable(in_process("sm", 1))
+    assert comparable(records) == comparable(in_process("sm", 1, tmp_path / "in_process"))
     assert records[-1]["test_error"] < records[0]["test_error"] - 0.3  # it learned the digits
     flops = [r["train_flops_cum"] for r in records]
     assert flops[0] == 0 < flops[1] < flops[2] < flops[3] < flops[4]
-    # fairseq's progress log carries the stage's numbers through the alma_vision_stage criterion
-    assert "stage_valid_loss" in log and "best_epoch" in log and "| error " in log
-    # a stage checkpoint loads with fairseq's own loader and scores what the record says
-    from fairseq import checkpoint_utils, utils
-
+    assert "vision stream: 5 of 5 arrivals recorded" in log
+    # no fairseq trainer was involved: no fairseq checkpoint, no placeholder optimizer
+    assert "Saving checkpoint" not in log and "num. shared model params" not in log
+    # a stage checkpoint holds the learner as it was after that stage
+    from fairseq_alma.vision.data import load_vision_data
+    from fairseq_alma.vision.learners import LearnerSpec, build_learner
     from fairseq_alma.vision.stage_trainer import evaluate
 
-    utils.import_user_module(argparse.Namespace(user_dir=USER_DIR))
+    data = load_vision_data("digits")
     for stage in range(1, B + 1):
-        assert (save / f"checkpoint_stage{stage}.pt").is_file()
-    paths = [str(save / "checkpoint_stage2.pt")]
-    models, _, task = checkpoint_utils.load_model_ensemble_and_task(paths)
-    error = evaluate(models[0].learner, task.data.x_test, task.data.y_test).error
-    assert error == records[2]["test_error"]
+        state = load_state(save / f"checkpoint_stage{stage}.pt")
+        spec = LearnerSpec(**{**state["learner"]["spec"], "mixture_layers": None})
+        learner = build_learner(spec, data.input_shape, data.num_classes)
+        learner.load_checkpoint_state({**state["learner"], "spec": spec})
+        assert evaluate(learner, data.x_test, data.y_test).error == records[stage]["test_error"]
+    assert load_state(save / "checkpoint_last.pt")["progress"] == state["progress"]
 
 
 @pytest.mark.slow
@@ -116,37 +117,44 @@ def test_gmoe_stream_grows_and_equals_in_process_run(tmp_path):
     # one split of the losing expert per mixture layer, at stage 2
     assert [r["experts"] for r in records] == [[1, 1]] * 4 + [[2, 2]]
     assert records[4]["params_active"] > records[2]["params_active"]
-    assert comparable(records) == comparable(in_process("gmoe", 2))
-    state = load_model_state(save, 2)
-    assert state["spec"]["method"] == "gmoe" and set(state["stages"]) == {1, 2}
+    assert comparable(records) == comparable(in_process("gmoe", 2, tmp_path / "in_process"))
+    state = load_state(save / "checkpoint_last.pt")
+    assert state["learner"]["spec"]["method"] == "gmoe" and set(state["stages"]) == {1, 2}
+    assert not (save / "checkpoint_stage1.pt").exists()  # only with --keep-stage-checkpoints
 
 
 @pytest.mark.slow
-def test_kill9_mid_stream_then_same_command_continues_to_identical_records(sm_run, tmp_path):
+@pytest.mark.parametrize("how", ["kill9", "sigusr1"])
+def test_interrupted_stream_continues_to_identical_records(sm_run, tmp_path, how):
+    """kill -9, or SIGUSR1 (exit with the requeue status), after stage 1; the same command
+    continues and every record and the final learner equal the uninterrupted run's."""
+    from fairseq_alma.errors import REQUEUE_EXIT_STATUS
+
     reference, _ = sm_run
     save = tmp_path / "sm"
     cmd = vision_cmd(save)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    wait_for(save / "checkpoint_stage1.pt", proc)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    wait_for(save / "checkpoint_last.pt", proc)
     assert proc.poll() is None
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert len(read(save)) < B + 1, "the run finished before the kill; nothing was resumed"
+    proc.send_signal(signal.SIGKILL if how == "kill9" else signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=600)
+    if how == "sigusr1":
+        assert proc.returncode == REQUEUE_EXIT_STATUS, out[-2000:]
+        assert re.search(r"fairseq-alma: preempted (by SIGUSR1 before|in) stage \d", out), out[-2000:]
+    assert len(read(save)) < B + 1, "the run finished before the signal; nothing was resumed"
     run(cmd)
     assert comparable(read(save)) == comparable(read(reference))
-    assert not list(save.glob("*.tmp*")), "a temporary file was left behind"
-    for stage in range(1, B + 1):
-        a, b = load_model_state(save, stage), load_model_state(reference, stage)
-        assert a["learner"].keys() == b["learner"].keys()
-        assert all(torch.equal(a["learner"][k], b["learner"][k]) for k in a["learner"])
-        assert torch.equal(a["generator"], b["generator"])
+    assert not list(save.glob("*.tmp*")) and not list(save.glob(".*.tmp")), "a temporary file was left"
+    a, b = load_state(save / "checkpoint_last.pt"), load_state(reference / "checkpoint_last.pt")
+    assert a["learner"]["model"].keys() == b["learner"]["model"].keys()
+    assert all(torch.equal(a["learner"]["model"][k], b["learner"]["model"][k]) for k in a["learner"]["model"])
+    assert torch.equal(a["learner"]["generator"], b["learner"]["generator"])
 
 
 @pytest.mark.slow
 def test_two_data_parallel_ranks_write_the_single_process_records(sm_run, tmp_path):
-    """One sample per worker and stage: each gloo rank trains the same learner (same seeds), the
-    criterion's logs sum across ranks, rank 0 writes the records and stage checkpoints."""
+    """Each gloo rank runs the same stream (same seeds); rank 0 alone writes the run dir."""
     import socket
 
     with socket.socket() as sock:
@@ -162,19 +170,18 @@ def test_two_data_parallel_ranks_write_the_single_process_records(sm_run, tmp_pa
     logs = [proc.communicate(timeout=600)[0] for proc in procs]
     assert [proc.returncode for proc in procs] == [0, 0], logs[0][-2000:] + logs[1][-2000:]
     assert comparable(read(save)) == comparable(read(sm_run[0]))
-    assert "| stage 4 |" in logs[0]  # per-stage values averaged over the ranks, not summed
 
 
 def test_wait_out_of_range_is_one_line(tmp_path):
     proc = run(vision_cmd(tmp_path / "bad", wait=B + 1), check=False)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("fairseq-alma: error:")]
-    assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-1500:]
-    expected = f"--wait must be between 1 and --num-megabatches ({B}), got {B + 1}"
-    assert errors[0] == f"fairseq-alma: error: {expected}"
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-1500:]
+    assert errors[0] == f"fairseq-alma: error: --wait must be in [1, {B}] (the stream's mega-batches); got {B + 1}"
     assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "bad" / "stream.jsonl").exists()
 
 
-def parse(*extra: str, arch: str = "alma_vision", criterion: str = "alma_vision_stage"):
+def parse(*extra: str, arch: str = "alma_vision"):
     """fairseq-train's own parsing of a vision command (plugin loaded), as its config."""
     from fairseq import options
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
@@ -183,7 +190,11 @@ def parse(*extra: str, arch: str = "alma_vision", criterion: str = "alma_vision_
 
     load_plugin()
     argv = vision_cmd(Path("unused"))[1:] + list(extra)
-    argv[argv.index("--arch") + 1], argv[argv.index("--criterion") + 1] = arch, criterion
+    argv[argv.index("--arch") + 1] = arch
+    if arch != "alma_vision":  # the learner's flags belong to --arch alma_vision's group
+        for flag in ("--vision-dataset", "--vision-method", "--vision-width", "--num-megabatches",
+                     "--epochs-per-stage"):
+            del argv[argv.index(flag):argv.index(flag) + 2]
     args = options.parse_args_and_arch(options.get_training_parser(), argv)
     return convert_namespace_to_omegaconf(args)
 
@@ -196,31 +207,47 @@ def parse(*extra: str, arch: str = "alma_vision", criterion: str = "alma_vision_
     (["--vision-dataset", "mnist", "--vision-data-path", "/nowhere/mnist"], "/nowhere/mnist"),
     (["--moe-mixture-layers", "a,b"], "--moe-mixture-layers takes comma-separated layer indices"),
     (["--max-epoch", "9"], "--max-epoch must be <= 4 (the stream's stages); got 9"),
+    (["--fp16"], "--fp16 does not apply to vision streams"),
+    (["--vision-device", "cuda"] if not torch.cuda.is_available() else ["--vision-threads", "0"],
+     "--vision-device cuda: no CUDA device" if not torch.cuda.is_available() else "--vision-threads"),
 ])
-def test_bad_vision_flags_name_the_flag(extra, needle):
+def test_bad_vision_flags_name_the_flag(extra, needle, tmp_path):
     from fairseq import tasks
 
-    cfg = parse(*extra)
-    with pytest.raises(SystemExit) as caught:
+    from fairseq_alma.errors import AlmaError, UsageError
+
+    cfg = parse(*extra, "--save-dir", str(tmp_path / "run"))
+    with pytest.raises(AlmaError) as caught:
+        tasks.setup_task(cfg.task).build_model(cfg.model)
+    message = str(caught.value)
+    assert needle in message and "\n" not in message
+    assert not (tmp_path / "run" / "stream.jsonl").exists()
+    del UsageError
+
+
+def test_wrong_arch_and_resume_with_other_flags_are_refused(tmp_path):
+    from fairseq import tasks
+
+    from fairseq_alma.errors import DataError, RunDirError, UsageError
+
+    cfg = parse(arch="transformer_lm")  # a language-model stream: DATA must be alma-data-prep's
+    with pytest.raises(DataError, match="digits/manifest.json: missing; prepare the data with alma-data-prep"):
         tasks.setup_task(cfg.task)
-    message = str(caught.value.code)
-    assert message.startswith("fairseq-alma: error:") and needle in message and "\n" not in message
+    with pytest.raises(UsageError, match="use it with --task alma_stream --vision-dataset"):
+        tasks.get_task("alma_stream")  # noqa: B018 - the registry works
+        from fairseq_alma.models.alma_vision import AlmaVisionFlags
 
-
-def test_wrong_arch_criterion_and_resume_flags_are_refused():
-    from fairseq import tasks
-
-    cfg = parse(arch="transformer_lm", criterion="cross_entropy")
-    task = tasks.setup_task(cfg.task)
-    with pytest.raises(SystemExit, match="--arch transformer_lm is not a vision model"):
-        task.build_model(cfg.model)
-    with pytest.raises(SystemExit, match="--criterion cross_entropy does not apply to vision"):
-        task.build_criterion(cfg.criterion)
-    # a checkpoint written with other stream flags is refused on resume, naming them
-    saved = tasks.setup_task(parse("--wait", "2", "--vision-width", "4").task)
-    state = saved.build_model(None).state_dict()
-    model = tasks.setup_task(parse().task).build_model(None)
-    with pytest.raises(SystemExit) as caught:
-        model.load_state_dict(state)
-    message = str(caught.value.code)
-    assert "--vision-width 4 (now 8)" in message and "--wait 2 (now 1)" in message
+        AlmaVisionFlags.build_model(cfg.model, None)
+    # a run dir written with other stream flags is refused on resume, naming them
+    save = tmp_path / "run"
+    first = parse("--wait", "2", "--vision-width", "4", "--epochs-per-stage", "1", "--max-epoch", "1",
+                  "--save-dir", str(save))
+    with pytest.raises(SystemExit) as done:
+        tasks.setup_task(first.task).build_model(first.model)
+    assert done.value.code == 0 and (save / "checkpoint_last.pt").exists()
+    again = parse("--epochs-per-stage", "1", "--save-dir", str(save))
+    with pytest.raises(RunDirError) as caught:
+        tasks.setup_task(again.task).build_model(again.model)
+    message = str(caught.value)
+    assert "settings.--wait: 2 -> 1" in message and "settings.learner.width: 4 -> 8" in message
+    assert "--restart-stream" in message

@@ -8,9 +8,9 @@ import json
 from pathlib import Path
 
 import pytest
+from lm_fixtures import run, tool
 
 from fairseq_alma.configs import load_run_config, resolve_profile
-from lm_fixtures import run, tool
 
 VISION = Path(__file__).resolve().parents[1] / "train_configs" / "vision"
 CONFIGS = sorted(VISION.glob("*.yaml"))

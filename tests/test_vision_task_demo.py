@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from lm_fixtures import run, tool
 
 from fairseq_alma.cli.vision_demo import main, verdict
-from lm_fixtures import run, tool
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

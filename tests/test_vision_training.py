@@ -7,12 +7,14 @@ import torch
 from test_vision_data import _one_thread  # noqa: F401  (autouse: one torch thread)
 
 from fairseq_alma.errors import UsageError
+from fairseq_alma.stream.progress import StreamPlan
 from fairseq_alma.stream.records import read_records
+from fairseq_alma.stream.run_dir import RunDirectory
 from fairseq_alma.stream.schedule import build_schedule
 from fairseq_alma.vision.data import load_vision_data
 from fairseq_alma.vision.learners import LearnerSpec, build_learner
+from fairseq_alma.vision.runner import VisionRun, make_partition, run_vision_stream, stage_data
 from fairseq_alma.vision.stage_trainer import StageTrainConfig, train_stage, validation_losses
-from fairseq_alma.vision.stream_runner import StreamSpec, make_partition, run_stream, stage_data
 
 SHAPE = (1, 8, 8)
 
@@ -109,8 +111,7 @@ def digits():
 
 
 def test_stage_data_with_and_without_replay(digits):
-    stream = StreamSpec(num_megabatches=6, wait=2, replay=True, seed=0)
-    partition = make_partition(digits, stream)
+    partition = make_partition(digits, StreamPlan(6, 2, replay=True), seed=0, valid_fraction=0.1)
     last = build_schedule(6, 2, replay=True)[-1]
     train_x, _, valid_x, _ = stage_data(digits, partition, last.train_megabatches)
     assert train_x.shape[0] + valid_x.shape[0] == digits.x_train.shape[0]
@@ -119,17 +120,16 @@ def test_stage_data_with_and_without_replay(digits):
     assert stage_data(digits, partition, only_new.train_megabatches)[0].shape[0] < train_x.shape[0]
 
 
+def _run(digits, tmp_path, spec: LearnerSpec, plan: StreamPlan, epochs: int) -> list[dict]:
+    run = VisionRun(dataset="digits", data_path=None, plan=plan, learner=spec,
+                    training=StageTrainConfig(epochs=epochs), seed=0)
+    with RunDirectory.for_training(tmp_path / "run") as run_dir:
+        return [r.to_json() for r in run_vision_stream(run, run_dir, digits)]
+
+
 @pytest.mark.parametrize("method", ["sm", "gens"])
 def test_digits_stream_records(digits, tmp_path, method):
-    path = tmp_path / "stream.jsonl"
-    records = run_stream(
-        digits,
-        LearnerSpec(method, "mlp", 8, seed=0),
-        StreamSpec(6, wait=2, seed=0),
-        StageTrainConfig(epochs=10),
-        log=None,
-        jsonl_path=str(path),
-    )
+    records = _run(digits, tmp_path, LearnerSpec(method, "mlp", 8, seed=0), StreamPlan(6, 2), 10)
     assert [r["arrival"] for r in records] == list(range(7))
     assert [r["trained"] for r in records] == [False, False, True, False, True, False, True]
     assert [r["stage"] for r in records] == [0, 0, 1, 1, 2, 2, 3]
@@ -146,19 +146,16 @@ def test_digits_stream_records(digits, tmp_path, method):
         r["infer_flops_per_example"] == 2 * (64 * 8 + 64 + 80) * m
         for r, m in zip(records, expected_members)
     )
-    assert [r.test_error for r in read_records(path)] == errors
+    assert [r.test_error for r in read_records(tmp_path / "run" / "stream.jsonl")] == errors
+    # the same call again finds the stream done and returns the same records, training nothing
+    again = _run(digits, tmp_path, LearnerSpec(method, "mlp", 8, seed=0), StreamPlan(6, 2), 10)
+    assert [r["test_error"] for r in again] == errors
 
 
-def test_stream_bad_input(digits):
-    with pytest.raises(UsageError, match="--wait must be between 1 and --num-megabatches"):
-        StreamSpec(num_megabatches=4, wait=5)
+def test_stream_bad_input(digits, tmp_path):
+    with pytest.raises(UsageError, match=r"--wait must be in \[1, 4\]"):
+        StreamPlan(num_megabatches=4, wait=5)
     with pytest.raises(UsageError, match="--num-megabatches 5000 is larger than the training set"):
-        run_stream(
-            digits,
-            LearnerSpec("sm", "mlp", 4),
-            StreamSpec(5000, 1),
-            StageTrainConfig(epochs=1),
-            log=None,
-        )
+        _run(digits, tmp_path, LearnerSpec("sm", "mlp", 4), StreamPlan(5000, 1), 1)
     with pytest.raises(UsageError, match="--vision-method 'bogus' is unknown"):
         LearnerSpec("bogus")

@@ -15,12 +15,16 @@ when its outputs already exist, so re-running after an interruption continues:
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from ..errors import AlmaError
+from .entry import run_console
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # the --user-dir
 
@@ -43,7 +47,7 @@ def step(title: str, cmd: list[str], log: Path) -> str:
     text = log.read_text(encoding="utf-8", errors="replace")
     if proc.returncode != 0:
         tail = "\n".join(text.splitlines()[-15:])
-        raise SystemExit(f"alma-demo: error: step '{title}' failed (exit {proc.returncode}); log: {log}\n{tail}")
+        raise AlmaError(f"step '{title}' failed (exit {proc.returncode}); log: {log}\n{tail}")
     print(f"   done in {time.time() - start:.0f}s (log: {log})", flush=True)
     return text
 
@@ -83,6 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.updates_per_stage < 20:
         parser.error(f"--updates-per-stage must be >= 20 (got {args.updates_per_stage})")
 
+    logging.getLogger().setLevel(logging.WARNING)  # importing fairseq set the root logger to DEBUG
+    return run_console("alma-demo", lambda: run_demo(args))
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """The demo's steps (module doc); a failed step raises with its log's tail."""
     out = Path(args.out).resolve()
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 from ..stream.atomic import atomic_write_bytes, atomic_write_json, atomic_write_text
 from ..stream.series import ReportSeries, series_from_records
+from ..tables import format_table as _format_cells
 
 __all__ = [
     "ReportSeries",
@@ -56,19 +57,6 @@ def _number(value: float) -> str:
     if abs(value) >= 100:
         return f"{value:.0f}"
     return f"{value:.2f}" if abs(value) >= 1 else f"{value:.3g}"
-
-
-def _layout(header: list[str], rows: list[list[str]], left: int) -> str:
-    """Columns two spaces apart; the first ``left`` columns left-aligned, numbers right-aligned."""
-    widths = [max(len(row[i]) for row in [header] + rows) for i in range(len(header))]
-    lines = []
-    for row in [header] + rows:
-        cells = [
-            c.ljust(w) if i < left else c.rjust(w)
-            for i, (c, w) in enumerate(zip(row, widths, strict=True))
-        ]
-        lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines) + "\n"
 
 
 def _lm_rows(series: Sequence[ReportSeries]) -> tuple[list[str], list[list[str]]]:
@@ -115,7 +103,7 @@ def format_table(series: Sequence[ReportSeries]) -> str:
     arrivals), or the CER table for vision (§3.1), plus cumulative TFLOPs and parameters."""
     metric, _ = _same_shape(series)
     header, rows = _lm_rows(series) if metric == "ppl" else _vision_rows(series)
-    return _layout(header, rows, left=2)
+    return _format_cells(header, rows, left=2)
 
 
 def report_dict(series: Sequence[ReportSeries]) -> dict:

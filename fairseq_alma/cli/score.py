@@ -21,11 +21,12 @@ import logging
 import os
 import sys
 import warnings
-from typing import Any, NoReturn
+from typing import Any
 
 from ..errors import UsageError
 from ..stream.metrics import perplexity_from_nll
 from ..stream.series import ReportSeries
+from .entry import OneLineArgumentParser, run_console
 from .score_runs import StreamRun, check_members, load_run
 
 logger = logging.getLogger("fairseq_alma.cli.score")
@@ -101,11 +102,6 @@ def build_series(runs: list[StreamRun], args: argparse.Namespace,
     return out
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line instead of a usage dump
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
 _FLAGS: list[tuple[str, dict]] = [
     ("--mode", {"choices": ("single", "ens", "gens"), "default": "single",
                 "help": "single: a series per run; ens: the runs are one ensemble's members; gens: "
@@ -130,7 +126,7 @@ _FLAGS: list[tuple[str, dict]] = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="alma-score", description=__doc__,
+    parser = OneLineArgumentParser(prog="alma-score", description=__doc__,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="--save-dir of an "
                         "alma_stream training (stream.jsonl, checkpoint_stage{s}.pt), or a "
@@ -243,11 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     """Console entry point ``alma-score``; exit status 2 with one line on bad input."""
     args = build_parser().parse_intermixed_args(argv)
     _configure_logging()
-    try:
-        return run(args)
-    except UsageError as err:
-        print(f"alma-score: error: {err.message}", file=sys.stderr)
-        return 2
+    return run_console("alma-score", lambda: run(args))
 
 
 if __name__ == "__main__":

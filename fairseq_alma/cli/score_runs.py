@@ -10,12 +10,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import UsageError
-from ..stream.records import ArrivalRecord, StreamLogError, read_records
+from ..errors import CheckpointError, DataError, RunDirError, UsageError
+from ..fairseq_patches import recovery_hint
+from ..stream.records import ArrivalRecord, read_records
+from ..stream.run_dir import RunDirectory, damaged_record, fingerprint_hash
 
 logger = logging.getLogger("fairseq_alma.cli.score")
 
@@ -29,6 +31,8 @@ class StreamRun:
     checkpoints: dict[int, str]  # stage s -> checkpoint_stage{s}.pt
     cfg: Any = None  # fairseq config of the last stage checkpoint (None: a vision log)
     experts: int | None = None  # active experts per MoE block at the last stage
+    fingerprint: dict | None = None  # run.json's (None: a run of fairseq-alma 0.1)
+    dictionaries: dict[int, str | None] = field(default_factory=dict)  # stage -> dict sha256
 
     @property
     def metric(self) -> str:
@@ -61,8 +65,7 @@ class StreamRun:
 
 
 def load_run(run_dir: str, args: argparse.Namespace) -> StreamRun:
-    """Read and check one run dir (records, stage checkpoints, complete stream)."""
-    import torch
+    """Read and check one run dir (records, stage checkpoints of this run, complete stream)."""
     from omegaconf import OmegaConf
 
     path = Path(run_dir)
@@ -73,7 +76,7 @@ def load_run(run_dir: str, args: argparse.Namespace) -> StreamRun:
                          f"fairseq-train --task alma_stream run")
     try:
         records = read_records(path / "stream.jsonl")
-    except StreamLogError as err:
+    except RunDirError as err:
         raise UsageError(str(err)) from None
     if len(records) < 2 or [r.arrival for r in records] != list(range(len(records))):
         raise UsageError(f"{path / 'stream.jsonl'}: needs arrivals 0..B in order; re-run the "
@@ -92,27 +95,47 @@ def load_run(run_dir: str, args: argparse.Namespace) -> StreamRun:
                 raise UsageError(f"{ckpt}: missing (stage {record.stage}, trained at arrival "
                                  f"{record.arrival}); re-run the training command to restore it")
             run.checkpoints[record.stage] = str(ckpt)
-    last = run.checkpoints[run.stages[-1]]
-    try:  # mmap: only the config and the small buffers read here are paged in
-        state = torch.load(last, map_location="cpu", mmap=True, weights_only=False)
-        run.cfg = OmegaConf.create(state["cfg"])
-    except Exception as err:  # noqa: BLE001 - any unreadable file gets the same one-line error
-        raise UsageError(
-            f"{last}: not a readable checkpoint ({err}); re-run the training"
-        ) from None
+    run.fingerprint = RunDirectory.for_reading(path).read_fingerprint()
+    expected = fingerprint_hash(run.fingerprint) if run.fingerprint is not None else None
+    for stage, ckpt in run.checkpoints.items():
+        state = _read_checkpoint(ckpt)
+        alma = state.get("alma") or {}
+        if expected and alma.get("run") and alma["run"] != expected:
+            raise RunDirError(f"{ckpt} belongs to another run than {path / 'run.json'} (a "
+                              f"restarted or mixed --save-dir); train this stream again with "
+                              f"--restart-stream, or score the run it came from")
+        run.dictionaries[stage] = alma.get("dictionary")
+    state = _read_checkpoint(run.checkpoints[run.stages[-1]])
+    run.cfg = OmegaConf.create(state["cfg"])
     counts = [int(v) for k, v in state["model"].items() if k.endswith("num_active")]
     run.experts = max(counts) if counts else run.cfg.model.get("moe_experts")
     _check_complete(run, args.data or run.cfg.task.data, args.from_log)
     return run
 
 
+def _read_checkpoint(path: str) -> dict:
+    """A stage checkpoint, memory-mapped (only what is read is paged in)."""
+    import torch
+
+    bad = damaged_record(path)
+    if bad is not None:
+        raise CheckpointError(f"{path}: damaged (record {bad} fails its CRC check); "
+                              f"{recovery_hint(path)}")
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception as err:  # noqa: BLE001 - any unreadable file gets the same one-line error
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
+        raise CheckpointError(f"{path}: not a readable checkpoint ({reason}); "
+                              f"{recovery_hint(path)}") from None
+
+
 def _check_complete(run: StreamRun, data: str, from_log: bool) -> None:
     """An unfinished run has fewer arrivals than its stream's B: scoring it would mislabel t."""
-    from data_prep.manifest import StreamDataError, load_manifest
+    from data_prep.manifest import load_manifest
 
     try:
         b = int(load_manifest(data.split(os.pathsep)[0])["num_megabatches"])
-    except StreamDataError as err:
+    except DataError as err:
         if from_log:  # logs copied without their data: still readable, completeness unchecked
             logger.warning("%s; cannot check that %s is complete", err, run.path)
             return
@@ -134,6 +157,11 @@ def check_members(runs: list[StreamRun], mode: str) -> None:
                              f"--stage-init scratch and no --replay")
         return
     for run in runs[1:]:
+        data = [r.fingerprint.get("data") if r.fingerprint else None for r in (first, run)]
+        dicts = [set(r.dictionaries.values()) - {None} for r in (first, run)]
+        if (None not in data and data[0] != data[1]) or (all(dicts) and dicts[0] != dicts[1]):
+            raise UsageError(f"--mode ens: {run.path} was trained on another stream (data or "
+                             f"dictionary) than {first.path}; members must share one stream")
         if len(run.records) != len(first.records):
             raise UsageError(f"--mode ens: {run.path} has B = {len(run.records) - 1} mega-batches "
                              f"but {first.path} has B = {len(first.records) - 1}; members must "

@@ -23,36 +23,39 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
-from ..configs import ConfigError, load_run_config, plan_sweep, resolve_profile
+from ..configs import load_run_config, plan_sweep, resolve_profile
 from ..configs.fairseq_flags import check_config_flags
 from ..configs.sbatch_script import (
-    array_spec, check_sbatch_path, render_sweep_script, sbatch_command, task_command,
+    array_spec,
+    check_sbatch_path,
+    render_sweep_script,
+    sbatch_command,
+    task_command,
 )
-from ..configs.sweep_plan import parse_grid_option, parse_seeds_option
-from ..configs.sweep_records import (
-    load_jobs, load_submissions, record_submission, run_status, write_json_atomic,
-)
-
-
-class SlurmError(RuntimeError):
-    """A Slurm command failed (one-line message, exit status 1)."""
+from ..configs.sweep_plan import SweepJob, parse_grid_option, parse_seeds_option
+from ..configs.sweep_records import load_jobs, load_submissions, record_submission, run_status
+from ..errors import ClusterError, UsageError
+from ..stream.atomic import atomic_write_json, atomic_write_text
+from ..tables import format_table
+from .entry import OneLineArgumentParser, run_console
 
 
 def _slurm(command: list[str], timeout: float = 120) -> str:
     conf = os.environ.get("SLURM_CONF")
     if conf and not Path(conf).is_file():  # Slurm clients would retry for a minute
-        raise SlurmError(f"SLURM_CONF={conf} does not exist; fix or unset it")
+        raise ClusterError(f"SLURM_CONF={conf} does not exist; fix or unset it")
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except FileNotFoundError:
-        raise SlurmError(f"{command[0]} not found: run this on a Slurm login node") from None
+        raise ClusterError(f"{command[0]} not found: run this on a Slurm login node") from None
     except subprocess.TimeoutExpired:
-        raise SlurmError(f"{command[0]}: no answer in {timeout:.0f} s; is slurmctld up?") from None
+        raise ClusterError(
+            f"{command[0]}: no answer in {timeout:.0f} s; is slurmctld up?"
+        ) from None
     if done.returncode != 0:
         message = " ".join(done.stderr.split()) or f"exit status {done.returncode}"
-        raise SlurmError(f"{shlex.join(command)} failed: {message}")
+        raise ClusterError(f"{shlex.join(command)} failed: {message}")
     return done.stdout
 
 
@@ -60,7 +63,7 @@ def query_queue(array_job_ids: set[str]) -> dict[int, tuple[str, str]] | None:
     """Array task index -> (state, job id) for this sweep's jobs in squeue; None if unreachable."""
     try:
         out = _slurm(["squeue", "-h", "-r", "-u", getpass.getuser(), "-o", "%F|%K|%T|%i"], 30)
-    except SlurmError:
+    except ClusterError:
         return None
     queue: dict[int, tuple[str, str]] = {}
     for line in out.splitlines():
@@ -78,7 +81,7 @@ def _resolve_program(text: str) -> list[str]:
     venv's console scripts), then on PATH, so jobs run the same installation as alma-sweep."""
     tokens = shlex.split(text)
     if not tokens:
-        raise ConfigError("--program is empty; give a command such as fairseq-train")
+        raise UsageError("--program is empty; give a command such as fairseq-train")
     head = tokens[0]
     if "/" in head:
         found = Path(head).resolve() if Path(head).exists() else None
@@ -86,35 +89,37 @@ def _resolve_program(text: str) -> list[str]:
         beside = Path(sys.executable).parent / head
         found = beside if beside.exists() else (Path(p) if (p := shutil.which(head)) else None)
     if found is None:
-        raise ConfigError(f"--program: '{head}' not found next to {sys.executable} nor on PATH")
+        raise UsageError(f"--program: '{head}' not found next to {sys.executable} nor on PATH")
     return [str(found)] + tokens[1:]
 
 
-def _print_table(jobs: list[Any]) -> None:
-    width = max(len(job.name) for job in jobs)
-    print(f"{'#':>4}  {'run':<{width}}  seed  overrides")
-    for job in jobs:
-        shown = " ".join(f"{k}={v}" for k, v in job.overrides.items()) or "-"
-        print(f"{job.index:>4}  {job.name:<{width}}  {job.seed:>4}  {shown}")
+def _print_table(jobs: list[SweepJob]) -> None:
+    rows = [
+        [str(job.index), job.name, str(job.seed),
+         " ".join(f"{k}={v}" for k, v in job.overrides.items()) or "-"]
+        for job in jobs
+    ]
+    # all left-aligned: overrides is free text (format_table right-aligns columns after `left`)
+    print(format_table(["#", "run", "seed", "overrides"], rows, left=4), end="")
 
 
 def submit(args: argparse.Namespace) -> int:
     sweep_dir = Path(args.sweep_dir).resolve()
     check_sbatch_path(sweep_dir, "--sweep-dir")
     if args.chain_stages < 1:
-        raise ConfigError("--chain-stages must be >= 1")
+        raise UsageError("--chain-stages must be >= 1")
     if args.chain_stages > 1 and not args.stages_per_link:
-        raise ConfigError(
+        raise UsageError(
             f"--chain-stages {args.chain_stages} needs --stages-per-link N "
             "(each job trains N more stages; the last one runs to the end)"
         )
     if args.stages_per_link is not None and (args.chain_stages == 1 or args.stages_per_link < 1):
-        raise ConfigError("--stages-per-link N needs N >= 1 and --chain-stages K > 1")
+        raise UsageError("--stages-per-link N needs N >= 1 and --chain-stages K > 1")
     grid: dict[str, list] = {}
     for text in args.grid or []:
         flag, values = parse_grid_option(text)
         if flag in grid:
-            raise ConfigError(f"--grid {flag} given twice; list all its values in one --grid")
+            raise UsageError(f"--grid {flag} given twice; list all its values in one --grid")
         grid[flag] = values
     config = load_run_config(args.config, check_flags=False).with_grid(grid)
     if args.seeds:
@@ -128,7 +133,7 @@ def submit(args: argparse.Namespace) -> int:
     jobs = plan_sweep(config, sweep_dir)
     max_parallel = args.max_parallel or len(jobs)
     if max_parallel < 1:
-        raise ConfigError("--max-parallel must be >= 1")
+        raise UsageError("--max-parallel must be >= 1")
     job_name = "alma-" + re.sub(r"[^A-Za-z0-9._-]", "_", sweep_dir.name)
     script = render_sweep_script(
         jobs, profile, program=program, sweep_dir=sweep_dir, workdir=Path.cwd(),
@@ -158,7 +163,7 @@ def submit(args: argparse.Namespace) -> int:
 def _submit_links(sweep_dir, config, profile, program, jobs, script, links, max_parallel) -> int:
     for part in config.data.split(":"):
         if not Path(part).exists():
-            raise ConfigError(f"{config.path}: data directory {Path(part).resolve()} not found")
+            raise UsageError(f"{config.path}: data directory {Path(part).resolve()} not found")
     table = {
         "config": str(config.path),
         "sources": [str(p) for p in config.sources],
@@ -171,13 +176,13 @@ def _submit_links(sweep_dir, config, profile, program, jobs, script, links, max_
         old = load_jobs(sweep_dir)
         # Same runs = same names and flags; the program may change (a fixed wrapper, say).
         if [(j["name"], j["argv"]) for j in old["jobs"]] != [(j.name, j.argv) for j in jobs]:
-            raise ConfigError(
+            raise UsageError(
                 f"{sweep_dir} holds a different sweep (its jobs.json has other runs or flags); "
                 "use a new --sweep-dir, or delete the old one"
             )
         queued = query_queue({str(s["job_id"]) for s in load_submissions(sweep_dir)})
         if queued:
-            raise ConfigError(
+            raise UsageError(
                 f"{sweep_dir} still has {len(queued)} run(s) queued or running; "
                 "wait (alma-sweep status) or alma-sweep cancel first"
             )
@@ -187,12 +192,10 @@ def _submit_links(sweep_dir, config, profile, program, jobs, script, links, max_
         print(f"all {len(jobs)} run(s) in {sweep_dir} are done; nothing to submit")
         return 0
     (sweep_dir / "logs").mkdir(parents=True, exist_ok=True)
-    write_json_atomic(sweep_dir / "jobs.json", table)
+    atomic_write_json(sweep_dir / "jobs.json", table)
     script_path = sweep_dir / "sweep.sbatch"
-    tmp = script_path.with_name(".sweep.sbatch.tmp")
-    tmp.write_text(script)
-    tmp.chmod(0o755)
-    tmp.replace(script_path)
+    atomic_write_text(script_path, script)
+    script_path.chmod(0o755)  # a script, executable as before (atomic writes follow the umask)
     array = array_spec(todo, max_parallel)
     previous = None
     for link, stop in links:
@@ -223,13 +226,15 @@ def status(args: argparse.Namespace) -> int:
           + ", ".join(f"{state} {n}" for state, n in sorted(counts.items())))
     if queue is None and submissions:
         print("(squeue not reachable: states come from the run directories only)")
-    width = max(len(run.name) for run in runs)
-    print(f"{'#':>4}  {'run':<{width}}  {'state':<11}  arrival  {'best':<18}  restarts  slurm job")
-    for run in runs:
-        best = f"{run.metric} {run.best:.4g}" if run.best is not None else "-"
-        arrival = "-" if run.last_arrival is None else run.last_arrival
-        print(f"{run.index:>4}  {run.name:<{width}}  {run.state:<11}  {arrival!s:>7}  "
-              f"{best:<18}  {run.restarts:>8}  {run.slurm_job or '-'}")
+    rows = [
+        [str(run.index), run.name, run.state,
+         "-" if run.last_arrival is None else str(run.last_arrival),
+         f"{run.metric} {run.best:.4g}" if run.best is not None else "-",
+         str(run.restarts), run.slurm_job or "-"]
+        for run in runs
+    ]
+    header = ["#", "run", "state", "arrival", "best", "restarts", "slurm job"]
+    print(format_table(header, rows, left=3), end="")
     return 0
 
 
@@ -238,14 +243,14 @@ def cancel(args: argparse.Namespace) -> int:
     load_jobs(sweep_dir)
     job_ids = [str(s["job_id"]) for s in load_submissions(sweep_dir)]
     if not job_ids:
-        raise ConfigError(f"{sweep_dir}: nothing was submitted from this sweep directory")
+        raise UsageError(f"{sweep_dir}: nothing was submitted from this sweep directory")
     _slurm(["scancel", *job_ids])
     print(f"cancelled Slurm job(s) {', '.join(job_ids)} of {sweep_dir}")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineArgumentParser(
         prog="alma-sweep",
         description="Run a config's grid x seeds as one Slurm job array, and follow it.",
         epilog="Trainer contract, profiles and examples: slurm/README.md")
@@ -283,15 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Console entry point ``alma-sweep``: one line on stderr and exit status 2 on a bad config,
+    flag or sweep directory, or when a Slurm command fails."""
     args = build_parser().parse_args(argv)
-    try:
-        return args.handler(args)
-    except ConfigError as err:
-        print(f"alma-sweep: error: {err}", file=sys.stderr)
-        return 2
-    except SlurmError as err:
-        print(f"alma-sweep: error: {err}", file=sys.stderr)
-        return 1
+    return run_console("alma-sweep", lambda: args.handler(args))
 
 
 if __name__ == "__main__":

@@ -28,11 +28,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import AlmaError, RunDirError
 from ..stream.atomic import atomic_write_json
-from ..stream.records import ArrivalRecord, StreamLogError, read_records
+from ..stream.records import ArrivalRecord, read_records
 from ..stream.series import ReportSeries, series_from_records
 from . import report
 from .demo import PACKAGE_DIR, tool
+from .entry import run_console
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,7 @@ def train_command(run: Run, args: argparse.Namespace, save_dir: Path) -> list[st
     return [
         tool("fairseq-train"), "digits", "--user-dir", str(PACKAGE_DIR),
         "--task", "alma_stream", "--vision-dataset", "digits",
-        "--arch", "alma_vision", "--criterion", "alma_vision_stage",
+        "--arch", "alma_vision",
         "--vision-method", "sm", "--vision-arch", "mlp", "--vision-width", str(run.width),
         "--num-megabatches", str(args.num_megabatches), "--wait", str(run.wait),
         "--epochs-per-stage", str(args.epochs_per_stage), "--batch-size", "128",
@@ -66,7 +68,7 @@ def complete_records(path: Path, num_megabatches: int) -> list[ArrivalRecord] | 
     """The run's records if all B + 1 arrivals are there, else None (run or continue it)."""
     try:
         records = read_records(path)
-    except StreamLogError:
+    except RunDirError:
         return None
     return records if len(records) == num_megabatches + 1 else None
 
@@ -89,8 +91,8 @@ def run_stream(run: Run, args: argparse.Namespace, out: Path) -> list[ArrivalRec
     if proc.returncode != 0 or records is None:
         text = log.read_text(encoding="utf-8", errors="replace")
         tail = "\n".join(text.splitlines()[-10:])
-        raise SystemExit(f"alma-vision-demo: error: {run.name} failed (exit {proc.returncode}, "
-                         f"stream.jsonl incomplete); log: {log}\n{tail}")
+        raise AlmaError(f"{run.name} failed (exit {proc.returncode}, stream.jsonl incomplete); "
+                        f"log: {log}\n{tail}")
     print(f"   {run.name}: done in {time.time() - started:.0f}s", flush=True)
     return records
 
@@ -205,11 +207,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"== {len(runs)} streams on the embedded digits (B={args.num_megabatches}, "
           f"{args.epochs_per_stage} epochs per stage), {args.jobs} at a time", flush=True)
     started = time.time()
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        results = dict(zip(runs, pool.map(lambda r: run_stream(r, args, out), runs), strict=True))
-    write_report(args, out, results)
-    print(f"total {time.time() - started:.0f}s")
-    return 0
+
+    def demo() -> None:
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            results = dict(zip(runs, pool.map(lambda r: run_stream(r, args, out), runs), strict=True))
+        write_report(args, out, results)
+        print(f"total {time.time() - started:.0f}s")
+
+    return run_console("alma-vision-demo", demo)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,14 @@
 """Run configs, resource profiles and sweep planning for launching ALMA runs on Slurm (issue 5).
 
 Importing this package does not import fairseq; only flag checking (``load_run_config`` with
-``check_flags=True``) does, lazily.
+``check_flags=True``) does, lazily. User mistakes raise ``fairseq_alma.errors.UsageError``.
 """
 
-from .errors import ConfigError
 from .profile import ResourceProfile, load_profile, resolve_profile
 from .run_config import RunConfig, load_run_config
 from .sweep_plan import SweepJob, parse_grid_option, parse_seeds_option, plan_sweep, run_dir_name
 
 __all__ = [
-    "ConfigError",
     "ResourceProfile",
     "RunConfig",
     "SweepJob",

@@ -15,20 +15,22 @@ import difflib
 import logging
 import re
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, NamedTuple, NoReturn
 
-from .errors import ConfigError
+from ..errors import UsageError
 from .run_config import PLUGIN_DIR, RunConfig
 
 _INVALID_CHOICE = re.compile(r"argument (\S+): invalid choice: '(.*?)' \(choose from (.*)\)")
 
 
-class _ParserError(Exception):
-    """Raised instead of argparse's print-usage-and-exit."""
+def _raise_instead_of_exit(message: str) -> NoReturn:
+    """``parser.error`` replacement: argparse's message as an exception, not usage + exit 2.
 
-
-def _raise_parser_error(message: str) -> None:
-    raise _ParserError(message)
+    ``exit_on_error=False`` is not enough on Python 3.11: it covers bad values and invalid
+    choices, but argparse still calls ``error()`` for missing required arguments; and fairseq
+    builds the parser itself, so it cannot be a subclass.
+    """
+    raise argparse.ArgumentError(None, message)
 
 
 def load_plugin() -> None:
@@ -55,24 +57,25 @@ def load_plugin() -> None:
         import_models(str(PLUGIN_DIR / "models"), f"{PLUGIN_DIR.name}.models")
 
 
-class FlagProblem(ConfigError):
-    """A flag fairseq-train refuses; ``flag`` is the config flag at fault when it is known."""
+class FlagProblem(NamedTuple):
+    """Why fairseq-train would refuse a command line; ``flag`` is the config flag at fault when it
+    is known (so the error can name the file that sets it)."""
 
-    def __init__(self, message: str, flag: str | None = None) -> None:
-        super().__init__(message)
-        self.flag = flag
+    message: str
+    flag: str | None = None
 
 
 def parse_training_argv(argv: list[str]) -> tuple[argparse.ArgumentParser, list[str]]:
     """Parse ``argv`` with fairseq-train's complete parser; return it and the unparsed tokens.
 
-    Raises ``_ParserError`` with argparse's message when fairseq-train would refuse a value.
+    Raises ``argparse.ArgumentError`` with argparse's message when fairseq-train would refuse a
+    value.
     """
     from fairseq import options
 
     load_plugin()
     parser = options.get_training_parser()
-    parser.error = _raise_parser_error  # type: ignore[method-assign]
+    parser.error = _raise_instead_of_exit  # type: ignore[method-assign]
     _, extra = options.parse_args_and_arch(parser, argv, parse_known=True)
     return parser, extra
 
@@ -89,25 +92,22 @@ def _readable_parser_error(message: str) -> str:
     return f"{option}: invalid choice '{value}'{hint}"
 
 
-def check_argv_flags(argv: list[str], flags: Mapping[str, object]) -> None:
-    """Check that fairseq-train accepts ``argv`` and that each config flag is one of its options.
-
-    ``flags`` are the flag: value pairs the config contributed to ``argv``. Raises
-    ``FlagProblem`` naming the flag at fault.
+def argv_flag_problem(argv: list[str], flags: Mapping[str, object]) -> FlagProblem | None:
+    """Why fairseq-train would refuse ``argv``, or None when it accepts it and each config flag
+    is one of its options. ``flags`` are the flag: value pairs the config contributed to ``argv``.
     """
     if "--arch" not in argv:
-        raise FlagProblem("fairseq-train needs an architecture: add 'arch: NAME' to args")
+        return FlagProblem("fairseq-train needs an architecture: add 'arch: NAME' to args")
     try:
         parser, extra = parse_training_argv(argv)
-    except _ParserError as err:
+    except argparse.ArgumentError as err:
         message = str(err)
         named = re.match(r"argument --([\w-]+)", message)
         flag = named.group(1) if named else None
         if flag is not None and flags.get(flag) is True and "expected" in message:
-            raise FlagProblem(f"'{flag}' takes a value: write {flag}: VALUE", flag) from None
-        raise FlagProblem(
-            f"fairseq-train rejects a value: {_readable_parser_error(message)}", flag
-        ) from None
+            return FlagProblem(f"'{flag}' takes a value: write {flag}: VALUE", flag)
+        readable = _readable_parser_error(message)
+        return FlagProblem(f"fairseq-train rejects a value: {readable}", flag)
     actions = parser._option_string_actions
     known = sorted(option[2:] for option in actions if option.startswith("--"))
     for flag, value in flags.items():
@@ -115,24 +115,25 @@ def check_argv_flags(argv: list[str], flags: Mapping[str, object]) -> None:
         if action is None:
             close = difflib.get_close_matches(flag, known, n=1)
             hint = f"; did you mean '{close[0]}'?" if close else "; see fairseq-train --help"
-            raise FlagProblem(f"unknown fairseq-train flag '{flag}'{hint}", flag)
+            return FlagProblem(f"unknown fairseq-train flag '{flag}'{hint}", flag)
         is_switch = action.nargs == 0
         if is_switch and value is not None and not isinstance(value, bool):
-            raise FlagProblem(f"'{flag}' is a switch: write {flag}: true or false", flag)
+            return FlagProblem(f"'{flag}' is a switch: write {flag}: true or false", flag)
         if not is_switch and value is True:
-            raise FlagProblem(f"'{flag}' takes a value: write {flag}: VALUE", flag)
+            return FlagProblem(f"'{flag}' takes a value: write {flag}: VALUE", flag)
     if extra:
-        raise FlagProblem(f"fairseq-train does not accept: {' '.join(extra)}")
+        return FlagProblem(f"fairseq-train does not accept: {' '.join(extra)}")
+    return None
 
 
 def check_config_flags(config: RunConfig) -> None:
-    """Parse every grid point of ``config`` with fairseq-train's parser (see module docstring)."""
+    """Parse every grid point of ``config`` with fairseq-train's parser (see module docstring);
+    raise ``UsageError`` naming the file (and grid point) that sets the flag at fault."""
     for point in config.grid_points():
         argv = config.to_argv(point, config.seeds[0], "alma-sweep-flag-check")
-        try:
-            check_argv_flags(argv, {**config.args, **point})
-        except FlagProblem as problem:
-            raise ConfigError(f"{_origin(config, problem.flag, point)}: {problem}") from None
+        problem = argv_flag_problem(argv, {**config.args, **point})
+        if problem is not None:
+            raise UsageError(f"{_origin(config, problem.flag, point)}: {problem.message}")
 
 
 def _origin(config: RunConfig, flag: str | None, point: dict) -> str:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from ..errors import UsageError
 from .yaml_files import read_yaml_mapping
 
 # The repository's slurm/ folder (scripts and profiles), next to the fairseq_alma package.
@@ -86,7 +86,7 @@ class ResourceProfile:
 
 def _positive_int(where: str, key: str, value: Any, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{where}: {key} must be an integer >= {minimum}, got {value!r}")
+        raise UsageError(f"{where}: {key} must be an integer >= {minimum}, got {value!r}")
     return value
 
 
@@ -95,7 +95,7 @@ def parse_profile(data: dict[str, Any], name: str, where: str) -> ResourceProfil
     allowed = {f.name for f in fields(ResourceProfile)} - {"name"}
     for key in data:
         if key not in allowed:
-            raise ConfigError(
+            raise UsageError(
                 f"{where}: unknown profile key '{key}' (allowed: {', '.join(sorted(allowed))})"
             )
     values = dict(data)
@@ -107,29 +107,29 @@ def parse_profile(data: dict[str, Any], name: str, where: str) -> ResourceProfil
     if values.get("ntasks_per_node") is not None:
         _positive_int(where, "ntasks_per_node", values["ntasks_per_node"])
         if values.get("gpus_per_node"):
-            raise ConfigError(
+            raise UsageError(
                 f"{where}: ntasks_per_node is for CPU profiles; GPU runs use one task per GPU"
             )
     for key in ("description", "mem", "time", "partition", "constraint", "account"):
         if values.get(key) is not None and not isinstance(values[key], str):
-            raise ConfigError(f"{where}: {key} must be text (quote it), got {values[key]!r}")
+            raise UsageError(f"{where}: {key} must be text (quote it), got {values[key]!r}")
     if "time" in values and not _TIME.match(values["time"]):
-        raise ConfigError(f"{where}: time '{values['time']}' is not Slurm syntax (HH:MM:SS)")
+        raise UsageError(f"{where}: time '{values['time']}' is not Slurm syntax (HH:MM:SS)")
     if values.get("mem") is not None and not _MEM.match(values["mem"]):
-        raise ConfigError(f"{where}: mem '{values['mem']}' is not Slurm syntax (e.g. 64G)")
+        raise UsageError(f"{where}: mem '{values['mem']}' is not Slurm syntax (e.g. 64G)")
     extra = values.get("extra_sbatch") or []
     if not isinstance(extra, list) or not all(
         isinstance(line, str) and line.startswith("--") and "\n" not in line for line in extra
     ):
-        raise ConfigError(f"{where}: extra_sbatch must be a list of sbatch options like --qos=high")
+        raise UsageError(f"{where}: extra_sbatch must be a list of sbatch options like --qos=high")
     values["extra_sbatch"] = tuple(extra)
     env = values.get("env") or {}
     if not isinstance(env, dict) or not all(_ENV_NAME.match(str(k)) for k in env):
-        raise ConfigError(f"{where}: env must map variable names to values")
+        raise UsageError(f"{where}: env must map variable names to values")
     values["env"] = {str(k): str(v) for k, v in env.items()}
     profile = ResourceProfile(name=name, **values)
     if profile.save_grace_seconds >= profile.signal_seconds:
-        raise ConfigError(
+        raise UsageError(
             f"{where}: save_grace_seconds ({profile.save_grace_seconds}) must be smaller than "
             f"signal_seconds ({profile.signal_seconds}) so the job requeues before its time limit"
         )
@@ -148,7 +148,7 @@ def load_profile(name_or_path: str | Path) -> ResourceProfile:
     path = profile_path(str(name_or_path))
     if not path.is_file():
         known = sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
-        raise ConfigError(
+        raise UsageError(
             f"resource profile {path} not found (profiles in {PROFILES_DIR}: {', '.join(known)})"
         )
     return parse_profile(read_yaml_mapping(path, "resource profile"), path.stem, str(path))
@@ -164,7 +164,7 @@ def resolve_profile(
         return load_profile(resources)
     if isinstance(resources, dict):
         return parse_profile(resources, "inline", f"{config_path}: resources")
-    raise ConfigError(
+    raise UsageError(
         f"{config_path}: no resources: set 'resources: PROFILE' or pass --profile "
         f"slurm/profiles/NAME.yaml"
     )

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Union
 
-from .errors import ConfigError
+from ..errors import UsageError
 from .yaml_files import load_with_includes, read_yaml_mapping
 
 Scalar = Union[str, int, float, bool, None]
@@ -113,18 +113,18 @@ class RunConfig:
 
 def _check_flag_name(flag: Any, where: str) -> None:
     if not isinstance(flag, str) or not flag:
-        raise ConfigError(f"{where}: flag names must be non-empty strings, got {flag!r}")
+        raise UsageError(f"{where}: flag names must be non-empty strings, got {flag!r}")
     if flag.startswith("-"):
-        raise ConfigError(
+        raise UsageError(
             f"{where}: write '{flag.lstrip('-')}', not '{flag}' (flags have no leading dashes)"
         )
     if flag in LAUNCHER_FLAGS:
-        raise ConfigError(f"{where}: '{flag}' cannot be set here: {LAUNCHER_FLAGS[flag]}")
+        raise UsageError(f"{where}: '{flag}' cannot be set here: {LAUNCHER_FLAGS[flag]}")
 
 
 def _check_scalar(flag: str, value: Any, where: str) -> None:
     if value is not None and not isinstance(value, (str, int, float, bool)):
-        raise ConfigError(
+        raise UsageError(
             f"{where}: '{flag}' must be a single value (string, number, true/false), "
             f"got {type(value).__name__}; put alternatives under grid:"
         )
@@ -132,21 +132,21 @@ def _check_scalar(flag: str, value: Any, where: str) -> None:
 
 def _check_grid_values(flag: str, values: Any, where: str) -> None:
     if not isinstance(values, list) or not values:
-        raise ConfigError(f"{where}: grid '{flag}' must be a non-empty list of values")
+        raise UsageError(f"{where}: grid '{flag}' must be a non-empty list of values")
     for value in values:
         _check_scalar(flag, value, where)
         if value is None:
-            raise ConfigError(f"{where}: grid '{flag}' has an empty (null) value; remove it")
+            raise UsageError(f"{where}: grid '{flag}' has an empty (null) value; remove it")
 
 
 def _check_seeds(seeds: Any, where: str) -> tuple[int, ...]:
     if not isinstance(seeds, list) or not seeds:
-        raise ConfigError(f"{where}: seeds must be a non-empty list of integers")
+        raise UsageError(f"{where}: seeds must be a non-empty list of integers")
     for seed in seeds:
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ConfigError(f"{where}: seed {seed!r} is not a non-negative integer")
+            raise UsageError(f"{where}: seed {seed!r} is not a non-negative integer")
     if len(set(seeds)) != len(seeds):
-        raise ConfigError(f"{where}: seeds {seeds} repeat a value; list each seed once")
+        raise UsageError(f"{where}: seeds {seeds} repeat a value; list each seed once")
     return tuple(seeds)
 
 
@@ -155,19 +155,19 @@ def parse_run_config(merged: dict[str, Any], path: Path, sources: tuple[Path, ..
     where = str(path)
     description = merged.get("description", "")
     if not isinstance(description, str):
-        raise ConfigError(f"{where}: description: must be text")
+        raise UsageError(f"{where}: description: must be text")
     data = merged.get("data")
     if not isinstance(data, str) or not data.strip():
-        raise ConfigError(f"{where}: data: is required (fairseq-train's DATA directory)")
+        raise UsageError(f"{where}: data: is required (fairseq-train's DATA directory)")
     args = merged.get("args") or {}
     if not isinstance(args, dict):
-        raise ConfigError(f"{where}: args: must be a mapping of flag: value")
+        raise UsageError(f"{where}: args: must be a mapping of flag: value")
     for flag, value in args.items():
         _check_flag_name(flag, f"{where}: args")
         _check_scalar(flag, value, f"{where}: args")
     raw_grid = merged.get("grid") or {}
     if not isinstance(raw_grid, dict):
-        raise ConfigError(f"{where}: grid: must be a mapping of flag: [values]")
+        raise UsageError(f"{where}: grid: must be a mapping of flag: [values]")
     grid = {flag: values for flag, values in raw_grid.items() if values is not None}
     for flag, values in grid.items():
         _check_flag_name(flag, f"{where}: grid")
@@ -175,7 +175,7 @@ def parse_run_config(merged: dict[str, Any], path: Path, sources: tuple[Path, ..
     seeds = _check_seeds(merged.get("seeds", [1]), f"{where}: seeds")
     resources = merged.get("resources")
     if resources is not None and not isinstance(resources, (str, dict)):
-        raise ConfigError(f"{where}: resources: must be a profile name or an inline mapping")
+        raise UsageError(f"{where}: resources: must be a profile name or an inline mapping")
     return RunConfig(
         path=path,
         data=data,

@@ -15,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Sequence
 
-from .errors import ConfigError
+from ..errors import UsageError
 from .profile import SLURM_DIR, ResourceProfile
 from .sweep_plan import SweepJob
 
@@ -44,7 +44,7 @@ def array_spec(indices: Sequence[int], max_parallel: int) -> str:
 def check_sbatch_path(path: Path, what: str) -> None:
     """``#SBATCH`` lines cannot quote: refuse paths that would be misread there."""
     if _SBATCH_UNSAFE.search(str(path)):
-        raise ConfigError(
+        raise UsageError(
             f"{what} {path} contains whitespace, quotes, '#' or '%', which #SBATCH lines cannot "
             "carry; choose a plainer directory name"
         )
@@ -97,7 +97,7 @@ def render_sweep_script(
     """The text of ``DIR/sweep.sbatch`` for ``jobs`` (array ``0-(N-1)%max_parallel``)."""
     check_sbatch_path(sweep_dir, "--sweep-dir")
     if not TEMPLATE.is_file() or not LAUNCH_TASK.is_file():
-        raise ConfigError(
+        raise UsageError(
             f"{SLURM_DIR} lacks sweep.sbatch.in or launch_task.sh: install fairseq_alma from a "
             "checkout (pip install -e .) so the slurm/ scripts sit next to the package"
         )
@@ -140,7 +140,7 @@ def render_sweep_script(
 
     def fill(match: re.Match) -> str:
         if match.group(0) not in replacements:
-            raise ConfigError(f"{TEMPLATE}: unknown placeholder {match.group(0)}")
+            raise UsageError(f"{TEMPLATE}: unknown placeholder {match.group(0)}")
         return replacements[match.group(0)]
 
     # One pass, so text inserted for one placeholder is never searched for another.

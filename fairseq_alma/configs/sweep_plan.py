@@ -15,10 +15,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from .errors import ConfigError
+from ..errors import UsageError
 from .run_config import RunConfig, Scalar
+from .yaml_files import parse_yaml_scalar
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+-]+")
 _MAX_NAME = 180
@@ -69,19 +68,16 @@ def _digest(overrides: dict[str, Scalar], seed: int) -> str:
 
 
 def parse_grid_option(text: str) -> tuple[str, list[Scalar]]:
-    """``--grid flag=v1,v2`` -> (flag, [v1, v2]); values are read as YAML scalars (3, 0.1, true)."""
+    """``--grid flag=v1,v2`` -> (flag, [v1, v2]); values read as config values (3, 1e-3, true)."""
     flag, sep, values_text = text.partition("=")
     flag = flag.strip()
     if not sep or not flag or not values_text.strip():
-        raise ConfigError(f"--grid '{text}': write --grid FLAG=VALUE1,VALUE2 (e.g. wait=1,3)")
+        raise UsageError(f"--grid '{text}': write --grid FLAG=VALUE1,VALUE2 (e.g. wait=1,3)")
     values: list[Scalar] = []
     for item in values_text.split(","):
-        try:
-            value = yaml.safe_load(item.strip()) if item.strip() else None
-        except yaml.YAMLError:
-            value = item.strip()
+        value = parse_yaml_scalar(item.strip()) if item.strip() else None
         if value is None or isinstance(value, (list, dict)):
-            raise ConfigError(f"--grid '{text}': value '{item}' is not a single value")
+            raise UsageError(f"--grid '{text}': value '{item}' is not a single value")
         values.append(value)
     return flag, values
 
@@ -91,7 +87,7 @@ def parse_seeds_option(text: str) -> list[int]:
     try:
         return [int(item) for item in text.split(",")]
     except ValueError:
-        raise ConfigError(f"--seeds '{text}': write integers separated by commas (1,2,3)") from None
+        raise UsageError(f"--seeds '{text}': write integers separated by commas (1,2,3)") from None
 
 
 def plan_sweep(config: RunConfig, sweep_dir: Path) -> list[SweepJob]:

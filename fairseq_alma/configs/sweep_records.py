@@ -9,13 +9,13 @@ works from files alone, and uses the queue only to tell running from pending.
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from .errors import ConfigError
+from ..errors import UsageError
+from ..stream.atomic import atomic_write_json
 
 # Slurm job states (squeue %T) grouped the way status reports them.
 _QUEUE_RUNNING = {"RUNNING", "COMPLETING", "SUSPENDED", "STAGE_OUT", "SIGNALING", "RESIZING"}
@@ -35,22 +35,15 @@ _EVENT_STATE_NO_QUEUE = {**_EVENT_STATE, "started": "running", "usr1": "running"
                          "requeued": "pending", "stopped_after_stage": "pending"}
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write JSON to ``path`` via a temp file + os.replace (never a half-written record)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, path)
-
-
 def read_json(path: Path, what: str) -> Any:
     try:
-        return json.loads(path.read_text())
+        return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ConfigError(
+        raise UsageError(
             f"{path.parent} has no {path.name}: not a sweep directory (run alma-sweep submit)"
         ) from None
     except (OSError, json.JSONDecodeError) as err:
-        raise ConfigError(f"{path}: unreadable {what} ({err}); was it edited by hand?") from None
+        raise UsageError(f"{path}: unreadable {what} ({err}); was it edited by hand?") from None
 
 
 def load_jobs(sweep_dir: Path) -> dict[str, Any]:
@@ -65,7 +58,7 @@ def load_submissions(sweep_dir: Path) -> list[dict[str, Any]]:
 def record_submission(sweep_dir: Path, submission: dict[str, Any]) -> None:
     submissions = load_submissions(sweep_dir)
     submissions.append({**submission, "time": time.strftime("%Y-%m-%d %H:%M:%S")})
-    write_json_atomic(sweep_dir / "submissions.json", submissions)
+    atomic_write_json(sweep_dir / "submissions.json", submissions)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

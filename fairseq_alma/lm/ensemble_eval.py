@@ -8,11 +8,9 @@ the ensemble's NLL per token is −(logsumexp_i log p_i − log N).  ``Probabili
 running logsumexp, so gEns's nested predictors (members 1..s for s = 1..S, Table 2) cost one
 evaluation per member and O(tokens) memory, never all members' models at once.
 
-Every model is scored on exactly the tokens, batches and order of ``lm/evaluate.py``'s
-``evaluate_nll`` — what the ``alma_stream`` task logs as ``eval_ppl`` — which are the tokens
-``fairseq-eval-lm`` scores with the same --tokens-per-sample and no context window; so a single
-model's perplexity equals stream.jsonl's to float rounding.  The loop is our own because members
-need per-token scores, and so that batches are prefetched while the model runs.
+Every model is scored by ``lm/nll.py``'s loop, the one the ``alma_stream`` task logs
+``eval_ppl`` with: the tokens ``fairseq-eval-lm`` scores with the same --tokens-per-sample and no
+context window; so a single model's perplexity equals stream.jsonl's.
 """
 
 from __future__ import annotations
@@ -25,9 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from fairseq import checkpoint_utils, utils
+from fairseq import checkpoint_utils
 
-from ..errors import UsageError
+from ..errors import AlmaError, CheckpointError, UsageError
+from .nll import Batching, scored_batches
 
 logger = logging.getLogger(__name__)
 
@@ -84,43 +83,24 @@ class Scored:
     tokens: TokenLogProbs | None = None  # per-token scores, when asked for (ensemble members)
 
 
-@torch.no_grad()
 def score_dataset(
     model: Any, task: Any, dataset: Any, settings: EvalSettings, keep_tokens: bool = False
 ) -> Scored:
-    """NLL of every non-padding target of ``dataset``, batched and ordered as ``evaluate_nll``
-    (the task's ``eval_ppl``): same iterator, no shuffling; batches are prefetched by a
-    background thread (``data_buffer_size``, as ``fairseq-eval-lm``) so collation overlaps the
-    forward passes."""
-    model.eval()
+    """NLL of every non-padding target of ``dataset``, batched and ordered as the task's
+    ``eval_ppl`` (``lm/nll.py``); batches are prefetched by a background thread (as
+    ``fairseq-eval-lm``) so collation overlaps the forward passes."""
     device = next(model.parameters()).device
-    pad = task.target_dictionary.pad()
-    batches = task.get_batch_iterator(
-        dataset=dataset,
-        max_tokens=settings.max_tokens,
-        max_sentences=settings.batch_size,
-        max_positions=utils.resolve_max_positions(task.max_positions(), model.max_positions()),
-        ignore_invalid_inputs=True,
-        num_workers=0,
-        seed=1,
-        data_buffer_size=10,
-    ).next_epoch_itr(shuffle=False)
+    batches = scored_batches(model, task, dataset, Batching(settings.batch_size,
+                                                            settings.max_tokens), prefetch=10)
     total = torch.zeros((), dtype=torch.float64, device=device)
     ntokens, scores, targets = 0, [], []
     start = time.perf_counter()
-    for sample in batches:
-        if not sample or "net_input" not in sample:
-            continue
-        if device.type == "cuda":
-            sample = utils.move_to_cuda(sample, device=device)
-        lprobs = model.get_normalized_probs(model(**sample["net_input"]), log_probs=True).float()
-        target = sample["target"]  # (B, T)
-        token_lprobs = lprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1)[target.ne(pad)]  # (n,)
-        total -= token_lprobs.double().sum()
-        ntokens += token_lprobs.numel()
+    for batch in batches:
+        total -= batch.token_log_probs.double().sum()
+        ntokens += int(batch.mask.sum())
         if keep_tokens:
-            scores.append(token_lprobs.cpu())
-            targets.append(target[target.ne(pad)].to(torch.int32).cpu())
+            scores.append(batch.token_log_probs[batch.mask].cpu())
+            targets.append(batch.sample["target"][batch.mask].to(torch.int32).cpu())
     nll = float(total)  # synchronises a CUDA device before the clock stops
     seconds = time.perf_counter() - start
     kept = None
@@ -186,8 +166,10 @@ class CheckpointScorer:
             models, _, task = checkpoint_utils.load_model_ensemble_and_task(
                 [path], arg_overrides=overrides, task=task
             )
-        except UsageError as err:
-            raise UsageError(f"{path} with data {settings.data}: {err.message} (--data)") from None
+        except CheckpointError:
+            raise
+        except AlmaError as err:
+            raise type(err)(f"{path} with data {settings.data}: {err} (--data)") from None
         except (OSError, RuntimeError, KeyError) as err:
             raise UsageError(f"{path}: cannot load ({str(err).splitlines()[0]})") from None
         model = models[0].to(self.device)

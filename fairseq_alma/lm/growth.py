@@ -22,9 +22,11 @@ from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List
 
 import torch
-from fairseq import utils
 
+from ..errors import UsageError
 from ..modules.switch_ffn import SwitchFFN
+from ..ranks import world
+from .nll import Batching, needs_lockstep, scored_batches
 from .stage_start import sync_master_params
 
 logger = logging.getLogger(__name__)
@@ -50,50 +52,30 @@ def recorded_routing(layers: List[SwitchFFN]) -> Iterator[List[List[torch.Tensor
             layer.record_expert_ids = False
 
 
-@torch.no_grad()
 def expert_validation_losses(model: Any, task: Any, dataset: Any, batch_size: int) -> tuple[List[torch.Tensor], float]:
     """Per MoE block, the summed NLL (nats) of validation tokens routed to each active expert;
-    and the mean validation NLL per token."""
+    and the mean validation NLL per token (over every data-parallel worker)."""
     import torch.distributed as dist
 
+    if needs_lockstep(model):
+        raise UsageError("--grow-experts does not support --moe-expert-parallel-size > 1")
     layers = model.moe_layers()
-    was_training = model.training
-    model.eval()
     device = next(model.parameters()).device
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    rank = dist.get_rank() if world > 1 else 0
-    itr = task.get_batch_iterator(
-        dataset=dataset, max_sentences=batch_size, ignore_invalid_inputs=True, num_shards=world, shard_id=rank,
-        max_positions=utils.resolve_max_positions(task.max_positions(), model.max_positions()), seed=1,
-    ).next_epoch_itr(shuffle=False)
+    size, rank = world()
     sums = [torch.zeros(layer.num_experts + 1, dtype=torch.float64, device=device) for layer in layers]
     total = torch.zeros(2, dtype=torch.float64, device=device)
-    pad = task.target_dictionary.pad()
-    from .evaluate import needs_lockstep
-
-    if needs_lockstep(model):
-        raise ValueError("--grow-experts does not support --moe-expert-parallel-size > 1 yet")
     with recorded_routing(layers) as records:
-        for sample in itr:
-            if not sample or "net_input" not in sample:
-                continue
-            sample = utils.move_to_cuda(sample, device=device) if device.type == "cuda" else sample
-            for rec in records:
-                rec.clear()
-            out = model(**sample["net_input"])
-            lprobs = model.get_normalized_probs(out, log_probs=True).float()
-            target = sample["target"]
-            nll = (-lprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1) * target.ne(pad)).reshape(-1)  # (B*T,)
-            total[0] += nll.sum().double()
-            total[1] += target.ne(pad).sum()
+        for batch in scored_batches(model, task, dataset, Batching(batch_size), num_shards=size, shard_id=rank):
+            nll = -batch.token_log_probs.reshape(-1).double()  # (B*T,), 0 at padding
+            total[0] += nll.sum()
+            total[1] += batch.mask.sum()
             for layer_sums, rec in zip(sums, records):
-                layer_sums.index_add_(0, rec[0], nll.double())  # padding goes to the extra last bin
-    if world > 1:
+                layer_sums.index_add_(0, rec[-1], nll)  # padding goes to the extra last bin
+                rec.clear()
+    if size > 1:
         for layer_sums in sums:
             dist.all_reduce(layer_sums)
         dist.all_reduce(total)
-    if was_training:
-        model.train()
     return [s[:-1] for s in sums], float(total[0] / total[1].clamp(min=1))
 
 
@@ -155,3 +137,29 @@ def grow_experts(model: Any, task: Any, dataset: Any, k: int, batch_size: int, o
     experts = model.moe_layers()[0].num_experts if model.moe_layers() else 0
     logger.info("grew to %d experts per MoE block (copied %s); valid nll %.4f -> %.4f", experts, copied, before, after)
     return {"experts": experts, "copied": copied, "valid_nll_before": before, "valid_nll_after": after}
+
+
+def parse_growth_plan(grow_experts: str, grow_at_stages: str, num_stages: int) -> Dict[int, int]:
+    """{stage: experts to copy per MoE block} from --grow-experts / --grow-at-stages.
+
+    ``--grow-experts 2,2,4`` with the default stages (every stage after the first) is Table 2's
+    gMoE 4 -> 6 -> 8 -> 12; one k means the same k at every growth stage.
+    """
+    if not grow_experts.strip():
+        return {}
+    try:
+        counts = [int(k) for k in grow_experts.split(",")]
+        stages = [int(s) for s in grow_at_stages.split(",")] if grow_at_stages.strip() else None
+    except ValueError:
+        raise UsageError(f"--grow-experts/--grow-at-stages take comma-separated integers (got "
+                         f"{grow_experts!r} / {grow_at_stages!r})") from None
+    stages = stages or list(range(2, num_stages + 1))
+    if not all(2 <= s <= num_stages for s in stages):
+        raise UsageError(f"--grow-at-stages must list stages in [2, {num_stages}] (got "
+                         f"{grow_at_stages!r})")
+    if len(counts) == 1:
+        counts = counts * len(stages)
+    if len(counts) != len(stages) or not all(k >= 1 for k in counts):
+        raise UsageError(f"--grow-experts needs one k >= 1, or one per growth stage "
+                         f"({len(stages)}); got {grow_experts!r}")
+    return dict(zip(stages, counts))

@@ -5,22 +5,21 @@ fairseq saves ``checkpoint_last.pt`` at the end of every epoch (= stage) before 
 for the next stage's data; the task then copies it here without the optimizer state (a scoring
 checkpoint does not need it, and Adam's moments would triple its size).  A copy that is missing
 after a crash is made again on restart: fairseq's checkpoint_last is still that stage's end until
-the next stage trains, which cannot happen before this copy.  Writes are atomic (temp + rename).
+the next stage trains, which cannot happen before this copy.  The write goes through the run
+directory (writer only, atomic).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-from typing import Optional
+from pathlib import Path
+from typing import Any
 
 import torch
 
+from ..stream.run_dir import RunDirectory
+
 logger = logging.getLogger(__name__)
-
-
-def stage_checkpoint_path(save_dir: str, stage: int) -> str:
-    return os.path.join(save_dir, f"checkpoint_stage{stage}.pt")
 
 
 def _is_end_of_stage(state: dict, stage: int) -> bool:
@@ -29,13 +28,13 @@ def _is_end_of_stage(state: dict, stage: int) -> bool:
     return itr.get("epoch") == stage + 1 and itr.get("iterations_in_epoch", 0) == 0
 
 
-def materialize_stage_checkpoint(save_dir: str, stage: int, alma_info: dict) -> Optional[str]:
+def keep_stage_checkpoint(run_dir: RunDirectory, stage: int, alma_info: dict[str, Any]) -> Path | None:
     """Copy checkpoint_last.pt (if it is the end of ``stage``) to checkpoint_stage{stage}.pt."""
-    target = stage_checkpoint_path(save_dir, stage)
-    if os.path.exists(target):
-        return target
-    source = os.path.join(save_dir, "checkpoint_last.pt")
-    if not os.path.exists(source):
+    target = run_dir.stage_checkpoint(stage)
+    if not run_dir.writes or target.exists():
+        return target if target.exists() else None
+    source = run_dir.last_checkpoint
+    if not source.exists():
         logger.warning("no %s to keep as the end of stage %d", source, stage)
         return None
     state = torch.load(source, map_location="cpu", weights_only=False)
@@ -44,10 +43,6 @@ def materialize_stage_checkpoint(save_dir: str, stage: int, alma_info: dict) -> 
         return None
     state["last_optimizer_state"] = None
     state["alma"] = alma_info
-    tmp = f"{target}.tmp{os.getpid()}"
-    torch.save(state, tmp)
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, target)
+    run_dir.write_file(target.name, lambda handle: torch.save(state, handle))
     logger.info("kept the end of stage %d as %s", stage, target)
     return target

@@ -1,4 +1,4 @@
-"""Registered models: the Switch Transformer LM (and, later, ensemble wrappers)."""
+"""Registered models: the Switch Transformer LM, its UMix ensemble, and the vision learner's flags
+(``alma_vision``)."""
 
-from . import switch_transformer_lm  # noqa: F401
-from . import umix_switch_transformer_lm  # noqa: F401
+from . import alma_vision, switch_transformer_lm, umix_switch_transformer_lm  # noqa: F401

@@ -1,135 +1,81 @@
-"""``alma_vision``: what fairseq sees of a vision ALMA learner (paper §4) in a vision stream.
+"""``--arch alma_vision``: the flags of a vision ALMA learner, in fairseq's model group.
 
-``fairseq-train --task alma_stream --vision-dataset ... --arch alma_vision`` (the learner itself
-is described by the task's ``--vision-*`` flags; this model has no flags of its own).
+A vision learner (paper §4: SM, Ens, UMix, gEns, gMoE, FF on an MLP or a reduced VGG) is not a
+fairseq model: each stage is a whole training run of its own (epochs with best-validation
+selection, a fresh optimizer after growth, App. B.1), which fairseq's trainer cannot drive.
+``fairseq-train --task alma_stream --arch alma_vision --vision-dataset D ...`` therefore hands
+the run to the vision learner (``vision/fairseq_entry.py``, then ``vision/runner.py``, the code
+the sweep and the demo call too).  This registration exists so that fairseq parses the
+learner's flags in their own group (``fairseq-train --arch alma_vision --help``) and keeps them
+out of every language-model run's config.
 
-Why a wrapper that keeps the learner *outside* its module tree: a vision stage is a whole
-training run of its own (epochs with best-validation selection and a fresh optimizer per stage,
-App. B.1), and growth between stages (a gEns member, gMoE experts, Firefly units) replaces
-tensors with larger ones.  fairseq's optimizer, DDP and fp16 wrappers capture a model's
-parameter list once, so they would hold stale tensors.  fairseq therefore sees one placeholder
-parameter, which never receives a gradient (the task never steps fairseq's optimizer), while the
-learner's real state travels in ``state_dict``/``load_state_dict``: parameters in their grown
-shapes, the RNG that drives initialisation and growth, and what each stage did (FLOPs, best
-epoch), so every fairseq checkpoint resumes the stream exactly (DESIGN.md: same command again =
-continue).
+No ``from __future__ import annotations``: fairseq builds argparse options from these
+annotations at run time and needs real types.
 """
 
-import dataclasses
-import time
-from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from dataclasses import dataclass, field
+from typing import Any
 
-import torch
-from fairseq.dataclass import FairseqDataclass
+from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.models import BaseFairseqModel, register_model
-from torch import Tensor, nn
 
 from ..errors import UsageError
-from ..vision.learners import Learner, LearnerSpec, build_learner
-
-# LearnerSpec field -> the alma_stream flag that sets it, for errors on resume with other flags.
-SPEC_FLAGS = {
-    "method": "--vision-method",
-    "arch": "--vision-arch",
-    "width": "--vision-width",
-    "members": "--ensemble-members",
-    "gating": "--moe-gating",
-    "mixture_layers": "--moe-mixture-layers",
-    "growth_rate": "--ff-growth-rate",
-    "seed": "--seed",
-}
+from ..vision.learners import METHODS
 
 
 @dataclass
 class AlmaVisionConfig(FairseqDataclass):
-    """No flags: the learner is set by the task's --vision-method, --vision-arch, --vision-width."""
+    vision_dataset: str = field(default="", metadata={"help": (
+        "the data set of the stream (required): digits (scikit-learn's embedded 8x8 digits), mnist (IDX files "
+        "dir), cifar10 (python batches dir) or npz (x_train/y_train/x_test/y_test file), read from "
+        "DATA or --vision-data-path")})
+    vision_data_path: str = field(default="", metadata={"help": (
+        "MNIST/CIFAR-10 directory or .npz file; default: fairseq-train's DATA (unused for digits)")})
+    num_megabatches: int = field(default=20, metadata={"help": (
+        "B: mega-batches the training set is cut into (paper §5: 500 MNIST, 100 CIFAR-10)")})
+    valid_fraction: float = field(default=0.1, metadata={"help": (
+        "share of each mega-batch kept as its validation set (paper §5: 10%%)")})
+    vision_arch: ChoiceEnum(["mlp", "vgg"]) = field(default="mlp", metadata={"help": (
+        "backbone: MLP with 2 hidden layers (MNIST) or reduced VGG19 with batch norm (CIFAR-10)")})
+    vision_method: ChoiceEnum(list(METHODS)) = field(default="sm", metadata={"help": (
+        "learner (paper §4): sm, ens, umix, gens, gmoe or ff")})
+    vision_width: int = field(default=32, metadata={"help": (
+        "hidden units h of the MLP / channels c of every VGG layer (paper §5: 4 ... 64)")})
+    ensemble_members: int = field(default=5, metadata={"help": "N members of ens and umix (App. B.1: 5)"})
+    moe_gating: ChoiceEnum(["soft", "hard"]) = field(default="soft", metadata={"help": (
+        "gmoe tree gating: soft, or hard with straight-through (App. B.1.1: soft)")})
+    moe_mixture_layers: str = field(default="", metadata={"help": (
+        "gmoe layers that grow, comma-separated 0-based indices; default: the first two layers of the "
+        "MLP (paper §5), every conv layer of the VGG")})
+    ff_growth_rate: float = field(default=0.25, metadata={"help": (
+        "ff parameters added per stage, as a fraction of the initial count (App. B.1: 0.25)")})
+    epochs_per_stage: int = field(default=100, metadata={"help": (
+        "epochs per stage; the epoch with the best validation loss is kept (App. B.1: 100)")})
+    vision_optimizer: ChoiceEnum(["paper", "adadelta", "sgd"]) = field(default="paper", metadata={"help": (
+        "the learner's optimizer, fresh each stage: adadelta (App. B.1.1, MNIST) or sgd with momentum "
+        "0.9, weight decay 1e-4 (App. B.1.2, CIFAR-10); paper = sgd for cifar10, adadelta otherwise")})
+    vision_lr: float = field(default=0.0, metadata={"help": (
+        "the learner's learning rate; 0 = App. B.1's (adadelta 1.0, sgd 0.01)")})
+    vision_augment: ChoiceEnum(["auto", "crop-flip", "none"]) = field(default="auto", metadata={"help": (
+        "training augmentation: random 4-pixel-padded crop + horizontal flip (App. B.1.2); auto = "
+        "crop-flip for cifar10 only")})
+    vision_threads: int = field(default=1, metadata={"help": (
+        "torch CPU threads for the learner (small models gain nothing from more)")})
+    vision_device: ChoiceEnum(["auto", "cpu", "cuda"]) = field(default="auto", metadata={"help": (
+        "where the learner trains: auto = the GPU when there is one and --cpu is not given")})
+    vision_amp: ChoiceEnum(["off", "fp16", "bf16"]) = field(default="off", metadata={"help": (
+        "mixed precision for the learner's forward passes (torch.autocast; fp16 adds loss "
+        "scaling and needs CUDA)")})
+    keep_stage_checkpoints: bool = field(default=False, metadata={"help": (
+        "also keep checkpoint_stage{s}.pt after every stage (checkpoint_last.pt always holds the "
+        "latest; a stream of 500 stages would otherwise keep 500 files)")})
 
 
 @register_model("alma_vision", dataclass=AlmaVisionConfig)
-class AlmaVisionModel(BaseFairseqModel):
-    """A vision learner plus the per-stage facts the stream records need (see module doc).
-
-    ``settings``: the run's stream and training flags (flag name -> value); a checkpoint written
-    with other settings is refused on load, naming the flag, instead of silently mixing streams.
-    """
-
-    def __init__(self, learner: Learner, settings: Dict[str, Any]) -> None:
-        super().__init__()
-        self.placeholder = nn.Parameter(torch.zeros(1))  # fairseq's optimizer needs one parameter
-        object.__setattr__(self, "_learner", learner)  # not a submodule, on purpose (module doc)
-        self.settings = dict(settings)
-        self.stages: Dict[int, Dict[str, Any]] = {}
-        self._seconds_before = 0.0
-        self._started = time.perf_counter()
+class AlmaVisionFlags(BaseFairseqModel):
+    """Registered for its flags only (module doc); the task never builds it."""
 
     @classmethod
-    def build_model(cls, cfg: Any, task: Any) -> "AlmaVisionModel":
-        if not hasattr(task, "new_learner"):
-            raise UsageError("--arch alma_vision is the model of vision streams; add "
-                             "--vision-dataset (digits, mnist, cifar10 or npz) to "
-                             "--task alma_stream")
-        return cls(task.new_learner(), task.run_settings())
-
-    @property
-    def learner(self) -> Learner:
-        return self._learner
-
-    def forward(self, x: Tensor) -> Tensor:
-        """(B, C) log-probabilities of the learner's predictor (ensembles averaged, §4.1)."""
-        return self.learner.predict_log_probs(x)
-
-    def stages_trained(self) -> int:
-        return max(self.stages, default=0)
-
-    def record_stage(self, stage: int, info: Dict[str, Any]) -> None:
-        """Keep what stage ``stage`` did (plain numbers and lists: fairseq loads checkpoints
-        with ``weights_only``)."""
-        self.stages[stage] = info
-
-    def run_seconds(self) -> float:
-        """Wall-clock seconds spent on this stream so far, over all resumed processes."""
-        return self._seconds_before + time.perf_counter() - self._started
-
-    def extra_repr(self) -> str:
-        return f"learner={self.learner!r}"
-
-    # ---- checkpoints -------------------------------------------------------------------
-    def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:  # noqa: ARG002
-        state = self.learner.checkpoint_state()
-        return {
-            "spec": dataclasses.asdict(state["spec"]),
-            "learner": state["model"],
-            "generator": state["generator"],
-            "settings": dict(self.settings),
-            "stages": {stage: dict(info) for stage, info in self.stages.items()},
-            "run_seconds": self.run_seconds(),
-        }
-
-    def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True,  # noqa: ARG002
-                        model_cfg: Optional[Any] = None, args: Optional[Any] = None) -> None:
-        """Rebuild the learner from a checkpoint: grown shapes are restored, RNG state included."""
-        if "spec" not in state_dict or "learner" not in state_dict:
-            raise UsageError("the checkpoint does not hold an alma_vision learner; "
-                             "use another --save-dir")
-        saved = LearnerSpec(**state_dict["spec"])
-        now = self.learner.spec
-        differing = [
-            f"{SPEC_FLAGS[name]} {getattr(saved, name)!r} (now {getattr(now, name)!r})"
-            for name in SPEC_FLAGS if getattr(saved, name) != getattr(now, name)
-        ]
-        differing += [
-            f"{flag} {state_dict['settings'].get(flag)!r} (now {value!r})"
-            for flag, value in self.settings.items() if state_dict["settings"].get(flag) != value
-        ]
-        if differing:
-            raise UsageError("the checkpoint in --save-dir was written with " + ", ".join(differing)
-                             + "; run with the same flags or another --save-dir")
-        learner = build_learner(saved, self.learner.input_shape, self.learner.num_classes)
-        learner.load_checkpoint_state(
-            {"spec": saved, "model": state_dict["learner"], "generator": state_dict["generator"]}
-        )
-        object.__setattr__(self, "_learner", learner)
-        self.stages = {int(stage): dict(info) for stage, info in state_dict["stages"].items()}
-        self._seconds_before = float(state_dict.get("run_seconds", 0.0))
-        self._started = time.perf_counter()
+    def build_model(cls, cfg: AlmaVisionConfig, task: Any) -> "AlmaVisionFlags":
+        raise UsageError("--arch alma_vision is the learner of vision streams: use it with "
+                         "--task alma_stream --vision-dataset (digits, mnist, cifar10 or npz)")

@@ -18,18 +18,21 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from fairseq import utils
-from fairseq.utils import safe_getattr
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.models import FairseqIncrementalDecoder, FairseqLanguageModel, register_model, register_model_architecture
 from fairseq.modules import LayerNorm, PositionalEmbedding
+from fairseq.utils import safe_getattr
 from omegaconf import II
 from torch import Tensor, nn
 
 from ..errors import UsageError, require
-from ..modules.switch_decoder_layer import DenseFFN, SwitchDecoderLayer
+from ..fairseq_config import section
 from ..modules.expert_parallel import build_switch_ffn
 from ..modules.expert_parallel_fairseq import prepare_expert_parallel
+from ..modules.switch_decoder_layer import DenseFFN, SwitchDecoderLayer
 from ..modules.switch_ffn import SwitchFFN
+from ..modules.switch_ffn_config import SwitchFFNConfig
+from .checkpoint_format import SWITCH_DECODER_UPGRADES, SWITCH_DECODER_VERSION, register_version, upgrade_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +115,7 @@ class SwitchTransformerDecoder(FairseqIncrementalDecoder):
         )
         self.layer_norm = LayerNorm(d) if normalize_before else None
         self.output_projection = nn.Linear(d, len(dictionary), bias=False) if cfg.untie_embeddings else None
+        register_version(self, SWITCH_DECODER_VERSION)  # checkpoint format: checkpoint_format.py
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -125,23 +129,16 @@ class SwitchTransformerDecoder(FairseqIncrementalDecoder):
     @staticmethod
     def _build_ffn(cfg: SwitchTransformerLMConfig, layer: int) -> nn.Module:
         if (layer + 1) % cfg.moe_freq == 0:
-            return build_switch_ffn(
-                cfg.moe_expert_parallel_size,
-                cfg.decoder_embed_dim,
-                cfg.decoder_ffn_embed_dim,
-                cfg.moe_experts,
-                capacity_factor=cfg.capacity_factor,
-                eval_capacity_factor=cfg.eval_capacity_factor,
-                activation_fn=str(cfg.activation_fn),
-                activation_dropout=cfg.activation_dropout,
-                jitter_eps=cfg.moe_jitter_eps,
-                max_experts=cfg.moe_max_experts,
-                z_loss=True,
-            )
+            return build_switch_ffn(switch_ffn_config(cfg), cfg.moe_expert_parallel_size)
         return DenseFFN(cfg.decoder_embed_dim, cfg.decoder_ffn_embed_dim, str(cfg.activation_fn), cfg.activation_dropout)
 
     def moe_layers(self) -> List[SwitchFFN]:
         return [layer.ffn for layer in self.layers if layer.is_moe]
+
+    def upgrade_state_dict_named(self, state_dict: Dict[str, Tensor], name: str) -> Dict[str, Tensor]:
+        """Called by fairseq before every load: older formats rewritten, newer ones refused."""
+        upgrade_state_dict(state_dict, name, SWITCH_DECODER_VERSION, SWITCH_DECODER_UPGRADES, "switch_transformer_lm")
+        return state_dict
 
     def forward(
         self,
@@ -201,36 +198,41 @@ class SwitchTransformerDecoder(FairseqIncrementalDecoder):
         return self.max_target_positions
 
 
-def _root_config(cfg: Any) -> Any:
-    """The whole fairseq config a model/task node belongs to (fairseq keeps parents on merge)."""
-    node = cfg
-    get_parent = getattr(node, "_get_parent", None)
-    while get_parent is not None and get_parent() is not None:
-        node = get_parent()
-        get_parent = getattr(node, "_get_parent", None)
-    return node
+def switch_ffn_config(cfg: SwitchTransformerLMConfig) -> SwitchFFNConfig:
+    """The Switch FFN of every MoE block, from the model flags (validated: one-line errors)."""
+    return SwitchFFNConfig(
+        embed_dim=cfg.decoder_embed_dim,
+        ffn_dim=cfg.decoder_ffn_embed_dim,
+        num_experts=cfg.moe_experts,
+        max_experts=cfg.moe_max_experts,
+        capacity_factor=cfg.capacity_factor,
+        eval_capacity_factor=cfg.eval_capacity_factor,
+        activation_fn=str(cfg.activation_fn),
+        activation_dropout=cfg.activation_dropout,
+        jitter_eps=cfg.moe_jitter_eps,
+        z_loss=True,
+    )
 
 
 def validate_config(cfg: SwitchTransformerLMConfig) -> None:
-    """One-line errors naming the flag and the accepted values (issue: bad input)."""
-    require(cfg.moe_experts >= 1, f"--moe-experts must be an integer >= 1 (got {cfg.moe_experts})")
+    """One-line errors naming the flag and the accepted values (issue: bad input).
+
+    The expert flags are checked by ``SwitchFFNConfig``; the criterion is read through
+    ``fairseq_config.section``, None when the model config stands alone (tests, a bare
+    dataclass): the check is then skipped.
+    """
+    switch_ffn_config(cfg)
     require(cfg.moe_freq >= 1, f"--moe-freq must be an integer >= 1 (got {cfg.moe_freq})")
-    require(cfg.capacity_factor > 0, f"--capacity-factor must be > 0, e.g. 1.0 (got {cfg.capacity_factor})")
-    require(
-        cfg.eval_capacity_factor is None or cfg.eval_capacity_factor > 0,
-        f"--eval-capacity-factor must be > 0, or left unset for no limit (got {cfg.eval_capacity_factor})",
-    )
-    require(
-        cfg.moe_max_experts is None or cfg.moe_max_experts >= cfg.moe_experts,
-        f"--moe-max-experts must be >= --moe-experts ({cfg.moe_experts}) (got {cfg.moe_max_experts})",
-    )
+    require(cfg.moe_freq <= cfg.decoder_layers,
+            f"--moe-freq {cfg.moe_freq} leaves the {cfg.decoder_layers} decoder layers without a "
+            f"Switch block (every {cfg.moe_freq}-th layer is one): use --moe-freq <= "
+            f"{cfg.decoder_layers}, or a dense --arch for a dense model")
     require(
         cfg.decoder_embed_dim % cfg.decoder_attention_heads == 0,
         f"--decoder-embed-dim ({cfg.decoder_embed_dim}) must be divisible by --decoder-attention-heads "
         f"({cfg.decoder_attention_heads})",
     )
-    root = _root_config(cfg)
-    criterion = root.get("criterion") if hasattr(root, "get") else None
+    criterion = section(cfg, "criterion")
     name = criterion.get("_name") if criterion is not None and hasattr(criterion, "get") else None
     if name is not None and name not in MOE_AWARE_CRITERIA:
         raise UsageError(

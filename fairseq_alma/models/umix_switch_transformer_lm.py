@@ -26,6 +26,12 @@ from torch import Tensor, nn
 
 from ..errors import require
 from ..modules.switch_ffn import SwitchFFN
+from .checkpoint_format import (
+    UMIX_DECODER_UPGRADES,
+    UMIX_DECODER_VERSION,
+    register_version,
+    upgrade_state_dict,
+)
 from .switch_transformer_lm import (
     DEFAULT_MAX_TARGET_POSITIONS,
     SwitchTransformerDecoder,
@@ -67,6 +73,15 @@ class UMixSwitchDecoder(FairseqIncrementalDecoder):
         self.members = nn.ModuleList(
             SwitchTransformerDecoder(cfg, dictionary) for _ in range(cfg.umix_members)
         )
+        # checkpoint format of the member arrangement; each member records its own as well
+        register_version(self, UMIX_DECODER_VERSION)
+
+    def upgrade_state_dict_named(self, state_dict: dict[str, Tensor], name: str) -> dict[str, Tensor]:
+        """Called by fairseq before every load (the members' entries are upgraded by the members)."""
+        upgrade_state_dict(
+            state_dict, name, UMIX_DECODER_VERSION, UMIX_DECODER_UPGRADES, "umix_switch_transformer_lm"
+        )
+        return state_dict
 
     def moe_layers(self) -> list[SwitchFFN]:
         """Every member's Switch layers, member by member (growth acts on each of them)."""

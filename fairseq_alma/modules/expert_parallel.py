@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from ..errors import UsageError, require
 from .switch_ffn import SwitchFFN
+from .switch_ffn_config import SwitchFFNConfig
 from .switch_routing import Top1Routing
 
 logger = logging.getLogger(__name__)
@@ -132,7 +133,7 @@ class _ScaleGrad(torch.autograd.Function):
 class ExpertParallelSwitchFFN(SwitchFFN):
     """``SwitchFFN`` whose experts are sharded over an expert-parallel group of G ranks.
 
-    Same arguments as SwitchFFN plus ``expert_parallel_size`` (G).  ``max_experts`` and
+    SwitchFFN's config plus ``expert_parallel_size`` (G).  ``max_experts`` and
     ``num_experts`` stay global counts; ``fc1_weight`` etc. hold this rank's
     ``max_experts / G`` slots (global expert ``e`` = local slot ``e // G`` of rank ``e % G``).
     The router is replicated; routing, capacity and auxiliary losses are SwitchFFN's on this
@@ -140,8 +141,8 @@ class ExpertParallelSwitchFFN(SwitchFFN):
     size that G divides; every rank of the group must call forward (and backward) for every batch.
     """
 
-    def __init__(self, *args: Any, expert_parallel_size: int, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)  # full-size init, so rank shards equal one process's
+    def __init__(self, cfg: SwitchFFNConfig, expert_parallel_size: int) -> None:
+        super().__init__(cfg)  # full-size init, so rank shards equal one process's
         size = expert_parallel_size
         require(size >= 2, f"--moe-expert-parallel-size must be >= 2 to shard experts (got {size})")
         require(
@@ -264,25 +265,20 @@ class ExpertParallelSwitchFFN(SwitchFFN):
         torch.autograd.Variable._execution_engine.queue_callback(average)
 
 
-def build_switch_ffn(
-    expert_parallel_size: int, embed_dim: int, ffn_dim: int, num_experts: int, **kwargs: Any
-) -> SwitchFFN:
-    """``SwitchFFN(embed_dim, ffn_dim, num_experts, **kwargs)``, sharded over
-    ``expert_parallel_size`` ranks when training runs on several processes.  A single process
-    (e.g. fairseq-eval-lm on a checkpoint of an expert-parallel run) holds all experts: the
-    checkpoint layout is the same."""
+def build_switch_ffn(cfg: SwitchFFNConfig, expert_parallel_size: int = 1) -> SwitchFFN:
+    """``SwitchFFN(cfg)``, sharded over ``expert_parallel_size`` ranks when training runs on
+    several processes.  A single process (e.g. fairseq-eval-lm on a checkpoint of an
+    expert-parallel run) holds all experts: the checkpoint layout is the same."""
     require(
         expert_parallel_size >= 1,
         f"--moe-expert-parallel-size must be an integer >= 1 (got {expert_parallel_size})",
     )
     if expert_parallel_size > 1:
         require(
-            num_experts % expert_parallel_size == 0,
-            f"--moe-experts ({num_experts}) must be divisible by --moe-expert-parallel-size "
+            cfg.num_experts % expert_parallel_size == 0,
+            f"--moe-experts ({cfg.num_experts}) must be divisible by --moe-expert-parallel-size "
             f"({expert_parallel_size}): every rank holds the same number of experts",
         )
     if expert_parallel_size == 1 or distributed_world_size() == 1:
-        return SwitchFFN(embed_dim, ffn_dim, num_experts, **kwargs)
-    return ExpertParallelSwitchFFN(
-        embed_dim, ffn_dim, num_experts, expert_parallel_size=expert_parallel_size, **kwargs
-    )
+        return SwitchFFN(cfg)
+    return ExpertParallelSwitchFFN(cfg, expert_parallel_size)

@@ -6,11 +6,11 @@ break three of its assumptions, each fixed here at the point fairseq offers for 
 - Gradient averaging.  legacy_ddp already skips parameters with ``param.expert`` (set by the
   layer); torch DDP (``--ddp-backend pytorch_ddp``/``c10d``) skips the names listed in
   ``model._ddp_params_and_buffers_to_ignore``, which ``prepare_expert_parallel`` fills.
-- Saving.  Only rank 0 writes checkpoints, but the expert shards are spread over the ranks, so
-  ``state_dict()`` is a collective (the layer gathers the full [E, ...] tensors).  fairseq lets
-  every rank call ``state_dict()`` during a save when
-  ``Trainer.always_call_state_dict_during_save_checkpoint`` is true (made for FSDP); we make it
-  true for models with expert shards.
+- Saving (the Trainer patch is in ``fairseq_patches.py``).  Only rank 0 writes checkpoints, but
+  the expert shards are spread over the ranks, so ``state_dict()`` is a collective (the layer
+  gathers the full [E, ...] tensors).  fairseq lets every rank call ``state_dict()`` during a
+  save when ``Trainer.always_call_state_dict_during_save_checkpoint`` is true (made for FSDP);
+  we make it true for models with expert shards.
 - Optimizer state.  Adam's moments of an expert shard live on its rank.  The optimizer's own
   state_dict hooks gather them to full [E, ...] tensors on save and keep this rank's rows on load,
   so a resumed run continues exactly, with any number of ranks, or one.
@@ -47,7 +47,9 @@ def prepare_expert_parallel(model: nn.Module) -> None:
     names = [name for name, param in model.named_parameters() if getattr(param, "expert", False)]
     ignored = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
     model._ddp_params_and_buffers_to_ignore = ignored + [n for n in names if n not in ignored]
-    install_trainer_hooks()
+    from ..fairseq_patches import install_expert_parallel_trainer
+
+    install_expert_parallel_trainer()
 
 
 def check_training_setup(cfg: Any) -> None:
@@ -71,31 +73,6 @@ def check_training_setup(cfg: Any) -> None:
         "--moe-expert-parallel-size > 1 cannot be used with --no-last-checkpoints: "
         "every rank takes part in each save",
     )
-
-
-def install_trainer_hooks() -> None:
-    """Extend two fairseq Trainer members (once per process); models without shards see no change."""
-    from fairseq.trainer import Trainer
-
-    if getattr(Trainer, "_alma_expert_parallel", False):
-        return
-    base_always_call = Trainer.always_call_state_dict_during_save_checkpoint.fget
-    base_build_optimizer = Trainer._build_optimizer
-
-    def always_call_state_dict(self: Any) -> bool:
-        return base_always_call(self) or bool(expert_parallel_layers(self._model))
-
-    def _build_optimizer(self: Any) -> None:
-        layers = expert_parallel_layers(self._model)
-        if layers:
-            check_training_setup(self.cfg)
-        base_build_optimizer(self)
-        if layers:
-            register_optimizer_hooks(innermost_torch_optimizer(self._optimizer), layers)
-
-    Trainer.always_call_state_dict_during_save_checkpoint = property(always_call_state_dict)
-    Trainer._build_optimizer = _build_optimizer
-    Trainer._alma_expert_parallel = True
 
 
 def innermost_torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:

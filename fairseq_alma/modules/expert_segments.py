@@ -21,8 +21,10 @@ is saved, exactly what the dense FFN keeps.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, Optional
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
@@ -34,40 +36,59 @@ class GradientPool:
     Why: torch has no caching allocator on CPU, and glibc serves every allocation above 32 MiB
     with a fresh mmap whose pages fault in on first write.  Stacked expert gradients are E times
     a dense layer's (256 MiB per weight at E = 64, d 512, f 2048); filling a fresh one took
-    134 ms against 14 ms for a reused one on our 2-core machines.  A stored storage is handed out
-    again only when nothing else holds it any more (the optimizer has set ``param.grad = None``,
-    as fairseq does every step); otherwise a new one is made, so gradient accumulation, DDP
-    buckets or a caller keeping ``.grad`` never see their memory overwritten.  Each hand-out is
-    a fresh tensor object, so autograd adopts it as ``.grad`` without copying.  Not used on GPU,
-    where the CUDA caching allocator already recycles memory.
+    134 ms against 14 ms for a reused one on our 2-core machines.
+
+    A block is handed out again only when nothing holds it any more (the optimizer has set
+    ``param.grad = None``, as fairseq does every step); otherwise a new block is made, so
+    gradient accumulation, DDP buckets, views, or a caller keeping ``.grad`` never see their
+    memory overwritten.  How that is known with public APIs only: each block is a numpy byte
+    array, and each hand-out wraps a fresh numpy view of it (``lease``) with ``torch.from_numpy``.
+    The tensor's storage owns the lease, so the lease lives exactly as long as any tensor or
+    view on that memory; the pool keeps only a weak reference to it.  The hand-out itself is a
+    fresh, non-view tensor (``set_`` on that storage) of any torch dtype, bfloat16 included, so
+    autograd adopts it as ``.grad`` without copying.  Not used on GPU, where the CUDA caching
+    allocator already recycles memory.
     """
 
+    ALIGNMENT = 64  # bytes, as torch's own CPU allocator (vectorised kernels and MKL like it)
+
     def __init__(self) -> None:
-        self._storages: dict[str, Any] = {}
+        self._blocks: dict[str, np.ndarray] = {}  # name -> aligned uint8 block
+        self._leases: dict[str, weakref.ref] = {}  # name -> the block's current hand-out
 
     def __deepcopy__(self, memo: dict) -> "GradientPool":
         return GradientPool()  # a copied module gets its own (empty) pool
 
     def __getstate__(self) -> dict:
-        return {"_storages": {}}
+        return {"_blocks": {}, "_leases": {}}
 
     def empty(self, name: str, shape: tuple[int, ...], ref: Tensor) -> Tensor:
         """An uninitialised contiguous tensor of ``shape`` with ``ref``'s dtype and device, on
         reused memory when possible.  A stored block at least as large is reused (its prefix), so
         batches whose kept-token count varies still hit the pool."""
-        numel = math.prod(shape)
-        if ref.device.type != "cpu" or not hasattr(torch._C, "_storage_Use_Count"):
+        if ref.device.type != "cpu":
             return ref.new_empty(shape)
-        nbytes = numel * ref.element_size()
-        storage = self._storages.get(name)
-        if storage is None or storage.nbytes() < nbytes or torch._C._storage_Use_Count(storage._cdata) != 1:
-            storage = torch.empty(numel, dtype=ref.dtype).untyped_storage()
-            self._storages[name] = storage
+        nbytes = math.prod(shape) * ref.element_size()
+        block = self._blocks.get(name)
+        lease = self._leases.get(name)
+        if block is None or block.nbytes < nbytes or (lease is not None and lease() is not None):
+            block = self._allocate(nbytes)
+            self._blocks[name] = block
+        view = block[:nbytes]  # a new ndarray object: the lease of this hand-out
+        self._leases[name] = weakref.ref(view)
+        storage = torch.from_numpy(view).untyped_storage()
         return torch.empty(0, dtype=ref.dtype).set_(storage, 0, shape)
 
     def empty_like(self, name: str, ref: Tensor) -> Tensor:
         """``empty(name, ref.shape, ref)``."""
         return self.empty(name, tuple(ref.shape), ref)
+
+    @classmethod
+    def _allocate(cls, nbytes: int) -> np.ndarray:
+        """A uint8 block of ``nbytes`` starting on an ``ALIGNMENT``-byte boundary."""
+        raw = np.empty(nbytes + cls.ALIGNMENT, dtype=np.uint8)
+        offset = -raw.ctypes.data % cls.ALIGNMENT
+        return raw[offset : offset + nbytes]
 
 
 class ReluExpertSegments(torch.autograd.Function):

@@ -22,7 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..errors import UsageError
 from .expert_segments import GradientPool, relu_expert_segments
+from .switch_ffn_config import SwitchFFNConfig
 from .switch_routing import Top1Routing, balance_loss, route_top1, router_z_loss, routing_diagnostics
 
 
@@ -54,61 +56,25 @@ def _activation(name: str, inplace: bool = False):
 class SwitchFFN(nn.Module):
     """Top-1 routed FFN experts with capacity, load balancing and diagnostics.
 
-    Args:
-        embed_dim: model width d.
-        ffn_dim: hidden width of every expert (the dense FFN's width).
-        num_experts: experts active at construction.
-        capacity_factor: training capacity factor (paper: 1.0).
-        eval_capacity_factor: capacity factor when ``not self.training``.  Default None = no
-            limit: at evaluation every token reaches its expert, so perplexity does not depend
-            on how the evaluation batches happen to be composed (alma-score and fairseq-eval-lm
-            batch differently yet must agree), and nothing is gained on CPU from dropping.
-            Set e.g. 2.0 (ST-MoE) to bound GPU memory and time on large evaluation batches.
-        activation_fn: relu (fairseq's transformer default), gelu or silu.
-        activation_dropout: dropout after the activation inside each expert.
-        jitter_eps: multiplicative router input noise U(1-eps, 1+eps) in training (Switch §2.4);
-            0 disables it.
-        max_experts: allocated expert slots (>= num_experts); slots beyond the active count are
-            switched on by growth.  Defaults to num_experts.
-        z_loss: also return the ST-MoE router z-loss.
+    ``cfg`` (switch_ffn_config.py) fixes sizes and routing; it is validated on construction.
+    ``cfg.num_experts`` is the count at construction, ``num_experts`` the live one (growth).
+    Sizes stay plain attributes (``embed_dim``, ``ffn_dim``, ``max_experts``) because growth,
+    FLOP counting and scoring read them; routing knobs are read from ``self.cfg`` on every call,
+    so ``layer.cfg = dataclasses.replace(layer.cfg, eval_capacity_factor=2.0)`` takes effect.
     """
 
-    def __init__(
-        self,
-        embed_dim: int,
-        ffn_dim: int,
-        num_experts: int,
-        capacity_factor: float = 1.0,
-        eval_capacity_factor: Optional[float] = None,
-        activation_fn: str = "relu",
-        activation_dropout: float = 0.0,
-        jitter_eps: float = 0.0,
-        max_experts: Optional[int] = None,
-        z_loss: bool = False,
-    ) -> None:
+    def __init__(self, cfg: SwitchFFNConfig) -> None:
         super().__init__()
-        max_experts = num_experts if max_experts is None else max_experts
-        if num_experts < 1:
-            raise ValueError(f"num_experts must be >= 1 (got {num_experts})")
-        if max_experts < num_experts:
-            raise ValueError(f"max_experts ({max_experts}) must be >= num_experts ({num_experts})")
-        for name, value in (("capacity_factor", capacity_factor), ("eval_capacity_factor", eval_capacity_factor)):
-            if value is not None and value <= 0:
-                raise ValueError(f"{name} must be > 0 (got {value})")
-        self.embed_dim = embed_dim
-        self.ffn_dim = ffn_dim
-        self.max_experts = max_experts
-        self.capacity_factor = capacity_factor
-        self.eval_capacity_factor = eval_capacity_factor
-        self.activation = _activation(activation_fn, inplace=True)
-        self.activation_name = activation_fn
-        # "auto" | "segments" | "batched": which expert kernel dispatch() runs (see there).
-        self.expert_kernel = "auto"
+        if not isinstance(cfg, SwitchFFNConfig):
+            raise TypeError(f"SwitchFFN takes one SwitchFFNConfig (got {type(cfg).__name__})")
+        self.cfg = cfg
+        self.embed_dim = cfg.embed_dim
+        self.ffn_dim = cfg.ffn_dim
+        self.max_experts = max_experts = cfg.slots
+        self.activation = _activation(cfg.activation_fn, inplace=True)
         self._grad_pool = GradientPool()  # CPU: expert-weight gradient memory reused (see there)
-        self.activation_dropout = activation_dropout
-        self.jitter_eps = jitter_eps
-        self.use_z_loss = z_loss
 
+        embed_dim, ffn_dim = cfg.embed_dim, cfg.ffn_dim
         self.router = nn.Linear(embed_dim, max_experts, bias=False)
         self.fc1_weight = nn.Parameter(torch.empty(max_experts, ffn_dim, embed_dim))  # (E, f, d)
         self.fc1_bias = nn.Parameter(torch.empty(max_experts, ffn_dim))  # (E, f)
@@ -116,8 +82,8 @@ class SwitchFFN(nn.Module):
         self.fc2_bias = nn.Parameter(torch.empty(max_experts, embed_dim))  # (E, d)
         # Active expert count: a buffer so checkpoints carry it, mirrored as a Python int so the
         # forward never reads a (possibly CUDA) tensor back to the host.
-        self.register_buffer("num_active", torch.tensor(num_experts, dtype=torch.long, device="cpu"))
-        self._num_active = num_experts
+        self.register_buffer("num_active", torch.tensor(cfg.num_experts, dtype=torch.long, device="cpu"))
+        self._num_active = cfg.num_experts
         # Growth (lm/growth.py) turns this on briefly to read which expert each token chose.
         self.record_expert_ids = False
         self.reset_parameters()
@@ -139,7 +105,7 @@ class SwitchFFN(nn.Module):
         if key in state_dict:
             count = int(state_dict[key])
             if count > self.max_experts:
-                raise ValueError(
+                raise UsageError(
                     f"checkpoint has {count} active experts in {prefix or 'SwitchFFN'} but only "
                     f"{self.max_experts} slots are allocated: raise --moe-max-experts"
                 )
@@ -161,8 +127,9 @@ class SwitchFFN(nn.Module):
     def router_logits(self, tokens: Tensor) -> Tensor:
         """(T, d) -> (T, E_active) float32 logits, with jitter noise in training."""
         x = tokens.float()
-        if self.training and self.jitter_eps > 0:
-            x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_eps, 1.0 + self.jitter_eps)
+        eps = self.cfg.jitter_eps
+        if self.training and eps > 0:
+            x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
         weight = self.router.weight[: self.num_experts].float()
         return F.linear(x, weight)
 
@@ -172,12 +139,12 @@ class SwitchFFN(nn.Module):
         tokens = x.reshape(-1, self.embed_dim)  # (T, d)
         valid = None if padding_mask is None else ~padding_mask.reshape(-1)
         logits = self.router_logits(tokens)  # (T, E) fp32
-        capacity_factor = self.capacity_factor if self.training else self.eval_capacity_factor
+        capacity_factor = self.cfg.capacity_factor if self.training else self.cfg.eval_capacity_factor
         routing = route_top1(logits, capacity_factor, valid)
         y = self.dispatch(tokens, routing)
         aux = SwitchAux(
             balance_loss=balance_loss(routing, valid),
-            z_loss=router_z_loss(logits, valid) if self.use_z_loss else None,
+            z_loss=router_z_loss(logits, valid) if self.cfg.z_loss else None,
             diagnostics=routing_diagnostics(routing, valid),
         )
         if self.record_expert_ids:
@@ -187,7 +154,7 @@ class SwitchFFN(nn.Module):
     def dispatch(self, tokens: Tensor, routing: Top1Routing) -> Tensor:
         """Run each kept token through its expert; dropped and padding tokens get 0.
 
-        Two kernels, chosen by ``self.expert_kernel`` ("auto" picks by device):
+        Two kernels, chosen by ``cfg.expert_kernel`` ("auto" picks by device):
 
         - ``segments`` (CPU with ReLU): kept tokens sorted by expert, one small matmul per
           expert in a fused autograd function (expert_segments.py).  On 2 CPU threads this is
@@ -223,14 +190,11 @@ class SwitchFFN(nn.Module):
         return y * gate
 
     def _segment_kernel(self, tokens: Tensor) -> bool:
-        """Whether ``dispatch`` uses the per-expert segment kernel (see ``expert_kernel``)."""
-        if self.expert_kernel == "auto":
-            return tokens.device.type == "cpu" and self.activation_name == "relu"
-        if self.expert_kernel not in ("segments", "batched"):
-            raise ValueError(f"expert_kernel must be auto, segments or batched (got {self.expert_kernel!r})")
-        if self.expert_kernel == "segments" and self.activation_name != "relu":
-            raise ValueError(f"the segments kernel fuses ReLU; use 'batched' for {self.activation_name}")
-        return self.expert_kernel == "segments"
+        """Whether ``dispatch`` uses the per-expert segment kernel (``cfg.expert_kernel``; the
+        config already refused "segments" with an activation other than ReLU)."""
+        if self.cfg.expert_kernel == "auto":
+            return tokens.device.type == "cpu" and self.cfg.activation_fn == "relu"
+        return self.cfg.expert_kernel == "segments"
 
     def _group_by_expert(self, routing: Top1Routing) -> tuple[Tensor, list[int]]:
         """Kept token ids grouped by expert (token order inside a group) and the group sizes."""
@@ -251,7 +215,7 @@ class SwitchFFN(nn.Module):
         the fused ReLU kernel when ``_segment_kernel`` says so, else plain autograd.  ``weights``
         are stacked (fc1_w, fc1_b, fc2_w, fc2_b); expert parallelism passes its local shards."""
         if self._segment_kernel(rows):
-            dropout_p = self.activation_dropout if self.training else 0.0
+            dropout_p = self.cfg.activation_dropout if self.training else 0.0
             return relu_expert_segments(rows, *weights, counts, dropout_p, self._grad_pool)
         return self._experts_autograd(rows, weights, counts)
 
@@ -266,7 +230,7 @@ class SwitchFFN(nn.Module):
                 continue
             seg = rows[start : start + count]  # (c, d)
             h = self.activation(F.linear(seg, fc1_w[e], fc1_b[e]))  # (c, f)
-            h = F.dropout(h, p=self.activation_dropout, training=self.training)
+            h = F.dropout(h, p=self.cfg.activation_dropout, training=self.training)
             outputs.append(F.linear(h, fc2_w[e], fc2_b[e]))  # (c, d)
             start += count
         return torch.cat(outputs) if outputs else rows * 0.0  # keep the graph even with no rows
@@ -277,7 +241,7 @@ class SwitchFFN(nn.Module):
         w1, b1, w2, b2 = self._active_weights(num_experts)
         buf = tokens.index_select(0, slot_token).view(num_experts, capacity, d)  # (E, C, d)
         h = torch.baddbmm(b1.unsqueeze(1), buf, w1.transpose(1, 2))  # (E, C, f)
-        h = F.dropout(self.activation(h), p=self.activation_dropout, training=self.training)
+        h = F.dropout(self.activation(h), p=self.cfg.activation_dropout, training=self.training)
         out = torch.baddbmm(b2.unsqueeze(1), h, w2.transpose(1, 2))  # (E, C, d)
         return out.view(num_experts * capacity, d).index_select(0, row)  # (T, d)
 

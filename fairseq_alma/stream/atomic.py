@@ -1,4 +1,4 @@
-"""Crash-safe file writes: write a temp file next to the target, fsync it, ``os.replace`` it.
+"""Crash-safe file writes: the one write helper of fairseq-alma (temp file, fsync, ``os.replace``).
 
 Why: an ALMA stream runs for days (paper App. B.2: 120k updates per stage, 4 stages) and may be
 killed at any point (pre-emption, Slurm requeue).  Every output it leaves behind (stage
@@ -75,6 +75,12 @@ def _atomic_write_with(
             pass
         raise
     _fsync_dir(directory)
+
+
+def atomic_write_stream(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> None:
+    """Replace ``path`` with whatever ``write(handle)`` writes (e.g. ``torch.save(obj, handle)``,
+    streamed: a multi-GB checkpoint never sits in memory twice)."""
+    _atomic_write_with(path, write, _default_mode())
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

@@ -34,6 +34,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import RunDirError
 from .atomic import atomic_write_text
 
 _INT_FIELDS = ("arrival", "stage", "megabatches_seen", "params_active")
@@ -49,10 +50,6 @@ _REQUIRED = (
     "wall_time",
 )
 _METRICS = ("eval_ppl", "eval_nll", "eval_tokens", "test_error")
-
-
-class StreamLogError(ValueError):
-    """A ``stream.jsonl`` that cannot be read; the message names the file and line."""
 
 
 def _is_int(value: Any) -> bool:
@@ -168,17 +165,17 @@ def write_records(path: str | os.PathLike, records: Iterable[ArrivalRecord]) -> 
 
 
 def read_records(path: str | os.PathLike) -> list[ArrivalRecord]:
-    """All records of a ``stream.jsonl``; a bad line raises ``StreamLogError`` naming file:line."""
+    """All records of a ``stream.jsonl``; a bad line raises ``RunDirError`` naming file:line."""
     path = os.fspath(path)
     try:
         with open(path, encoding="utf-8") as handle:
             lines = handle.readlines()
     except FileNotFoundError:
-        raise StreamLogError(
+        raise RunDirError(
             f"{path}: no such file; run the stream (fairseq-train --task alma_stream) first"
         ) from None
     except (OSError, UnicodeDecodeError) as err:
-        raise StreamLogError(f"{path}: cannot read ({err})") from None
+        raise RunDirError(f"{path}: cannot read ({err})") from None
     records: list[ArrivalRecord] = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -186,12 +183,12 @@ def read_records(path: str | os.PathLike) -> list[ArrivalRecord]:
         try:
             record = ArrivalRecord.from_json(json.loads(line))
         except (ValueError, TypeError) as err:  # json.JSONDecodeError is a ValueError
-            raise StreamLogError(
+            raise RunDirError(
                 f"{path}:{number}: malformed stream record ({err}); re-run the same training "
                 f"command to rewrite it from the checkpoint"
             ) from None
         if records and record.arrival <= records[-1].arrival:
-            raise StreamLogError(
+            raise RunDirError(
                 f"{path}:{number}: arrival {record.arrival} follows arrival {records[-1].arrival}; "
                 f"re-run the same training command to rewrite it from the checkpoint"
             )

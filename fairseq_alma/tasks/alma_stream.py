@@ -1,17 +1,28 @@
 """``alma_stream``: one ``fairseq-train`` runs a whole ALMA stream (paper §3, Algorithm 1; §5).
 
-A stage is fairseq's epoch.  ``load_dataset("train", epoch=s)`` returns the mega-batches stage s
-trains on (the w new ones, or all seen with --replay); its batch iterator yields exactly the
-stage's update budget; ``alma_stage_linear`` restarts the LR each stage.  fairseq asks for stage
-s+1's data right after saving the end of stage s: that is where the task keeps the stage
-checkpoint, evaluates the model on the evaluation mega-batch and the validation set, and writes
-one ``stream.jsonl`` record per arrival (arrivals without training repeat the model's numbers with
-``trained: false``).  Every step is a function of the checkpoint and the data, so the same command
-after a crash continues and writes the same files.
+A thin adapter between fairseq's training loop and the stream core (``fairseq_alma/stream``):
+
+* a stage is fairseq's epoch: ``load_dataset("train", epoch=s)`` returns the mega-batches stage
+  s trains on (``StreamPlan``: the w new ones, or all seen with --replay), and its batch
+  iterator yields exactly the stage's update budget (``lm/budget.py``);
+* stage-start actions (growth, fresh initialisation, optimizer reset) run at the stage's first
+  update (``train_step``);
+* fairseq asks for stage s+1's data right after saving the end of stage s: there the core's
+  stage-end protocol runs (``StreamProgress.close_stage``: keep ``checkpoint_stage{s}.pt``,
+  evaluate on the evaluation mega-batch and the validation set, write ``stream.jsonl``);
+* the core's progress travels in fairseq's checkpoint through the task's
+  ``get_checkpoint_dict``/``set_checkpoint_dict``, so the same command after a crash continues
+  and writes the same files.
+
+What only a training process does (``build_model`` without ``from_checkpoint``: open the run
+directory for writing, derive fairseq settings, take SIGUSR1/SIGTERM, the stage-start and
+stage-end work) lives in ``lm/stream_training.py``; ``fairseq-eval-lm``/``alma-score`` loading
+a checkpoint through this task change nothing.
+With ``--arch alma_vision`` (a vision stream) the task hands over to the vision learner
+(``vision/fairseq_entry.py``).
 """
 
 import logging
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -23,24 +34,18 @@ from fairseq.tasks import register_task
 from fairseq.tasks.language_modeling import LanguageModelingConfig, LanguageModelingTask
 from omegaconf import II
 
-from ..errors import UsageError, require
-from ..lm.atomic_checkpoints import install as install_atomic_checkpoint_copies
-from ..lm.atomic_checkpoints import remove_stale_temporaries
+from ..errors import DataError, require
 from ..lm.budget import fixed_budget_batches
-from ..lm.evaluate import evaluate_nll
-from ..lm.preemption import PreemptionStop
-from ..lm.stage_checkpoints import materialize_stage_checkpoint
+from ..lm.growth import parse_growth_plan
 from ..optim.alma_stage_linear import stage_budget
-from ..stream.records import ArrivalRecord, read_records, write_records
-from ..stream.schedule import arrival_table, build_schedule
-from ..vision.task_backend import VisionStreamTask
-from ..vision.task_config import VisionStreamFields
+from ..ranks import all_ranks_stop
+from ..stream.progress import StreamPlan
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class AlmaStreamConfig(LanguageModelingConfig, VisionStreamFields):
+class AlmaStreamConfig(LanguageModelingConfig):
     wait: int = field(default=1, metadata={"help": "waiting time w: mega-batches aggregated per stage (paper §3)"})
     replay: bool = field(default=False, metadata={"help": "train each stage on every mega-batch seen so far"})
     updates_per_stage: int = field(default=120000, metadata={"help": "updates per stage U (paper §5: 120,000)"})
@@ -60,8 +65,11 @@ class AlmaStreamConfig(LanguageModelingConfig, VisionStreamFields):
         default="", metadata={"help": "stages at whose start to grow, e.g. '2,3,4'; default: every stage after the first"}
     )
     eval_subset: str = field(default="eval", metadata={"help": "split scored after every arrival (the evaluation mega-batch)"})
-    stream_log: str = field(default="stream.jsonl", metadata={"help": "per-arrival records, in --save-dir"})
+    restart_stream: bool = field(default=False, metadata={"help": (
+        "start the stream again in a --save-dir that holds another run: its files are moved to "
+        "SAVE_DIR/replaced-<time>/ (nothing is deleted); without it such a directory is refused")})
     save_dir: str = II("checkpoint.save_dir")
+    max_epoch: int = II("optimization.max_epoch")
     max_tokens_valid: Optional[int] = II("dataset.max_tokens_valid")
     max_tokens: Optional[int] = II("dataset.max_tokens")
     required_batch_size_multiple: int = II("dataset.required_batch_size_multiple")
@@ -71,123 +79,56 @@ class AlmaStreamConfig(LanguageModelingConfig, VisionStreamFields):
 
 
 def _verify_stream_dir(data: str) -> dict:
-    from data_prep.manifest import StreamDataError, verify_stream_dir
+    from data_prep.manifest import verify_stream_dir
 
-    try:
-        return verify_stream_dir(data)
-    except StreamDataError as exc:
-        raise UsageError(str(exc)) from None
-
-
-def _training_seconds() -> float:
-    """Wall-clock seconds the run has spent so far: fairseq's ``wall`` meter, which the trainer
-    starts at launch and carries over resumes in its checkpointed metrics (so a requeued run
-    does not count the time it sat in the queue)."""
-    from fairseq.logging import metrics as fairseq_metrics
-
-    meter = fairseq_metrics.get_meter("default", "wall")
-    return round(float(meter.elapsed_time), 3) if meter is not None else 0.0
-
-
-def _root(cfg: Any) -> Any:
-    node = cfg
-    while getattr(node, "_get_parent", None) is not None and node._get_parent() is not None:
-        node = node._get_parent()
-    return node
+    return verify_stream_dir(data)
 
 
 @register_task("alma_stream", dataclass=AlmaStreamConfig)
 class AlmaStreamTask(LanguageModelingTask):
-    """Language-model ALMA stream over an ``alma-data-prep`` directory."""
+    """Language-model ALMA stream over an ``alma-data-prep`` directory (module doc)."""
 
     def __init__(self, cfg: AlmaStreamConfig, dictionary: Dictionary, manifest: dict) -> None:
         super().__init__(cfg, dictionary)
         self.cfg = cfg  # LanguageModelingTask is a legacy task: it only sets self.args
         self.manifest = manifest
-        self.num_megabatches = int(manifest["num_megabatches"])
-        self.schedule = build_schedule(self.num_megabatches, cfg.wait, cfg.replay)
-        self.arrivals = arrival_table(self.schedule, self.num_megabatches)
+        self.plan = StreamPlan(int(manifest["num_megabatches"]), cfg.wait, cfg.replay)
         self.budget = stage_budget(cfg.updates_per_stage, cfg.wait, cfg.scale_updates_by_wait)
+        self.growth_plan = parse_growth_plan(cfg.grow_experts, cfg.grow_at_stages, self.plan.num_stages)
         self.model: Any = None
         self.stage_tokens: Dict[int, int] = {}
-        self.records: Dict[int, ArrivalRecord] = {}
-        self._started_stage = 0
-        self.growth_plan = self._growth_plan(cfg)
+        self.training: Any = None  # set when this process trains (build_model)
 
     @classmethod
-    def setup_task(cls, cfg: AlmaStreamConfig, **kwargs: Any) -> "AlmaStreamTask":
-        if cfg.vision_dataset:
-            return VisionStreamTask.setup_task(cfg, **kwargs)
+    def setup_task(cls, cfg: AlmaStreamConfig, **kwargs: Any) -> Any:
+        from ..fairseq_config import model_name
+
+        if model_name(cfg) == "alma_vision":  # a vision stream (--arch alma_vision --vision-dataset)
+            from ..vision.fairseq_entry import VisionStreamEntry
+
+            return VisionStreamEntry.setup_task(cfg, **kwargs)
         require(cfg.data is not None, "the stream directory (DATA) is required")
-        manifest = _verify_stream_dir(cfg.data.split(os.pathsep)[0])
-        num = int(manifest["num_megabatches"])
-        require(1 <= cfg.wait <= num, f"--wait must be in [1, {num}] (the stream's mega-batches); got {cfg.wait}")
+        data = cfg.data.split(os.pathsep)[0]
+        manifest = _verify_stream_dir(data)
         require(cfg.updates_per_stage >= 1, f"--updates-per-stage must be >= 1 (got {cfg.updates_per_stage})")
-        dictionary = Dictionary.load(os.path.join(cfg.data.split(os.pathsep)[0], "dict.txt"))
-        install_atomic_checkpoint_copies()
-        if os.path.isdir(cfg.save_dir) and AlmaStreamTask._is_master():
-            remove_stale_temporaries(cfg.save_dir)
-        task = cls(cfg, dictionary, manifest)
-        task._set_max_epoch(cfg)
-        task._stop = PreemptionStop(_root(cfg))
-        return task
+        dictionary = Dictionary.load(os.path.join(data, "dict.txt"))
+        return cls(cfg, dictionary, manifest)
 
-    def _set_max_epoch(self, cfg: AlmaStreamConfig) -> None:
-        """fairseq-train stops after --max-epoch epochs; a stream has exactly len(schedule).
-
-        ``ALMA_STOP_AFTER_STAGE=t`` (set by ``alma-sweep --chain-stages``) ends this process after
-        stage t; the same command run again continues with stage t+1.
-        """
-        root = _root(cfg)
-        optimization = root.get("optimization") if hasattr(root, "get") else None
-        if optimization is None:
-            return
-        stages = len(self.schedule)
-        given = optimization.get("max_epoch") or 0
-        require(given <= stages, f"--max-epoch must be <= {stages} (the stream's stages); got {given}")
-        # fairseq 0.12 broadcasts a resumed checkpoint to the other ranks with torch.load, whose
-        # weights_only default (torch >= 2.6) rejects fairseq's config objects; loading the
-        # checkpoint file on every rank avoids the broadcast, so multi-process streams resume.
-        checkpoint = root.get("checkpoint") if hasattr(root, "get") else None
-        if checkpoint is not None and "load_checkpoint_on_all_dp_ranks" in checkpoint:
-            checkpoint.load_checkpoint_on_all_dp_ranks = True
-        limit = given or stages
-        env = os.environ.get("ALMA_STOP_AFTER_STAGE", "").strip()
-        if env:
-            require(env.isdigit() and int(env) >= 1, f"ALMA_STOP_AFTER_STAGE must be a stage number >= 1 (got {env!r})")
-            limit = min(limit, int(env))
-        optimization.max_epoch = limit
-
-    def _growth_plan(self, cfg: AlmaStreamConfig) -> Dict[int, int]:
-        """{stage: experts to copy per MoE block} from --grow-experts / --grow-at-stages."""
-        if not cfg.grow_experts.strip():
-            return {}
-        try:
-            counts = [int(k) for k in cfg.grow_experts.split(",")]
-            stages = [int(s) for s in cfg.grow_at_stages.split(",")] if cfg.grow_at_stages.strip() else None
-        except ValueError:
-            raise UsageError(f"--grow-experts/--grow-at-stages take comma-separated integers (got "
-                             f"{cfg.grow_experts!r} / {cfg.grow_at_stages!r})") from None
-        stages = stages or list(range(2, len(self.schedule) + 1))
-        require(all(2 <= s <= len(self.schedule) for s in stages),
-                f"--grow-at-stages must list stages in [2, {len(self.schedule)}] (got {cfg.grow_at_stages!r})")
-        if len(counts) == 1:
-            counts = counts * len(stages)
-        require(len(counts) == len(stages) and all(k >= 1 for k in counts),
-                f"--grow-experts needs one k >= 1, or one per growth stage ({len(stages)}); got {cfg.grow_experts!r}")
-        return dict(zip(stages, counts))
-
-    # ---- model -------------------------------------------------------------------------
+    # ---- model; the start of training --------------------------------------------------
     def build_model(self, cfg: Any, from_checkpoint: bool = False) -> Any:
         model = super().build_model(cfg, from_checkpoint)
         self.model = model  # the same module fairseq trains (moved/cast in place by the Trainer)
-        if self.growth_plan and hasattr(model, "moe_layers"):
-            layers = model.moe_layers()
+        if self.growth_plan:
+            layers = model.moe_layers() if hasattr(model, "moe_layers") else []
             require(bool(layers), "--grow-experts needs a model with MoE blocks")
             final = layers[0].num_experts + sum(self.growth_plan.values())
             require(layers[0].max_experts >= final,
                     f"--moe-max-experts must be >= {final} to grow by --grow-experts {self.cfg.grow_experts} "
                     f"(allocated: {layers[0].max_experts})")
+        if not from_checkpoint:
+            from ..lm.stream_training import StreamTraining
+
+            self.training = StreamTraining(self)
         return model
 
     # ---- data --------------------------------------------------------------------------
@@ -195,19 +136,25 @@ class AlmaStreamTask(LanguageModelingTask):
         if split != "train":
             super().load_dataset(split, epoch=epoch, combine=False, **kwargs)
             return
-        self._finish_stages_before(epoch)
-        stage = min(epoch, len(self.schedule))
-        self.datasets["train"] = self._stage_dataset(stage)
+        self.datasets["train"] = self._stage_dataset(min(epoch, self.plan.num_stages))
+        if self.training is not None:
+            self.training.stage_boundary(epoch - 1)
 
     def _stage_dataset(self, stage: int) -> Any:
         """The mega-batches ``stage`` trains on (new ones, or all seen with --replay), concatenated."""
         parts = []
-        for k in self.schedule[stage - 1].train_megabatches:
+        for k in self.plan.stage(stage).train_megabatches:
             name = f"megabatch{k}"
             if name not in self.datasets:
                 super().load_dataset(name, epoch=1, combine=False)
             parts.append(self.datasets[name])
         return parts[0] if len(parts) == 1 else ConcatDataset(parts)
+
+    def dataset_split(self, name: str) -> Any:
+        """A fixed split (eval, valid), loaded once."""
+        if name not in self.datasets:
+            super().load_dataset(name, epoch=1, combine=False)
+        return self.datasets[name]
 
     def has_sharded_data(self, split: str) -> bool:
         return split == "train"  # a new dataset every epoch (= stage)
@@ -223,7 +170,7 @@ class AlmaStreamTask(LanguageModelingTask):
                 ignore_invalid_inputs=ignore_invalid_inputs, required_batch_size_multiple=required_batch_size_multiple,
                 seed=seed, num_shards=num_shards, shard_id=shard_id, num_workers=num_workers, epoch=epoch,
                 data_buffer_size=data_buffer_size, **kwargs)
-        stage = min(epoch, len(self.schedule))
+        stage = min(epoch, self.plan.num_stages)
         batches = self._stage_batches(stage, dataset, max_tokens, max_sentences, required_batch_size_multiple,
                                       seed, num_shards)
         return iterators.EpochBatchIterator(
@@ -244,7 +191,7 @@ class AlmaStreamTask(LanguageModelingTask):
         self.stage_tokens[stage] = int(sum(dataset.sizes[b].sum() for b in batches))
         return batches
 
-    def _train_tokens(self, stage: int) -> int:
+    def train_tokens(self, stage: int) -> int:
         """Tokens trained on in ``stage``: a function of the stage and the batching flags, so a
         resumed run records the same cumulative compute as an uninterrupted one."""
         if stage not in self.stage_tokens:
@@ -252,117 +199,44 @@ class AlmaStreamTask(LanguageModelingTask):
                                 self.cfg.required_batch_size_multiple, self.cfg.seed, self.cfg.distributed_world_size)
         return self.stage_tokens[stage]
 
-    # ---- stage start -------------------------------------------------------------------
+    # ---- training hooks ----------------------------------------------------------------
     def train_step(self, sample: Any, model: Any, criterion: Any, optimizer: Any, update_num: int,
                    ignore_grad: bool = False) -> Any:
-        self._stop.check(update_num)
-        stage = update_num // self.budget + 1
-        if update_num % self.budget == 0 and self._started_stage < stage:
-            self._start_stage(stage, optimizer)
+        if self.training is not None:
+            self.training.before_update(update_num, optimizer)
         return super().train_step(sample, model, criterion, optimizer, update_num, ignore_grad)
 
-    def _start_stage(self, stage: int, optimizer: Any) -> None:
-        """Stage-start actions, taken once, at the stage's first update (never again on resume)."""
-        from ..lm.stage_start import reinitialize, reset_optimizer_state
+    def begin_epoch(self, epoch: int, model: Any) -> None:
+        super().begin_epoch(epoch, model)
+        if self.training is not None:
+            self.training.resolve_start()
 
-        self._started_stage = stage
-        if stage in self.growth_plan:
-            self._grow(stage, optimizer)
-        if stage > 1 and self.cfg.stage_init == "scratch":
-            reinitialize(self.model, seed=self.cfg.seed * 1000 + stage)
-            reset_optimizer_state(optimizer, model=self.model)
-        elif stage > 1 and self.cfg.reset_optimizer_each_stage:
-            reset_optimizer_state(optimizer, model=None)
+    def stop_requested(self, num_updates: int) -> bool:
+        """Asked by ``fairseq_patches.install_requeue_save`` after every update."""
+        return self.training is not None and all_ranks_stop(self.training.stop.requested, num_updates)
 
-    def _grow(self, stage: int, optimizer: Any) -> None:
-        from ..lm.growth import grow_experts
-        from ..stream.atomic import atomic_write_text
+    def state_dict(self) -> Dict[str, Any]:
+        """fairseq keeps this in every checkpoint (``task_state``): the dictionary trained with."""
+        return {"dictionary_sha256": self.manifest["dictionary"]["sha256"]}
 
-        if "valid" not in self.datasets:
-            super().load_dataset("valid", epoch=1, combine=False)
-        batch = self.cfg.batch_size_valid or self.cfg.batch_size or 8
-        info = grow_experts(self.model, self, self.datasets["valid"], self.growth_plan[stage], batch, optimizer,
-                            seed=self.cfg.seed * 100 + stage)
-        info = {"stage": stage, **info, "params_active": int(self.model.parameter_counts()["active"])}
-        if self._is_master():
-            import json
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """fairseq calls this when it loads a checkpoint through the task (alma-score,
+        fairseq-eval-lm): a checkpoint trained with another dictionary would score every token
+        against the wrong ids, so it is refused."""
+        trained = (state_dict or {}).get("dictionary_sha256")
+        here = self.manifest["dictionary"]["sha256"]
+        if trained and trained != here:
+            data = os.path.join(self.cfg.data.split(os.pathsep)[0], "dict.txt")
+            raise DataError(f"the checkpoint was trained with another dictionary (sha256 {trained[:12]}) "
+                            f"than {data} (sha256 {here[:12]}); score it on the stream it was trained on")
 
-            path = os.path.join(self.cfg.save_dir, "growth.jsonl")
-            kept = []
-            if os.path.exists(path):  # a resumed run may redo a growth step: replace, never duplicate
-                kept = [line for line in open(path, encoding="utf-8").read().splitlines()
-                        if line.strip() and json.loads(line)["stage"] < stage]
-            atomic_write_text(path, "\n".join(kept + [json.dumps(info)]) + "\n")
+    def get_checkpoint_dict(self) -> Dict[str, Any]:
+        """The stream core's progress, saved inside fairseq's checkpoint (extra_state)."""
+        if self.training is None:
+            return {}
+        return {type(self).__name__: self.training.state_dict()}
 
-    # ---- stage end: checkpoint, evaluation, records --------------------------------------
-    def _finish_stages_before(self, epoch: int) -> None:
-        """Arrival records (and stage checkpoints) for everything before stage ``epoch``."""
-        if self.model is None:
-            return
-        self._load_records()
-        done_stage = min(epoch - 1, len(self.schedule))
-        if done_stage >= 1 and self._is_master():
-            materialize_stage_checkpoint(self.cfg.save_dir, done_stage, {"stage": done_stage,
-                                         "arrival": self.schedule[done_stage - 1].arrival})
-        next_arrival = self.schedule[done_stage].arrival if done_stage < len(self.schedule) else self.num_megabatches + 1
-        pending = [a for a in self.arrivals if a.stage == done_stage and a.arrival < next_arrival
-                   and a.arrival not in self.records]
-        if pending:
-            metrics = self._evaluate()
-            for info in pending:
-                self.records[info.arrival] = self._record(info, metrics)
-            self._write_records()
-
-    def _evaluate(self) -> Dict[str, float]:
-        out: Dict[str, float] = {}
-        batch = self.cfg.batch_size_valid or self.cfg.batch_size or 8
-        for name, key in ((self.cfg.eval_subset, "eval"), ("valid", "valid")):
-            if name not in self.datasets:
-                super().load_dataset(name, epoch=1, combine=False)
-            nll, ntok = evaluate_nll(self.model, self, self.datasets[name], batch, self.cfg.max_tokens_valid)
-            out[f"{key}_nll"] = nll / max(ntok, 1)
-            out[f"{key}_tokens"] = ntok
-            out[f"{key}_ppl"] = math.exp(min(out[f"{key}_nll"], 700.0))
-        return out
-
-    def _record(self, info: Any, metrics: Dict[str, float]) -> ArrivalRecord:
-        from ..lm.flops import model_flops
-
-        counts = self.model.parameter_counts() if hasattr(self.model, "parameter_counts") else {}
-        params = counts.get("active", sum(p.numel() for p in self.model.parameters()))
-        train_tokens = sum(self._train_tokens(s.index) for s in self.schedule[: info.stage])
-        infer, train = model_flops(self.model, self.cfg.tokens_per_sample, train_tokens)
-        return ArrivalRecord(
-            arrival=info.arrival, stage=info.stage, trained=info.trained, megabatches_seen=info.megabatches_seen,
-            params_active=int(params), train_flops_cum=float(train), infer_flops_per_example=float(infer),
-            wall_time=_training_seconds(), eval_ppl=metrics["eval_ppl"], eval_nll=metrics["eval_nll"],
-            eval_tokens=int(metrics["eval_tokens"]),
-            valid={"valid_ppl": metrics["valid_ppl"], "valid_nll": metrics["valid_nll"]},
-            extra={"train_tokens_cum": train_tokens})
-
-    def _log_path(self) -> str:
-        return os.path.join(self.cfg.save_dir, self.cfg.stream_log)
-
-    def _load_records(self) -> None:
-        """Records of a resumed run; a fresh run (no checkpoint_last.pt) starts a new log."""
-        if self.records or not os.path.exists(self._log_path()):
-            return
-        if not os.path.exists(os.path.join(self.cfg.save_dir, "checkpoint_last.pt")):
-            return
-        self.records = {r.arrival: r for r in read_records(self._log_path())}
-
-    def _write_records(self) -> None:
-        if not self._is_master():
-            return
-        os.makedirs(self.cfg.save_dir, exist_ok=True)
-        ordered = [self.records[a] for a in sorted(self.records)]
-        write_records(self._log_path(), ordered)
-        from ..lm.tensorboard import log_arrivals
-
-        log_arrivals(self.cfg.tensorboard_logdir, ordered)
-
-    @staticmethod
-    def _is_master() -> bool:
-        import torch.distributed as dist
-
-        return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    def set_checkpoint_dict(self, state: Dict[str, Any]) -> None:
+        """Called by fairseq after it restored the model and the epoch iterator."""
+        if self.training is not None:
+            self.training.load_state_dict(state)

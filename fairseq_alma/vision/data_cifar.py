@@ -12,7 +12,7 @@ import pickle
 
 import numpy as np
 
-from ..errors import UsageError
+from ..errors import DataError
 from .data import VisionData, from_arrays
 
 TRAIN_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6))
@@ -39,7 +39,7 @@ class _ArrayOnlyUnpickler(pickle.Unpickler):
 def read_batch(path: str) -> tuple[np.ndarray, np.ndarray]:
     """One pickle batch as ``(images (N, 3, 32, 32) uint8, labels (N,) int64)``."""
     if not os.path.isfile(path):
-        raise UsageError(
+        raise DataError(
             f"{path}: missing CIFAR-10 batch file; the directory needs "
             + ", ".join(TRAIN_BATCHES + (TEST_BATCH,))
         )
@@ -47,18 +47,18 @@ def read_batch(path: str) -> tuple[np.ndarray, np.ndarray]:
         with open(path, "rb") as handle:
             batch = _ArrayOnlyUnpickler(handle, encoding="bytes").load()
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as err:
-        raise UsageError(f"{path}: not a CIFAR-10 python pickle batch ({err})") from None
+        raise DataError(f"{path}: not a CIFAR-10 python pickle batch ({err})") from None
     if not isinstance(batch, dict):
-        raise UsageError(f"{path}: not a CIFAR-10 batch (expected a pickled dict)")
+        raise DataError(f"{path}: not a CIFAR-10 batch (expected a pickled dict)")
     batch = {k.decode() if isinstance(k, bytes) else k: v for k, v in batch.items()}
     if "data" not in batch or "labels" not in batch:
-        raise UsageError(f"{path}: CIFAR-10 batch lacks 'data' or 'labels'")
+        raise DataError(f"{path}: CIFAR-10 batch lacks 'data' or 'labels'")
     data = np.asarray(batch["data"])
     labels = np.asarray(batch["labels"], dtype=np.int64)
     if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or data.dtype != np.uint8:
-        raise UsageError(f"{path}: 'data' must be N x 3072 uint8, got {data.shape} {data.dtype}")
+        raise DataError(f"{path}: 'data' must be N x 3072 uint8, got {data.shape} {data.dtype}")
     if data.shape[0] != labels.shape[0]:
-        raise UsageError(
+        raise DataError(
             f"{path}: {data.shape[0]} images but {labels.shape[0]} labels; the counts must match"
         )
     return data.reshape(-1, 3, 32, 32), labels
@@ -70,9 +70,9 @@ def load_cifar10(directory: str) -> VisionData:
     if os.path.isdir(nested):
         directory = nested
     if not os.path.isdir(directory):
-        raise UsageError(f"{directory}: not a directory (expected the CIFAR-10 batch files inside)")
+        raise DataError(f"{directory}: not a directory (expected the CIFAR-10 batch files inside)")
     train = [read_batch(os.path.join(directory, name)) for name in TRAIN_BATCHES]
     x_test, y_test = read_batch(os.path.join(directory, TEST_BATCH))
     x_train = np.concatenate([x for x, _ in train])
     y_train = np.concatenate([y for _, y in train])
-    return from_arrays(f"cifar10:{directory}", x_train, y_train, x_test, y_test)
+    return from_arrays(f"cifar10:{directory}", x_train, y_train, x_test, y_test, num_classes=10)

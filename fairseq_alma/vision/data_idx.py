@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 
-from ..errors import UsageError
+from ..errors import DataError
 from .data import VisionData, from_arrays
 
 IMAGES_MAGIC = 0x00000803
@@ -32,29 +32,29 @@ def _read_bytes(path: str) -> bytes:
         with opener(path, "rb") as handle:
             return handle.read()
     except (OSError, EOFError) as err:  # gzip.BadGzipFile is an OSError
-        raise UsageError(f"{path}: cannot read ({err})") from None
+        raise DataError(f"{path}: cannot read ({err})") from None
 
 
 def read_idx(path: str, expected_magic: int) -> np.ndarray:
     """Read one IDX file as a uint8 array, checking magic number and size against the header."""
     raw = _read_bytes(path)
     if len(raw) < 4:
-        raise UsageError(f"{path}: too short to be an IDX file")
+        raise DataError(f"{path}: too short to be an IDX file")
     magic = int.from_bytes(raw[:4], "big")
     if magic != expected_magic:
         kind = "image" if expected_magic == IMAGES_MAGIC else "label"
-        raise UsageError(
+        raise DataError(
             f"{path}: wrong IDX magic number 0x{magic:08x} (an MNIST {kind} file starts with "
             f"0x{expected_magic:08x}); is this the right file?"
         )
     ndim = raw[3]
     header = 4 + 4 * ndim
     if len(raw) < header:
-        raise UsageError(f"{path}: truncated IDX header")
+        raise DataError(f"{path}: truncated IDX header")
     dims = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
     expected = header + int(np.prod(dims))
     if len(raw) != expected:
-        raise UsageError(
+        raise DataError(
             f"{path}: header promises {dims} bytes of data ({expected} bytes in all) but the file "
             f"has {len(raw)} bytes; the file is truncated or corrupt"
         )
@@ -71,7 +71,7 @@ def _find(directory: str, stem: str) -> str:
         candidate = os.path.join(directory, name)
         if os.path.isfile(candidate):
             return candidate
-    raise UsageError(
+    raise DataError(
         f"{os.path.join(directory, stem)}[.gz]: missing; an MNIST directory needs "
         + ", ".join(MNIST_FILES.values())
     )
@@ -80,16 +80,16 @@ def _find(directory: str, stem: str) -> str:
 def load_mnist(directory: str) -> VisionData:
     """Load the four MNIST IDX files from ``directory`` as (N, 1, 28, 28) images in [0, 1]."""
     if not os.path.isdir(directory):
-        raise UsageError(f"{directory}: not a directory (expected the MNIST IDX files inside)")
+        raise DataError(f"{directory}: not a directory (expected the MNIST IDX files inside)")
     paths = {key: _find(directory, stem) for key, stem in MNIST_FILES.items()}
     arrays = {}
     for split in ("train", "test"):
         images = read_idx(paths[f"{split}_images"], IMAGES_MAGIC)
         labels = read_idx(paths[f"{split}_labels"], LABELS_MAGIC)
         if images.shape[0] != labels.shape[0]:
-            raise UsageError(
+            raise DataError(
                 f"{paths[f'{split}_images']}: {images.shape[0]} images but "
                 f"{paths[f'{split}_labels']} has {labels.shape[0]} labels; the counts must match"
             )
         arrays[split] = (images[:, None].copy(), labels.astype(np.int64))
-    return from_arrays(f"mnist:{directory}", *arrays["train"], *arrays["test"])
+    return from_arrays(f"mnist:{directory}", *arrays["train"], *arrays["test"], num_classes=10)

@@ -15,6 +15,9 @@ One forward/backward pass over a network holding all new candidates with zero ou
 ``units`` best candidates.  App. B.1: "at every growth phase, we add approximately a quarter of
 the initial number of parameters" (linear, not Firefly's exponential growth), so ``units`` is
 chosen to add ≈ ``growth_rate`` × the initial parameter count at every step.
+
+New units' random weights are drawn on the CPU generator (the same draws on every device) and
+then placed on the device and in the dtype of the tensor they extend.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ def _fit(values: Tensor, shape: tuple[int, ...], dim: int) -> Tensor:
 
 def _append(unit: UnitTensor, values: Tensor) -> None:
     tensor = unit.tensor
-    values = _fit(values.to(tensor.dtype), tuple(tensor.shape), unit.dim)
+    values = _fit(values.to(tensor.device, tensor.dtype), tuple(tensor.shape), unit.dim)
     grown = torch.cat([tensor.detach(), values], dim=unit.dim)
     setattr(
         unit.module, unit.name, nn.Parameter(grown) if isinstance(tensor, nn.Parameter) else grown
@@ -107,7 +110,7 @@ def _candidate_gradients(
         for unit in layer.consumers:
             shape = list(unit.tensor.shape)
             shape[unit.dim] = count
-            _append(unit, torch.zeros(shape))
+            _append(unit, unit.tensor.new_zeros(shape))
     wide.train()
     wide.zero_grad(set_to_none=True)
     for start in range(0, x.shape[0], SCORE_CHUNK):
@@ -224,7 +227,7 @@ def units_for_growth(model: nn.Module, target_params: float) -> int:
             for unit in layer.producers + layer.consumers:
                 shape = list(unit.tensor.shape)
                 shape[unit.dim] = units
-                _append(unit, torch.zeros(shape))
+                _append(unit, unit.tensor.new_zeros(shape))
         gap = count_parameters(trial) - before - target_params
         if abs(gap) < best_gap:
             best_units, best_gap = units, abs(gap)

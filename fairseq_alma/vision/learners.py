@@ -7,6 +7,11 @@ members (N = 1 for SM), so Ens/UMix run as one batched model, not N models.
 Growing architectures (§4.2): gEns (one new member per stage trained on the stage's data, older
 members frozen), gMoE (tree-gated experts, the losing expert split at every stage, App. A) and FF
 (Firefly width growth, linear in parameters, App. B.1); they live in ``learners_growing``.
+
+Devices: ``learner.to(device)`` works at any time, before or after growth.  Randomness comes from
+the learner's CPU ``generator`` on every device (CPU numbers never change and a CUDA run makes
+the same draws); whatever growth creates is placed on ``learner.device`` in ``learner.dtype``.
+Log-probabilities are computed in float32 when autocast hands back fp16/bf16 logits.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import UsageError
+from .devices import placement, upcast
 from .flops import count_forward_macs, count_parameters, inference_flops
 from .models import build_backbone
 from .models_moe import GATINGS
@@ -89,6 +95,16 @@ class Learner(nn.Module):
         self.independent_members = 0  # > 0: the trainer gives each member its own data order
         self.selection_groups = 1  # G of train_logits: groups with their own loss and best epoch
 
+    @property
+    def device(self) -> torch.device:
+        """Where the parameters live (``to`` moves them); grown tensors are created here."""
+        return placement(self)[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Floating dtype of the parameters; grown tensors and example batches use it."""
+        return placement(self)[1]
+
     def trainable(self) -> nn.Module:
         raise NotImplementedError
 
@@ -135,7 +151,7 @@ class Learner(nn.Module):
             if saved is not None and saved.shape != tensor.shape:
                 owner_name, _, attr = name.rpartition(".")
                 owner = self.get_submodule(owner_name)
-                fresh = torch.empty_like(saved)
+                fresh = torch.empty(saved.shape, dtype=tensor.dtype, device=tensor.device)
                 setattr(
                     owner, attr, nn.Parameter(fresh) if isinstance(tensor, nn.Parameter) else fresh
                 )
@@ -146,7 +162,7 @@ class Learner(nn.Module):
         """Hook for learners whose module structure (not only tensor shapes) grows."""
 
     def _example_batch(self) -> Tensor:
-        return torch.zeros(2, *self.input_shape)
+        return torch.zeros(2, *self.input_shape, device=self.device, dtype=self.dtype)
 
     def train_macs_per_example(self) -> float:
         module = self.trainable()
@@ -193,7 +209,7 @@ class StackedLearner(Learner):
         return logits.mean(dim=0, keepdim=True) if self.spec.method == "umix" else logits
 
     def predict_log_probs(self, x: Tensor) -> Tensor:
-        logits = self.model(x)  # (N, B, C)
+        logits = upcast(self.model(x))  # (N, B, C)
         if self.spec.method == "ens":  # average of probabilities, in log space
             return torch.logsumexp(F.log_softmax(logits, dim=-1), dim=0) - math.log(logits.shape[0])
         return F.log_softmax(logits.mean(dim=0), dim=-1)
@@ -214,7 +230,7 @@ class SingleModelLearner(Learner):
         return self.model(x)
 
     def predict_log_probs(self, x: Tensor) -> Tensor:
-        return F.log_softmax(self.model(x)[0], dim=-1)
+        return F.log_softmax(upcast(self.model(x)[0]), dim=-1)
 
 
 def build_learner(spec: LearnerSpec, input_shape: tuple[int, ...], num_classes: int) -> Learner:

@@ -5,6 +5,8 @@ Growth happens in ``before_stage`` for every stage after the first, before the s
 gMoE scores its experts on the validation split of the data that just arrived, which the model
 has not fit yet (Algorithm 2 uses the validation split of the stage just trained); the split
 keeps the function exactly, so which side of the stage boundary it sits on changes no evaluation.
+Growth draws from the learner's CPU generator and places what it creates on the learner's
+device and dtype, so ``learner.to(device)`` may come before or after any growth.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import UsageError
+from .devices import placement, to_device, upcast
 from .firefly import grow_width, units_for_growth
 from .flops import count_parameters, inference_flops
 from .learners import Learner, LearnerSpec, SingleModelLearner
@@ -34,9 +37,13 @@ class GrowingEnsemble(Learner):
         self.members = nn.ModuleList([self._new_member()])
 
     def _new_member(self) -> nn.Module:
-        return build_backbone(
+        """A fresh member drawn on the CPU generator, placed like the members so far (the
+        first one, built before any exists, stays on the CPU in float32 like every module)."""
+        device, dtype = placement(self)
+        member = build_backbone(
             self.spec.arch, self.input_shape, self.spec.width, self.num_classes, 1, self.generator
         )
+        return member.to(device=device, dtype=dtype)
 
     def trainable(self) -> nn.Module:
         return self.members[-1]
@@ -45,7 +52,9 @@ class GrowingEnsemble(Learner):
         return self.members[-1](x)
 
     def predict_log_probs(self, x: Tensor) -> Tensor:
-        log_probs = torch.stack([F.log_softmax(member(x)[0], dim=-1) for member in self.members])
+        log_probs = torch.stack(
+            [F.log_softmax(upcast(member(x)[0]), dim=-1) for member in self.members]
+        )
         return torch.logsumexp(log_probs, dim=0) - math.log(len(self.members))
 
     def before_stage(
@@ -103,17 +112,18 @@ class GrowingMoE(SingleModelLearner):
         """Per growing layer, (experts,): summed validation loss of the examples routed through
         each expert (soft gating: weighted by the routing probability)."""
         blocks = self.model.growing_blocks()
-        totals = [torch.zeros(block.num_experts, dtype=torch.float64) for block in blocks]
+        device = self.device
+        totals = [
+            torch.zeros(block.num_experts, dtype=torch.float64, device=device) for block in blocks
+        ]
         was_training = self.model.training
         self.model.eval()
         with torch.no_grad():
             for start in range(0, valid_x.shape[0], GROWTH_EVAL_BATCH):
                 for block in blocks:
                     block.routing_log = []
-                xb, yb = (
-                    valid_x[start : start + GROWTH_EVAL_BATCH],
-                    valid_y[start : start + GROWTH_EVAL_BATCH],
-                )
+                xb = valid_x[start : start + GROWTH_EVAL_BATCH].to(device)
+                yb = valid_y[start : start + GROWTH_EVAL_BATCH].to(device)
                 losses = F.cross_entropy(self.model(xb)[0], yb, reduction="none").double()  # (B,)
                 for total, block in zip(totals, blocks):
                     total += block.routing_log[0].double().t() @ losses
@@ -156,9 +166,9 @@ class FireflyLearner(SingleModelLearner):
         units = units_for_growth(self.model, self.spec.growth_rate * self.initial_params)
         count = min(self.spec.ff_score_examples, train_x.shape[0])
         pick = torch.randperm(train_x.shape[0], generator=self.generator)[:count]
-        report = grow_width(
-            self.model, train_x[pick], train_y[pick], units, self.spec.ff_epsilon, self.generator
-        )
+        pick = to_device(pick, train_x.device)
+        x, y = train_x[pick].to(self.device), train_y[pick].to(self.device)
+        report = grow_width(self.model, x, y, units, self.spec.ff_epsilon, self.generator)
         return {
             "flops": report.flops,
             "widths": self.model.widths,

@@ -108,8 +108,12 @@ class MixtureBlock(nn.Module):
             leaf = self.gate.choose_leaf(left, self.sampler, sample=self.training)  # (B,)
             if self.training:  # group examples by expert: batch-norm statistics per expert
                 order = torch.argsort(leaf, stable=True)
+                # The groups' sizes decide the shapes, so they must reach the host: one read
+                # of the counts per layer and step, then contiguous slices of the sorted order.
+                counts = torch.bincount(leaf, minlength=self.num_experts).tolist()
+                groups = torch.split(order, counts)
                 pieces = [
-                    self._one_expert(x[order[leaf[order] == e]], e) for e in leaf.unique().tolist()
+                    self._one_expert(x[group], e) for e, group in enumerate(groups) if counts[e]
                 ]
                 result = torch.cat(pieces)[torch.argsort(order)]  # back to input order
             else:
@@ -169,7 +173,7 @@ class MixtureBlock(nn.Module):
             ):
                 saved = state_dict.get(f"{prefix}expert_layers.{index}.{name}")
                 if saved is not None and saved.shape != tensor.shape:
-                    fresh = torch.empty_like(saved)
+                    fresh = torch.empty(saved.shape, dtype=tensor.dtype, device=tensor.device)
                     setattr(
                         layer,
                         name,

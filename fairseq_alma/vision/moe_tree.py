@@ -16,7 +16,9 @@ time), which after a split reaches one of two identical experts: again the same 
 
 Tree encoding (a buffer, so it is saved in checkpoints): ``children[k] = (left, right)`` with a
 code >= 0 for internal node k and ``-(e + 1)`` for expert e.  Node 0 is the root; with no
-internal node the root is expert 0.
+internal node the root is expert 0.  The forward pass walks the tree in Python, so it reads a
+host copy of the codes, refreshed only when the buffer changes (a split, a load, a move): on a
+GPU, reading the buffer itself would stall every forward pass on a device-to-host copy.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from .devices import to_device
 from .stacked_layers import uniform_init
 
 
@@ -52,7 +55,21 @@ class TreeGating(nn.Module):
         return self.num_internal + 1
 
     def _codes(self) -> list[tuple[int, int]]:
-        return [tuple(row) for row in self.children_codes.tolist()]
+        """Host copy of ``children_codes``, re-read only when the buffer is replaced (split,
+        ``.to``) or written in place (``load_state_dict``: its version counter moves)."""
+        codes = self.children_codes
+        cached = self.__dict__.get("_codes_cache")
+        if cached is None or cached[0] is not codes or cached[1] != codes._version:
+            rows = [tuple(row) for row in codes.tolist()]
+            # Holding the buffer itself (not its id) keeps the identity test sound.
+            cached = (codes, codes._version, rows, _depth(rows))
+            self.__dict__["_codes_cache"] = cached
+        return cached[2]
+
+    def _depth(self) -> int:
+        """Internal nodes on the longest root-to-leaf path."""
+        self._codes()
+        return self.__dict__["_codes_cache"][3]
 
     def left_probs(self, gate_input: Tensor) -> Tensor:
         """(B, gate_features) -> (B, internal nodes): probability of the left child per node."""
@@ -96,20 +113,21 @@ class TreeGating(nn.Module):
     ) -> Tensor:
         """(B,) expert index: walk from the root, at each node sampling (training) or taking
         the more probable branch (test time)."""
-        batch = left_probs.shape[0]
+        batch, device = left_probs.shape[0], left_probs.device
         codes = self.children_codes
         if codes.shape[0] == 0:
-            return torch.zeros(batch, dtype=torch.long)
-        if sample:
-            go_left = torch.rand(left_probs.shape, generator=generator) < left_probs.detach()
+            return torch.zeros(batch, dtype=torch.long, device=device)
+        if sample:  # drawn on the CPU generator, then moved: the same draws on every device
+            draws = to_device(torch.rand(left_probs.shape, generator=generator), device)
+            go_left = draws < left_probs.detach()
         else:
             go_left = left_probs.detach() >= 0.5
-        current = torch.zeros(batch, dtype=torch.long)
-        rows = torch.arange(batch)
-        for _ in range(codes.shape[0]):  # depth <= number of internal nodes
+        current = torch.zeros(batch, dtype=torch.long, device=device)
+        rows = torch.arange(batch, device=device)
+        # Exactly as many steps as the tree is deep (known on the host): an example that
+        # reached its leaf stays there, and no step asks the device whether all are done.
+        for _ in range(self._depth()):
             internal = current >= 0
-            if not internal.any():
-                break
             node = current.clamp(min=0)
             step = torch.where(go_left[rows, node], codes[node, 0], codes[node, 1])
             current = torch.where(internal, step, current)
@@ -126,10 +144,13 @@ class TreeGating(nn.Module):
             if position.shape[0] != 1:
                 raise ValueError(f"expert {expert} is not a leaf of this tree")
             codes[position[0, 0], position[0, 1]] = new_node
-        row = torch.tensor([[leaf_code, -(new_expert + 1)]])
+        row = torch.tensor([[leaf_code, -(new_expert + 1)]], device=codes.device)
         self.children_codes = torch.cat([codes, row])
+        # Drawn on the CPU generator, then placed like the existing gates.
+        like = {"device": self.weight.device, "dtype": self.weight.dtype}
         fresh_weight = uniform_init((1, self.gate_features), self.gate_features, generator)
         fresh_bias = uniform_init((1,), self.gate_features, generator)
+        fresh_weight, fresh_bias = fresh_weight.to(**like), fresh_bias.to(**like)
         self.weight = nn.Parameter(torch.cat([self.weight.detach(), fresh_weight]))
         self.bias = nn.Parameter(torch.cat([self.bias.detach(), fresh_bias]))
 
@@ -139,10 +160,22 @@ class TreeGating(nn.Module):
             saved = state_dict.get(prefix + name)
             current = getattr(self, name)
             if saved is not None and saved.shape != current.shape:
-                resized = torch.empty_like(saved)
+                resized = torch.empty(saved.shape, dtype=current.dtype, device=current.device)
                 setattr(
                     self,
                     name,
                     nn.Parameter(resized) if isinstance(current, nn.Parameter) else resized,
                 )
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def _depth(codes: list[tuple[int, int]]) -> int:
+    """Internal nodes on the longest root-to-leaf path of the tree encoded by ``codes``."""
+    if not codes:
+        return 0
+    deepest, stack = 0, [(0, 1)]
+    while stack:
+        code, depth = stack.pop()
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in codes[code] if child >= 0)
+    return deepest

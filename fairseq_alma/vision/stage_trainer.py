@@ -1,4 +1,5 @@
-"""Training of one ALMA stage for a vision learner, and its evaluation (§3, App. B.1).
+"""Training of one ALMA stage for a vision learner (§3, App. B.1); its evaluation is in
+``evaluation`` and re-exported here.
 
 A stage trains ``epochs`` epochs (paper: 100) over the stage's training tensors in mini-batches
 of 128 and keeps the parameters of the epoch with the lowest loss on the stage's validation
@@ -10,6 +11,15 @@ epoch; they see the same mini-batches unless the learner asks for one data order
 Optimizers (App. B.1): MNIST AdaDelta lr 1.0; CIFAR SGD lr 0.01, momentum 0.9, weight decay
 1e-4; one fresh optimizer per stage, built after any growth so it always holds the current
 parameters.
+
+Devices and precision: a stage runs where the learner's parameters are (``learner.to``), on data
+that may already live there.  The data order and the augmentation draws come from a CPU
+generator seeded per stage, so CPU numbers never change and a CUDA run sees the same batches.
+The hot loop never reads a device value back on the host: the training loss, the validation
+losses and the best-epoch snapshots stay on the device and are read once per epoch.  ``amp``
+runs the forward passes under autocast (fp16 with loss scaling, CUDA only; bf16 anywhere) and
+computes every loss in float32.  A run that must stop (preemption) passes ``should_stop``: it is
+asked between epochs, and the stage then restarts from its beginning when the run continues.
 """
 
 from __future__ import annotations
@@ -22,10 +32,23 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..errors import UsageError
+from ..errors import Preempted, UsageError
 from .augment import random_crop_flip
+from .devices import AMP_MODES, autocast, check_amp, optimizer_step, to_device, upcast
+from .evaluation import EvalResult, evaluate, validation_losses
 from .flops import inference_flops, training_flops
 from .learners import Learner
+
+# evaluation's names stay importable from here, where the runner and tests import them
+__all__ = [
+    "EvalResult",
+    "OptimizerSpec",
+    "StageResult",
+    "StageTrainConfig",
+    "evaluate",
+    "train_stage",
+    "validation_losses",
+]
 
 OPTIMIZERS = ("adadelta", "sgd")
 
@@ -70,7 +93,8 @@ class OptimizerSpec:
 @dataclass(frozen=True)
 class StageTrainConfig:
     """How every stage trains.  ``augment_fill``: padded-border value per channel for the crop
-    augmentation (the normalised black pixel, ``-mean/std``); None pads with 0."""
+    augmentation (the normalised black pixel, ``-mean/std``); None pads with 0.  ``amp``:
+    mixed precision of the forward passes, off, fp16 (CUDA only) or bf16."""
 
     epochs: int = 100
     batch_size: int = 128
@@ -78,12 +102,17 @@ class StageTrainConfig:
     augment: bool = False
     augment_fill: tuple[float, ...] | None = None
     eval_batch_size: int = 1024
+    amp: str = "off"
 
     def __post_init__(self) -> None:
         if self.epochs < 1:
             raise UsageError(f"--epochs-per-stage must be >= 1, got {self.epochs}")
         if self.batch_size < 1:
             raise UsageError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.amp not in AMP_MODES:
+            raise UsageError(
+                f"--vision-amp {self.amp!r} is unknown; use one of {', '.join(AMP_MODES)}"
+            )
 
 
 @dataclass
@@ -99,23 +128,6 @@ class StageResult:
     wall_time: float
 
 
-def validation_losses(learner: Learner, x: Tensor, y: Tensor, batch_size: int) -> Tensor:
-    """(G,): mean cross-entropy of each selection group of ``learner.train_logits`` on (x, y)."""
-    module = learner.trainable()
-    was_training = module.training
-    module.eval()
-    total = None
-    with torch.no_grad():
-        for start in range(0, x.shape[0], batch_size):
-            logits = learner.train_logits(x[start : start + batch_size])  # (G, B, C)
-            target = y[start : start + batch_size].expand(logits.shape[0], -1)
-            losses = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none")
-            part = losses.view(logits.shape[0], -1).double().sum(dim=1)
-            total = part if total is None else total + part
-    module.train(was_training)
-    return total / x.shape[0]
-
-
 def _snapshot(module: nn.Module) -> dict[str, Tensor]:
     return {key: value.detach().clone() for key, value in module.state_dict().items()}
 
@@ -129,6 +141,53 @@ def _keep_group(best: dict[str, Tensor], module: nn.Module, group: int, groups: 
             best[key][group] = value[group]
 
 
+def _loss(logits: Tensor, target: Tensor) -> Tensor:
+    """Training loss of (G, B, C) logits: one group's mean, or the sum over groups of each
+    group's mean, so independent members get exactly the gradient they would get alone."""
+    if logits.shape[0] == 1:
+        return F.cross_entropy(logits[0], target)
+    target = target.expand(logits.shape[0], -1) if target.dim() == 1 else target
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten()) * logits.shape[0]
+
+
+def _train_epoch(
+    learner: Learner,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    train_x: Tensor,
+    train_y: Tensor,
+    config: StageTrainConfig,
+    generator: torch.Generator,
+    fill: Tensor | None,
+) -> Tensor:
+    """One pass over the training tensors; returns the example-weighted loss sum, left on the
+    device (reading it would stall the host once per mini-batch)."""
+    device = learner.device
+    cast = autocast(config.amp, device)
+    members = learner.independent_members
+    n = train_x.shape[0]
+    order = (
+        torch.stack([torch.randperm(n, generator=generator) for _ in range(members)])
+        if members
+        else torch.randperm(n, generator=generator)
+    )
+    order = to_device(order, train_x.device)  # drawn on the CPU, indexes the data where it is
+    running = torch.zeros((), device=device)
+    for start in range(0, n, config.batch_size):
+        index = order[..., start : start + config.batch_size]  # (B,) or (N, B)
+        xb, yb = to_device(train_x[index], device), to_device(train_y[index], device)
+        if config.augment:
+            xb = random_crop_flip(xb.flatten(0, xb.dim() - 4), generator, fill=fill).view(
+                xb.shape
+            )
+        with cast:
+            logits = learner.train_logits(xb, per_member=bool(members))  # (G, B, C)
+        loss = _loss(upcast(logits), yb)  # float32 outside autocast
+        optimizer_step(loss, optimizer, scaler)
+        running += loss.detach() * index.shape[-1]
+    return running
+
+
 def train_stage(
     learner: Learner,
     train_x: Tensor,
@@ -138,8 +197,16 @@ def train_stage(
     config: StageTrainConfig,
     seed: int,
     progress: Callable[[int, float, list[float]], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    stage: int | None = None,
 ) -> StageResult:
-    """Train ``learner`` for one stage and restore its best-validation epoch (see module doc)."""
+    """Train ``learner`` for one stage and restore its best-validation epoch (see module doc).
+
+    ``should_stop`` is asked after every epoch but the last (a finished stage is worth keeping:
+    the caller checks again before the next one).  When it answers True the learner gets the
+    best parameters seen so far, so it stays usable, and ``Preempted`` is raised; nothing of the
+    stage is saved and it reruns from its beginning.  ``stage`` only names it in that message.
+    """
     if train_x.shape[0] == 0:
         raise UsageError(
             "a stage has no training examples; use fewer mega-batches (--num-megabatches)"
@@ -149,53 +216,41 @@ def train_stage(
             "crop/flip augmentation needs image inputs (N, C, H, W); "
             "drop --augment for feature vectors"
         )
+    device = learner.device
+    check_amp(config.amp, device)
     started = time.perf_counter()
     module = learner.trainable()
     optimizer = config.optimizer.build([p for p in module.parameters() if p.requires_grad])
-    generator = torch.Generator().manual_seed(seed)
-    fill = torch.tensor(config.augment_fill) if config.augment_fill is not None else None
-    members = learner.independent_members
+    scaler = torch.amp.GradScaler(device.type) if config.amp == "fp16" else None
+    generator = torch.Generator().manual_seed(seed)  # CPU: the same draws on every device
+    fill = (
+        torch.tensor(config.augment_fill, device=device)
+        if config.augment_fill is not None
+        else None
+    )
     has_valid = valid_x.shape[0] > 0
     curve: list[list[float]] = []
     best = _snapshot(module)
     groups = learner.selection_groups
     if has_valid:
-        best_loss = validation_losses(learner, valid_x, valid_y, config.eval_batch_size)
-        curve.append(best_loss.tolist())
+        best_loss = validation_losses(
+            learner, valid_x, valid_y, config.eval_batch_size, config.amp
+        ).tolist()
+        curve.append(list(best_loss))
     else:
-        best_loss = torch.full((groups,), float("inf"), dtype=torch.float64)
+        best_loss = [float("inf")] * groups
     best_epoch = [0] * groups
     n = train_x.shape[0]
     for epoch in range(1, config.epochs + 1):
         module.train()
-        order = (
-            torch.stack([torch.randperm(n, generator=generator) for _ in range(members)])
-            if members
-            else torch.randperm(n, generator=generator)
+        running = _train_epoch(
+            learner, optimizer, scaler, train_x, train_y, config, generator, fill
         )
-        running = torch.zeros(())
-        for start in range(0, n, config.batch_size):
-            index = order[..., start : start + config.batch_size]  # (B,) or (N, B)
-            xb, yb = train_x[index], train_y[index]
-            if config.augment:
-                xb = random_crop_flip(xb.flatten(0, xb.dim() - 4), generator, fill=fill).view(
-                    xb.shape
-                )
-            logits = learner.train_logits(xb, per_member=bool(members))  # (G, B, C)
-            if logits.shape[0] == 1:
-                loss = F.cross_entropy(logits[0], yb)
-            else:
-                # Sum over groups of each group's mean loss: independent members get exactly
-                # the gradient they would get alone.
-                target = yb.expand(logits.shape[0], -1) if yb.dim() == 1 else yb
-                loss = F.cross_entropy(logits.flatten(0, 1), target.flatten()) * logits.shape[0]
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            running += loss.detach() * index.shape[-1]
         if has_valid:
-            losses = validation_losses(learner, valid_x, valid_y, config.eval_batch_size)
-            curve.append(losses.tolist())
+            losses = validation_losses(
+                learner, valid_x, valid_y, config.eval_batch_size, config.amp
+            ).tolist()  # the epoch's one read of a device value
+            curve.append(losses)
             for group in range(groups):
                 if losses[group] < best_loss[group]:
                     best_loss[group] = losses[group]
@@ -206,6 +261,13 @@ def train_stage(
             best_epoch = [epoch] * groups
         if progress is not None:
             progress(epoch, float(running) / n, curve[-1] if curve else [])
+        if should_stop is not None and epoch < config.epochs and should_stop():
+            module.load_state_dict(best)
+            where = f"stage {stage}" if stage is not None else "a stage"
+            raise Preempted(
+                f"preempted in {where} at epoch {epoch}: the stage restarts from its beginning; "
+                "run the same command to continue"
+            )
     module.load_state_dict(best)
     macs = learner.train_macs_per_example()
     examples = n * config.epochs
@@ -214,33 +276,9 @@ def train_stage(
     return StageResult(
         epochs=config.epochs,
         best_epoch=best_epoch,
-        best_valid_loss=best_loss.tolist(),
+        best_valid_loss=list(best_loss),
         valid_losses=curve,
         train_examples=examples,
         flops=flops,
         wall_time=time.perf_counter() - started,
     )
-
-
-@dataclass(frozen=True)
-class EvalResult:
-    """Test error rate (the metric of Eq. 1), mean loss and example count."""
-
-    error: float
-    loss: float
-    examples: int
-
-
-def evaluate(learner: Learner, x: Tensor, y: Tensor, batch_size: int = 1024) -> EvalResult:
-    """Error of the learner's predictor (the averaged ensemble for Ens/gEns) on (x, y)."""
-    was_training = learner.training
-    learner.eval()
-    wrong, loss = 0, 0.0
-    with torch.no_grad():
-        for start in range(0, x.shape[0], batch_size):
-            log_probs = learner.predict_log_probs(x[start : start + batch_size])
-            target = y[start : start + batch_size]
-            wrong += int((log_probs.argmax(dim=-1) != target).sum())
-            loss += float(F.nll_loss(log_probs, target, reduction="sum"))
-    learner.train(was_training)
-    return EvalResult(error=wrong / x.shape[0], loss=loss / x.shape[0], examples=x.shape[0])

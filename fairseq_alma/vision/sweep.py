@@ -1,11 +1,12 @@
 """In-process sweeps: methods × sizes × waiting times × seeds, with a CER table (§5, §6.1).
 
-The paper's first vision finding (§6.1, Fig. 3, App. C.1): without replay, an intermediate
+The library behind ``alma-vision-sweep`` (``cli/vision_sweep.py``).  The paper's first vision
+finding (§6.1, Fig. 3, App. C.1): without replay, an intermediate
 waiting time often has a lower cumulative error rate (Eq. 1) than both w = 1 (greedy) and w = B
 (tardy), "on MNIST ... only for small models".  This command re-runs that comparison on any of
 the vision data sets (default: the embedded digits, nothing downloaded):
 
-    python -m fairseq_alma.vision.sweep --out sweep_out --methods sm --widths 4 8 \\
+    alma-vision-sweep --out sweep_out --methods sm --widths 4 8 \\
         --waits 1 2 5 10 20 --num-megabatches 20 --epochs-per-stage 20 --seeds 1 2 3
 
 Each run writes ``<out>/<method>_<arch><width>_w<w>[_replay]_s<seed>/stream.jsonl`` (the task's
@@ -18,20 +19,23 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from ..errors import UsageError
+from ..errors import RunDirError, UsageError
 from ..stream.atomic import atomic_write_json
 from ..stream.metrics import cumulative, cumulative_error_rate
-from ..stream.records import StreamLogError, read_records
-from .data import DATASET_KINDS, VisionData, load_vision_data
-from .learners import METHODS, LearnerSpec
+from ..stream.progress import StreamPlan
+from ..stream.records import ArrivalRecord, read_records
+from ..stream.run_dir import RunDirectory
+from ..tables import format_table as layout
+from .data import VisionData, load_vision_data
+from .devices import resolve_device
+from .learners import LearnerSpec
+from .runner import VisionRun, run_vision_stream
 from .stage_trainer import OptimizerSpec, StageTrainConfig
-from .stream_runner import StreamSpec, run_stream
 
 
 @dataclass(frozen=True)
@@ -50,46 +54,39 @@ class RunSummary:
     comp: float
 
 
-def run_name(spec: LearnerSpec, stream: StreamSpec) -> str:
-    replay = "_replay" if stream.replay else ""
-    return f"{spec.method}_{spec.arch}{spec.width}_w{stream.wait}{replay}_s{spec.seed}"
+def run_name(run: VisionRun) -> str:
+    spec, replay = run.learner, "_replay" if run.plan.replay else ""
+    return f"{spec.method}_{spec.arch}{spec.width}_w{run.plan.wait}{replay}_s{spec.seed}"
 
 
-def run_or_reuse(
-    data: VisionData,
-    spec: LearnerSpec,
-    stream: StreamSpec,
-    config: StageTrainConfig,
-    out_dir: str,
-    quiet: bool = False,
-) -> RunSummary:
-    """Run one stream unless ``out_dir/<run>/stream.jsonl`` already holds all B + 1 records."""
-    path = os.path.join(out_dir, run_name(spec, stream), "stream.jsonl")
-    records = None
-    if os.path.isfile(path):
-        try:
-            records = [r.to_json() for r in read_records(path)]
-        except StreamLogError:
-            records = None
-        if records is not None and len(records) != stream.num_megabatches + 1:
-            records = None
-    if records is None:
-        records = run_stream(
-            data, spec, stream, config, log=None if quiet else print, jsonl_path=path
-        )
-    errors = [r["test_error"] for r in records]
-    return RunSummary(
-        method=spec.method,
-        arch=spec.arch,
-        width=spec.width,
-        wait=stream.wait,
-        replay=stream.replay,
-        seed=spec.seed,
-        cer=cumulative_error_rate(errors),
-        final_error=errors[-1],
-        mem=cumulative([r["params_active"] for r in records])[-1],
-        comp=records[-1]["train_flops_cum"],
-    )
+def _complete_log(path: str, num_megabatches: int) -> list[ArrivalRecord] | None:
+    """The records of a finished run (all B + 1 arrivals), else None."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        records = read_records(path)
+    except RunDirError:
+        return None
+    return records if len(records) == num_megabatches + 1 else None
+
+
+def run_or_reuse(data: VisionData, run: VisionRun, out_dir: str, quiet: bool = False) -> RunSummary:
+    """Run (or continue) one stream in ``out_dir/<run>``; a finished one is only read."""
+    with RunDirectory.for_training(os.path.join(out_dir, run_name(run))) as run_dir:
+        records = _complete_log(str(run_dir.stream_log), run.plan.num_megabatches)
+        if records is None:
+            records = run_vision_stream(run, run_dir, data)
+    errors = [r.test_error for r in records]
+    spec = run.learner
+    summary = RunSummary(
+        method=spec.method, arch=spec.arch, width=spec.width, wait=run.plan.wait,
+        replay=run.plan.replay, seed=spec.seed, cer=cumulative_error_rate(errors),
+        final_error=errors[-1], mem=cumulative([r.params_active for r in records])[-1],
+        comp=records[-1].train_flops_cum)
+    if not quiet:
+        print(f"[{run_name(run)}] CER {summary.cer:.3f}, final error {summary.final_error:.4f}, "
+              f"params {records[-1].params_active}, FLOPs {summary.comp:.3g}", flush=True)
+    return summary
 
 
 def format_table(runs: Sequence[RunSummary]) -> str:
@@ -97,154 +94,66 @@ def format_table(runs: Sequence[RunSummary]) -> str:
     groups: dict[tuple, list[RunSummary]] = {}
     for run in runs:
         groups.setdefault((run.method, run.arch, run.width, run.replay, run.wait), []).append(run)
-    lines = [
-        (
-            f"{'method':<7}{'model':<8}{'replay':<7}{'w':>4}{'seeds':>6}{'CER':>9}{'±':>7}"
-            f"{'final err':>10}{'Mem':>11}{'Comp (FLOPs)':>14}"
-        )
-    ]
+    rows = []
     for key in sorted(groups):
         group = groups[key]
         cers = [run.cer for run in group]
         spread = statistics.stdev(cers) if len(cers) > 1 else 0.0
-        lines.append(
-            f"{key[0]:<7}{key[1] + str(key[2]):<8}{'yes' if key[3] else 'no':<7}{key[4]:>4}"
-            f"{len(group):>6}{statistics.mean(cers):>9.3f}{spread:>7.3f}"
-            f"{statistics.mean(r.final_error for r in group):>10.3f}"
-            f"{statistics.mean(r.mem for r in group):>11.3g}"
-            f"{statistics.mean(r.comp for r in group):>14.3g}"
-        )
-    return "\n".join(lines)
+        rows.append([key[0], f"{key[1]}{key[2]}", "yes" if key[3] else "no", str(key[4]),
+                     str(len(group)), f"{statistics.mean(cers):.3f}", f"{spread:.3f}",
+                     f"{statistics.mean(r.final_error for r in group):.3f}",
+                     f"{statistics.mean(r.mem for r in group):.3g}",
+                     f"{statistics.mean(r.comp for r in group):.3g}"])
+    header = ["method", "model", "replay", "w", "seeds", "CER", "±", "final err", "Mem",
+              "Comp (FLOPs)"]
+    return layout(header, rows, left=3)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m fairseq_alma.vision.sweep",
-        description="Run vision ALMA streams over methods, sizes and waiting times; print CER.",
-    )
-    parser.add_argument(
-        "--out", required=True, help="directory for per-run stream.jsonl and summary.json"
-    )
-    parser.add_argument(
-        "--dataset",
-        default="digits",
-        choices=DATASET_KINDS,
-        help="data set (default: embedded digits)",
-    )
-    parser.add_argument(
-        "--data-path", default=None, help="MNIST IDX dir, CIFAR-10 batches dir or .npz file"
-    )
-    parser.add_argument(
-        "--arch",
-        default="mlp",
-        choices=("mlp", "vgg"),
-        help="backbone (paper: mlp on MNIST, vgg on CIFAR)",
-    )
-    parser.add_argument(
-        "--methods", nargs="+", default=["sm"], choices=METHODS, help="learners to run"
-    )
-    for flag, default, text in (
-        ("--widths", [8], "hidden width h / channels c"),
-        ("--waits", [1, 2, 5, 10, 20], "waiting times w"),
-        ("--seeds", [1], "seeds (partition, init, data order)"),
-    ):
-        parser.add_argument(flag, nargs="+", type=int, default=default, help=text)
-    parser.add_argument(
-        "--num-megabatches", type=int, default=20, help="B (paper: 500 MNIST, 100 CIFAR)"
-    )
-    parser.add_argument(
-        "--replay", action="store_true", help="train on every mega-batch seen so far"
-    )
-    parser.add_argument(
-        "--epochs-per-stage", type=int, default=20, help="epochs per stage (paper: 100)"
-    )
-    parser.add_argument("--members", type=int, default=5, help="N for ens and umix (paper: 5)")
-    parser.add_argument("--gating", default="soft", choices=("soft", "hard"), help="gMoE gating")
-    parser.add_argument(
-        "--optimizer",
-        default=None,
-        choices=("adadelta", "sgd"),
-        help="default: adadelta lr 1 (MNIST, digits, npz) or sgd lr 0.01 m 0.9 wd 1e-4 (CIFAR)",
-    )
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch intra-op threads (default 1: these small models gain nothing from more, "
-        "and spare threads spin-wait on a busy machine)",
-    )
-    parser.add_argument("--quiet", action="store_true", help="only print the final table")
-    return parser
-
-
-def _check_lists(args: argparse.Namespace) -> str | None:
+def _check_lists(args: argparse.Namespace) -> None:
     if min(args.widths) < 1:
-        return f"--widths must all be >= 1, got {args.widths}"
+        raise UsageError(f"--widths must all be >= 1, got {args.widths}")
     if args.num_megabatches < 1:
-        return f"--num-megabatches must be >= 1, got {args.num_megabatches}"
+        raise UsageError(f"--num-megabatches must be >= 1, got {args.num_megabatches}")
     if not all(1 <= wait <= args.num_megabatches for wait in args.waits):
-        return f"--waits must all be between 1 and --num-megabatches ({args.num_megabatches}), got {args.waits}"
+        raise UsageError(f"--waits must all be between 1 and --num-megabatches "
+                         f"({args.num_megabatches}), got {args.waits}")
     if min(args.seeds) < 0:
-        return f"--seeds must all be >= 0, got {args.seeds}"
-    return None
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+        raise UsageError(f"--seeds must all be >= 0, got {args.seeds}")
     if args.threads < 1:
-        print("fairseq-alma: error: --threads must be >= 1", file=sys.stderr)
-        return 2
+        raise UsageError(f"--threads must be >= 1, got {args.threads}")
+
+
+def _runs(args: argparse.Namespace, data: VisionData) -> list[VisionRun]:
+    cifar = args.dataset == "cifar10"
+    name = args.optimizer or ("sgd" if cifar else "adadelta")
+    optimizer = OptimizerSpec.paper_cifar() if name == "sgd" else OptimizerSpec.paper_mnist()
+    training = StageTrainConfig(epochs=args.epochs_per_stage, optimizer=optimizer, augment=cifar,
+                                amp=args.amp)
+    device = resolve_device(args.device)
+    return [
+        VisionRun(dataset=args.dataset, data_path=args.data_path,
+                  plan=StreamPlan(args.num_megabatches, wait, args.replay),
+                  learner=LearnerSpec(method, args.arch, width, members=args.members,
+                                      gating=args.gating, seed=seed),
+                  training=training, seed=seed, device=device)
+        for method in args.methods for width in args.widths for wait in args.waits
+        for seed in args.seeds
+    ]
+
+
+def run_sweep(args: argparse.Namespace) -> list[RunSummary]:
+    """Every run of the sweep the arguments describe (``alma-vision-sweep``), in order."""
+    _check_lists(args)
     torch.set_num_threads(args.threads)
-    problem = _check_lists(args)
-    if problem:
-        print(f"fairseq-alma: error: {problem}", file=sys.stderr)
-        return 2
-    try:
-        cifar = args.dataset == "cifar10"
-        if args.optimizer is None:
-            optimizer = OptimizerSpec.paper_cifar() if cifar else OptimizerSpec.paper_mnist()
-        else:
-            optimizer = (
-                OptimizerSpec.paper_cifar()
-                if args.optimizer == "sgd"
-                else OptimizerSpec.paper_mnist()
-            )
-        data = load_vision_data(args.dataset, args.data_path)
-        fill = tuple(-m / s for m, s in zip(data.mean, data.std)) if cifar else None
-        config = StageTrainConfig(
-            epochs=args.epochs_per_stage, optimizer=optimizer, augment=cifar, augment_fill=fill
-        )
-        runs = []
-        for method in args.methods:
-            for width in args.widths:
-                for wait in args.waits:
-                    for seed in args.seeds:
-                        spec = LearnerSpec(
-                            method,
-                            args.arch,
-                            width,
-                            members=args.members,
-                            gating=args.gating,
-                            seed=seed,
-                        )
-                        stream = StreamSpec(args.num_megabatches, wait, args.replay, seed=seed)
-                        runs.append(run_or_reuse(data, spec, stream, config, args.out, args.quiet))
-    except UsageError as err:
-        print(err.code, file=sys.stderr)
-        return 2
-    table = format_table(runs)
-    atomic_write_json(
-        os.path.join(args.out, "summary.json"),
-        {
-            "dataset": data.name,
-            "epochs": args.epochs_per_stage,
-            "num_megabatches": args.num_megabatches,
-            "runs": [run.__dict__ for run in runs],
-        },
-    )
-    print(table)
-    return 0
+    data = load_vision_data(args.dataset, args.data_path)
+    runs = [run_or_reuse(data, run, args.out, args.quiet) for run in _runs(args, data)]
+    atomic_write_json(os.path.join(args.out, "summary.json"), {
+        "dataset": data.name, "epochs": args.epochs_per_stage,
+        "num_megabatches": args.num_megabatches, "runs": [run.__dict__ for run in runs]})
+    return runs
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # python -m fairseq_alma.vision.sweep, as before alma-vision-sweep
+    from fairseq_alma.cli.vision_sweep import main
+
     raise SystemExit(main())

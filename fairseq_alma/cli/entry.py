@@ -1,0 +1,46 @@
+"""What every console entry point does with errors: one line on stderr and an exit status.
+
+Library code raises ``AlmaError``s (``fairseq_alma/errors.py``); the entry points in this folder,
+and the wrapper around fairseq's own commands (``fairseq_patches.py``), are the only places that
+print them.  A user sees ``<prog>: error: <what is wrong and what to do>``, exit status 2 (the
+argparse convention) or the error's own status (a preempted run exits with the requeue status),
+and no traceback.  Anything that is not an ``AlmaError`` is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import NoReturn
+
+from ..errors import AlmaError, Preempted
+
+INTERRUPTED_EXIT_STATUS = 130  # the shell's status for Ctrl-C
+
+
+def error_line(prog: str, err: AlmaError) -> str:
+    """The one line a user sees for ``err``."""
+    if isinstance(err, Preempted):
+        return f"{prog}: {err}"
+    return f"{prog}: error: {err}"
+
+
+def run_console(prog: str, main: Callable[[], int | None]) -> int:
+    """Run ``main``; turn fairseq-alma errors and Ctrl-C into one line and an exit status."""
+    try:
+        status = main()
+    except AlmaError as err:
+        print(error_line(prog, err), file=sys.stderr, flush=True)
+        return err.exit_status
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; run the same command again to continue", file=sys.stderr)
+        return INTERRUPTED_EXIT_STATUS
+    return 0 if status is None else int(status)
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse prints the whole usage block on a bad flag; this prints one line, exits 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

@@ -1,0 +1,357 @@
+"""Every place fairseq-alma changes fairseq's own behaviour, each with the reason it must.
+
+fairseq 0.12 has no hook for these; everything else the plugin does goes through fairseq's
+documented extension points (registered tasks, models, criterions and LR schedulers, and the
+task's ``get_checkpoint_dict``/``set_checkpoint_dict``).  Each patch:
+
+* is installed by one idempotent function, only by the process that needs it (a process that
+  only scores checkpoints installs none of the training patches);
+* wraps fairseq's function and calls it, so fairseq's behaviour is kept everywhere the patch
+  has nothing to add;
+* has a test in ``tests/test_fairseq_patches.py`` that fails if fairseq changes the code the
+  patch relies on (the name looked up at call time, the signature, the call site).
+
+The patches:
+
+``install_console_errors``   fairseq-train / fairseq-eval-lm print a fairseq-alma error as one
+                             line and exit with its status instead of a traceback.
+``install_atomic_copies``    fairseq copies a saved checkpoint to its other names
+                             (checkpoint_last.pt, ...) with a plain, non-atomic copy.
+``install_requeue_save``     on SIGUSR1/SIGTERM: save checkpoint_last.pt only, without
+                             validation or extra copies, then exit with the requeue status.
+``install_expert_parallel_trainer``  expert shards differ across ranks, which fairseq's Trainer
+                             assumes they never do (optimizer state, collective state_dict).
+``install_checkpoint_errors`` a checkpoint torch cannot read ends in one line naming the file
+                             and the way out, not in torch's traceback.
+``install_quiet_startup``    fairseq's use of hydra's deprecated APIs prints ~20 lines of
+                             warnings at every start.
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib
+import logging
+import os
+import pickle
+import shutil
+import sys
+import time
+import warnings
+import zipfile
+from typing import Any
+
+from .errors import AlmaError, CheckpointError, Preempted
+
+logger = logging.getLogger(__name__)
+
+# fairseq's console commands whose ``main`` gets one-line errors (module, program name).
+CONSOLE_COMMANDS = {"fairseq_cli.train": "fairseq-train", "fairseq_cli.eval_lm": "fairseq-eval-lm",
+                    "fairseq_cli.validate": "fairseq-validate"}
+ERROR_PROG = "fairseq-alma"
+
+
+def _mark(function: Any) -> Any:
+    function._alma_patch = True
+    return function
+
+
+def _patched(function: Any) -> bool:
+    return getattr(function, "_alma_patch", False)
+
+
+# ---- one-line errors for fairseq's own commands ------------------------------------------
+class _ConsoleMain:
+    """fairseq's ``main(cfg)`` with fairseq-alma errors turned into one line and a status.
+
+    Why: ``fairseq-train``/``fairseq-eval-lm`` are fairseq's console entry points, not ours,
+    and the plugin's errors (a bad flag, a wrong data directory, a preemption) would otherwise
+    end in a traceback that hides the one line a user needs.  ``cli_main`` looks ``main`` up in
+    its module when it runs, after ``--user-dir`` imported the plugin, so replacing the module's
+    ``main`` reaches it.  Picklable by module name, so fairseq's multi-GPU spawn works too.
+    """
+
+    _alma_patch = True
+
+    def __init__(self, module_name: str, original: Any) -> None:
+        self.module_name = module_name
+        self.original = original
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from .cli.entry import error_line
+
+        try:
+            return self.original(*args, **kwargs)
+        except AlmaError as err:
+            sys.stdout.flush()
+            print(error_line(ERROR_PROG, err), file=sys.stderr, flush=True)
+            raise SystemExit(err.exit_status) from None
+        except (OSError, RuntimeError) as err:
+            save_dir = _save_dir(args[0] if args else kwargs.get("cfg"))
+            if not _disk_full(err, save_dir):
+                raise
+            sys.stdout.flush()
+            print(f"{ERROR_PROG}: error: no space left on the device of {save_dir} (a write there "
+                  f"failed); every file written before is intact: free space and run the same "
+                  f"command to continue", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+
+    def __reduce__(self) -> tuple:
+        return (_console_main, (self.module_name,))
+
+
+def _save_dir(cfg: Any) -> str:
+    try:
+        return str(cfg.checkpoint.save_dir)
+    except AttributeError:
+        return "."
+
+
+def _disk_full(err: BaseException, directory: str, slack: int = 64 << 20) -> bool:
+    """Did ``err`` come from a full disk?  torch's zip writer reports ENOSPC as an opaque
+    ``RuntimeError`` ("enforce fail ... file write failed"), so a write error while the save
+    directory's file system has (almost) no space left counts too."""
+    chain: BaseException | None = err
+    while chain is not None:
+        if isinstance(chain, OSError) and chain.errno == errno.ENOSPC:
+            return True
+        chain = chain.__cause__ or chain.__context__
+    message = str(err)
+    if isinstance(err, RuntimeError) and ("enforce fail" in message or "write failed" in message):
+        try:
+            return shutil.disk_usage(directory).free < slack
+        except OSError:
+            return False
+    return False
+
+
+def _console_main(module_name: str) -> Any:
+    module = importlib.import_module(module_name)
+    _wrap_console_main(module, module_name)
+    return module.main
+
+
+def _wrap_console_main(module: Any, module_name: str) -> None:
+    main = getattr(module, "main", None)
+    if main is not None and not _patched(main):
+        module.main = _ConsoleMain(module_name, main)
+
+
+def install_console_errors() -> None:
+    """Wrap ``main`` of the fairseq command this process runs (if any; see ``_ConsoleMain``)."""
+    for name in CONSOLE_COMMANDS:
+        if name in sys.modules:
+            _wrap_console_main(sys.modules[name], name)
+    main_module = sys.modules.get("__main__")
+    spec = getattr(main_module, "__spec__", None)
+    if spec is not None and spec.name in CONSOLE_COMMANDS:  # python -m fairseq_cli.train
+        _wrap_console_main(main_module, spec.name)
+
+
+# ---- atomic checkpoint copies ------------------------------------------------------------
+def install_atomic_copies() -> None:
+    """Make ``PathManager.copy`` of local files atomic (temp file, fsync, rename).
+
+    Why: ``checkpoint_utils.save_checkpoint`` writes the first checkpoint of a save atomically
+    (``.tmp`` + rename) and then copies it to the other names with ``PathManager.copy``, a plain
+    ``shutil.copyfile``.  A process killed during that copy (kill -9, OOM, a node failure, a
+    Slurm time limit) leaves a truncated ``checkpoint_last.pt``, and the same command then
+    cannot resume.  Remote (iopath) paths keep fairseq's behaviour.
+    """
+    from fairseq.file_io import PathManager
+
+    from .stream.atomic import atomic_copy
+
+    original = PathManager.copy
+    if _patched(original):
+        return
+
+    def copy(src_path: str, dst_path: str, overwrite: bool = False) -> bool:
+        if "://" in str(src_path) or "://" in str(dst_path):
+            return original(src_path, dst_path, overwrite)
+        if os.path.exists(dst_path) and not overwrite:
+            return False
+        atomic_copy(src_path, dst_path)
+        return True
+
+    PathManager.copy = staticmethod(_mark(copy))
+
+
+# ---- save-and-requeue on SIGUSR1/SIGTERM ------------------------------------------------
+class _CheckpointOverrides:
+    """fairseq's checkpoint settings with a few values replaced, without writing the config."""
+
+    def __init__(self, base: Any, **overrides: Any) -> None:
+        self._base = base
+        self._overrides = overrides
+
+    def __getattr__(self, name: str) -> Any:
+        overrides = self.__dict__["_overrides"]
+        return overrides[name] if name in overrides else getattr(self.__dict__["_base"], name)
+
+
+def save_for_requeue(cfg: Any, trainer: Any, epoch_itr: Any) -> float:
+    """Write ``checkpoint_last.pt`` and nothing else; returns the seconds it took.
+
+    Inside Slurm's grace period every second counts: no validation (its numbers would not be
+    recorded anywhere), no epoch, interval or best copies (each a full copy of the checkpoint).
+    """
+    from fairseq import checkpoint_utils
+
+    start = time.perf_counter()
+    only_last = _CheckpointOverrides(cfg.checkpoint, no_epoch_checkpoints=True,
+                                     save_interval_updates=0, keep_best_checkpoints=0,
+                                     keep_interval_updates=0, no_last_checkpoints=False,
+                                     no_save=False)
+    checkpoint_utils.save_checkpoint(only_last, trainer, epoch_itr, None)
+    return time.perf_counter() - start
+
+
+def install_requeue_save() -> None:
+    """Let the task stop training at an update boundary after a signal (``stream/stop.py``).
+
+    Why: fairseq has no way to save on a signal.  ``fairseq_cli.train.train`` calls
+    ``validate_and_save`` after every update, looked up in its module at call time; the wrapper
+    asks the task (``task.stop_requested(num_updates)``, which agrees across ranks) and, if a
+    stop is due, saves only ``checkpoint_last.pt`` and raises ``Preempted``, which the console
+    wrapper turns into the requeue exit status.  Otherwise fairseq's function runs unchanged.
+    """
+    import fairseq_cli.train as train_cli
+
+    original = train_cli.validate_and_save
+    if _patched(original):
+        return
+
+    def validate_and_save(cfg: Any, trainer: Any, task: Any, epoch_itr: Any,
+                          valid_subsets: list, end_of_epoch: bool) -> Any:
+        stop_requested = getattr(task, "stop_requested", None)
+        updates = trainer.get_num_updates()
+        if stop_requested is not None and stop_requested(updates):
+            seconds = save_for_requeue(cfg, trainer, epoch_itr)
+            message = (f"preempted at update {updates}, checkpoint saved in {seconds:.1f}s "
+                       f"({os.path.join(cfg.checkpoint.save_dir, 'checkpoint_last.pt')}); "
+                       f"run the same command to continue")
+            logger.warning(message)
+            raise Preempted(message)
+        return original(cfg, trainer, task, epoch_itr, valid_subsets, end_of_epoch)
+
+    train_cli.validate_and_save = _mark(validate_and_save)
+
+
+# ---- expert parallelism and fairseq's Trainer --------------------------------------------
+def install_expert_parallel_trainer() -> None:
+    """Two Trainer members for models whose experts are sharded over ranks.
+
+    Why: fairseq's Trainer assumes every rank holds the same parameters.  With expert shards
+    (``modules/expert_parallel.py``), (1) ``state_dict()`` is a collective (the full [E, ...]
+    expert tensors are gathered), so every rank must call it during a save, which fairseq does
+    when ``always_call_state_dict_during_save_checkpoint`` is true (made for FSDP); and (2) the
+    optimizer's state of a shard must be gathered on save and sliced on load, by hooks on the
+    torch optimizer that fairseq builds lazily in ``_build_optimizer``.  Models without shards
+    see fairseq's behaviour unchanged.
+    """
+    from fairseq.trainer import Trainer
+
+    from .modules.expert_parallel_fairseq import (
+        check_training_setup,
+        expert_parallel_layers,
+        innermost_torch_optimizer,
+        register_optimizer_hooks,
+    )
+
+    if _patched(Trainer._build_optimizer):
+        return
+    base_always_call = Trainer.always_call_state_dict_during_save_checkpoint.fget
+    base_build_optimizer = Trainer._build_optimizer
+
+    def always_call_state_dict(self: Any) -> bool:
+        return base_always_call(self) or bool(expert_parallel_layers(self._model))
+
+    def _build_optimizer(self: Any) -> None:
+        layers = expert_parallel_layers(self._model)
+        if layers:
+            check_training_setup(self.cfg)
+        base_build_optimizer(self)
+        if layers:
+            register_optimizer_hooks(innermost_torch_optimizer(self._optimizer), layers)
+
+    Trainer.always_call_state_dict_during_save_checkpoint = property(always_call_state_dict)
+    Trainer._build_optimizer = _mark(_build_optimizer)
+
+
+# ---- unreadable checkpoints ----------------------------------------------------------------
+_UNREADABLE = (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError,
+               KeyError, IndexError, AttributeError)
+
+
+def recovery_hint(path: str) -> str:
+    """What to do about an unreadable checkpoint, given what else the run directory holds."""
+    name, directory = os.path.basename(path), os.path.dirname(os.path.abspath(path))
+    if name.startswith("checkpoint_stage"):
+        return ("restore it from a copy, or train the stream again with --restart-stream (the old "
+                "files are moved aside)")
+    newer = sorted((p for p in os.listdir(directory) if p.startswith("checkpoint_") and
+                    p.count("_") == 2 and p.endswith(".pt")),
+                   key=lambda p: os.path.getmtime(os.path.join(directory, p)), reverse=True)
+    start_over = ("move it aside and run the same command to train the stream again from its "
+                  "start (stage checkpoints hold no optimizer state to resume from), or use "
+                  "--restart-stream")
+    if newer:
+        return (f"copy {newer[0]} (the newest interval checkpoint) over it and run the same "
+                f"command, or {start_over}")
+    return start_over
+
+
+def install_checkpoint_errors() -> None:
+    """``checkpoint_utils.load_checkpoint_to_cpu``: a file torch cannot read, or whose records
+    fail their CRC check, raises a one-line ``CheckpointError`` naming it and the way out.
+
+    Why: fairseq resumes from ``checkpoint_last.pt`` and loads checkpoints for scoring through
+    this function; a truncated or damaged file (a disk fault, a copy cut short by hand) ends in
+    a torch traceback that names neither the file nor what to do.  The trainer and
+    ``load_model_ensemble_and_task`` look the function up in the module when they call it.
+    """
+    from fairseq import checkpoint_utils
+
+    original = checkpoint_utils.load_checkpoint_to_cpu
+    if _patched(original):
+        return
+
+    def load_checkpoint_to_cpu(path: str, arg_overrides: Any = None,
+                               load_on_all_ranks: bool = False) -> Any:
+        from .stream.run_dir import damaged_record
+
+        bad = damaged_record(path)
+        if bad is not None:
+            raise CheckpointError(f"{path}: damaged (record {bad} fails its CRC check); "
+                                  f"{recovery_hint(path)}")
+        try:
+            return original(path, arg_overrides, load_on_all_ranks)
+        except _UNREADABLE as err:
+            reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
+            raise CheckpointError(f"{path}: not a readable checkpoint ({reason}); "
+                                  f"{recovery_hint(path)}") from None
+
+    checkpoint_utils.load_checkpoint_to_cpu = _mark(load_checkpoint_to_cpu)
+
+
+# ---- quiet start-up ---------------------------------------------------------------------------
+HYDRA_DEPRECATIONS = (
+    r"hydra\.experimental\.(initialize|compose)\(\) is no longer experimental",
+    r"\s*The version_base parameter is not specified",
+    r"In 'config': Usage of deprecated keyword in package header",
+    r"\s*'config' is validated against ConfigStore schema",
+    r"\s*The strict flag in the compose API is deprecated",
+)
+
+
+def install_quiet_startup() -> None:
+    """Silence the deprecation warnings hydra prints when fairseq 0.12 builds its config.
+
+    Why: fairseq turns its argparse namespace into a config through hydra's deprecated
+    ``experimental.initialize``/``compose`` with a 1.0-style schema; hydra 1.3 warns about each
+    of those on every start (about 20 lines in front of every run's log), which buries the
+    lines users need.  Only these exact messages are filtered; every other warning stays.
+    """
+    for message in HYDRA_DEPRECATIONS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)

@@ -1,1 +1,0 @@
-"""growth of fairseq-alma."""

@@ -1,0 +1,104 @@
+"""The one loop that scores a language model token by token (paper §6.2: perplexity).
+
+Three users share it: the ``alma_stream`` task after every arrival (eval and valid perplexity),
+``alma-score`` (single models and ensemble members) and LM growth (the validation loss of the
+tokens each expert received).  Every one of them scores exactly the tokens ``fairseq-eval-lm``
+scores with the same ``--tokens-per-sample`` and no context window: every non-padding target of
+the dataset's blocks, in the dataset's fixed batch order, with the model in eval mode (no
+dropout, evaluation capacity).  Sums are taken in float64, so a perplexity does not depend on
+how the tokens were batched beyond float32 rounding of each token's log-probability.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from fairseq import utils
+from torch import Tensor
+
+from ..ranks import world
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How evaluation batches are made (the run's --batch-size-valid / --max-tokens-valid)."""
+
+    batch_size: int | None
+    max_tokens: int | None = None
+
+
+@dataclass
+class ScoredBatch:
+    """One batch's scores: ``token_log_probs[b, t]`` = log p(target) (0 at padding)."""
+
+    sample: dict[str, Any]
+    token_log_probs: Tensor  # (B, T) float32
+    mask: Tensor  # (B, T) bool: scored (non-padding) targets
+
+
+def needs_lockstep(model: Any) -> bool:
+    """True when every rank must run every forward (experts sharded with all_to_all)."""
+    from ..modules.expert_parallel import ExpertParallelSwitchFFN
+
+    return any(isinstance(m, ExpertParallelSwitchFFN) for m in model.modules())
+
+
+def scored_batches(model: Any, task: Any, dataset: Any, batching: Batching, num_shards: int = 1,
+                   shard_id: int = 0, prefetch: int = 0) -> Iterator[ScoredBatch]:
+    """Score ``dataset`` batch by batch (this shard's batches), model in eval mode meanwhile.
+
+    ``prefetch`` > 0 collates that many batches ahead in a background thread (as
+    ``fairseq-eval-lm``).  The batch iterator is built here, before the first ``next``, so a
+    caller that times the loop times scoring only.
+    """
+    batches = task.get_batch_iterator(
+        dataset=dataset, max_tokens=batching.max_tokens, max_sentences=batching.batch_size,
+        max_positions=utils.resolve_max_positions(task.max_positions(), model.max_positions()),
+        ignore_invalid_inputs=True, num_shards=num_shards, shard_id=shard_id, num_workers=0,
+        seed=1, data_buffer_size=prefetch,
+    ).next_epoch_itr(shuffle=False)
+    return _score(model, batches, task.target_dictionary.pad())
+
+
+@torch.no_grad()
+def _score(model: Any, batches: Any, pad: int) -> Iterator[ScoredBatch]:
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    lockstep = needs_lockstep(model)
+    last = None
+    try:
+        for sample in batches:
+            if not sample or "net_input" not in sample:  # a rank with no batch left
+                if lockstep and last is not None:  # expert-parallel peers wait for its tokens
+                    model(**last["net_input"])
+                continue
+            if device.type == "cuda":
+                sample = utils.move_to_cuda(sample, device=device)
+            last = sample
+            output = model(**sample["net_input"])
+            lprobs = model.get_normalized_probs(output, log_probs=True).float()  # (B, T, V)
+            target = sample["target"]  # (B, T)
+            mask = target.ne(pad)
+            token = lprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1).masked_fill(~mask, 0.0)
+            yield ScoredBatch(sample, token, mask)
+    finally:
+        model.train(was_training)
+
+
+def total_nll(model: Any, task: Any, dataset: Any, batching: Batching) -> tuple[float, int]:
+    """Summed NLL in nats and the number of scored tokens, over every data-parallel worker:
+    each scores its shard of the batches, the sums are all-reduced so all get the total."""
+    size, rank = world()
+    device = next(model.parameters()).device
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    for batch in scored_batches(model, task, dataset, batching, num_shards=size, shard_id=rank):
+        totals[0] -= batch.token_log_probs.double().sum()
+        totals[1] += batch.mask.sum()
+    if size > 1:
+        dist.all_reduce(totals)
+    return float(totals[0]), int(totals[1])

@@ -1,0 +1,217 @@
+"""What only a *training* process of an LM stream does (``tasks/alma_stream.py`` builds one in
+``build_model`` unless fairseq loads a checkpoint for scoring).
+
+* Takes the run directory: rank 0 locks it, every rank checks that ``run.json`` describes this
+  run (or none), the first use of the data hashes every shard; the ranks agree before anything
+  is trained (``ranks.py``).
+* Derives fairseq's settings (``fairseq_config.py``), installs the training patches
+  (``fairseq_patches.py``) and takes SIGUSR1/SIGTERM (``stream/stop.py``).
+* Runs the stream core's stage-end protocol at every stage boundary (``StreamProgress``): keep
+  ``checkpoint_stage{s}.pt``, evaluate on the evaluation mega-batch and the validation set,
+  write ``stream.jsonl``; and the stage-start actions at a stage's first update (growth, fresh
+  initialisation, optimizer reset).
+* Keeps the progress in fairseq's checkpoint; the first stage boundary a process meets comes
+  while fairseq is still restoring it, so it waits for ``set_checkpoint_dict`` (or, in a fresh
+  run, for the first epoch).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from typing import Any, Dict, List, Optional
+
+from ..lm.flops import model_flops
+from ..lm.nll import Batching, total_nll
+from ..lm.stage_checkpoints import keep_stage_checkpoint
+from ..ranks import world
+from ..stream.progress import StreamProgress
+from ..stream.records import ArrivalRecord
+from ..stream.run_dir import RunDirectory, fingerprint_hash
+from ..stream.schedule import ArrivalInfo
+from ..stream.stop import StopSignal, stage_limit
+
+logger = logging.getLogger(__name__)
+
+
+def _training_seconds() -> float:
+    """Wall-clock seconds the run has spent so far: fairseq's ``wall`` meter, which the trainer
+    starts at launch and carries over resumes in its checkpointed metrics (so a requeued run
+    does not count the time it sat in the queue)."""
+    from fairseq.logging import metrics as fairseq_metrics
+
+    meter = fairseq_metrics.get_meter("default", "wall")
+    return round(float(meter.elapsed_time), 3) if meter is not None else 0.0
+
+
+class StreamTraining:
+    """The training side of ``AlmaStreamTask`` (module doc)."""
+
+    def __init__(self, task: Any) -> None:
+        from ..fairseq_config import stream_training_settings
+        from ..fairseq_patches import install_atomic_copies, install_requeue_save
+
+        self.task, self.cfg = task, task.cfg
+        self.run_dir, self.fingerprint = self.open_run_dir()
+        self.progress = StreamProgress(task.plan, self.run_dir)
+        self.growth: List[Dict[str, Any]] = []
+        stream_training_settings(self.cfg, task.plan.num_stages,
+                                 stage_limit(task.plan.num_stages, self.cfg.max_epoch or None))
+        install_atomic_copies()
+        install_requeue_save()
+        self.stop = StopSignal().install()
+        self.resuming = self.run_dir.last_checkpoint.exists()  # fairseq will restore it
+        self.live = False  # False until this process knows the progress (fresh, or restored)
+        self.deferred: Optional[int] = None  # a stage boundary met before that
+        self.started_stage = 0
+
+    def open_run_dir(self) -> tuple:
+        """Take the run directory (rank 0 locks it) and make sure it holds this run, or none:
+        another run there is refused on every rank before anything is written."""
+        from data_prep.manifest import data_identity
+
+        from ..errors import AlmaError
+        from ..fairseq_config import run_fingerprint
+        from ..ranks import raise_unless_all_ok
+
+        error, run_dir, fingerprint = None, None, {}
+        try:
+            run_dir = RunDirectory.for_training(self.cfg.save_dir, rank=world()[1])
+            fingerprint = {"config": run_fingerprint(self.cfg), "data": data_identity(self.task.manifest)}
+            run_dir.check_fingerprint(fingerprint, restart=self.cfg.restart_stream)
+            run_dir.claim(fingerprint, restart=self.cfg.restart_stream)
+            self.verify_shards_once(run_dir, fingerprint["data"])
+        except AlmaError as err:
+            error = err
+        raise_unless_all_ok(error)
+        return run_dir, fingerprint
+
+    def verify_shards_once(self, run_dir: RunDirectory, data: Dict[str, Any]) -> None:
+        """Hash every shard against the manifest the first time this run uses the data (sizes
+        are checked at every start); ``data_verified.json`` records it for later starts."""
+        from data_prep.manifest import has_shard_checksums, verify_stream_dir
+
+        marker = run_dir.path / "data_verified.json"
+        done = fingerprint_hash(data)
+        if not run_dir.writes or not has_shard_checksums(self.task.manifest):
+            return
+        if marker.is_file() and marker.read_text("utf-8").strip() == f'"{done}"':
+            return
+        started = time.perf_counter()
+        verify_stream_dir(self.cfg.data.split(os.pathsep)[0], hashes=True)
+        logger.info("alma_stream: every shard matches its sha256 in manifest.json (%.1fs; not "
+                    "repeated for this run)", time.perf_counter() - started)
+        run_dir.write_file(marker.name, lambda handle: handle.write(f'"{done}"\n'.encode()))
+
+    # ---- where the run stands ------------------------------------------------------------
+    def stage_boundary(self, stages_done: int) -> None:
+        """fairseq loaded the data of stage ``stages_done + 1``: close stage ``stages_done``.
+
+        The first boundary of a process comes while fairseq is restoring a checkpoint, before
+        the progress saved with it is back (``set_checkpoint_dict``), so it is deferred."""
+        if not self.live:
+            self.deferred = stages_done
+            return
+        self.close_stage(stages_done)
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.progress.load_state_dict(state["progress"])
+        self.growth = list(state.get("growth", []))
+        self.live = True
+        self._resolve_deferred()
+
+    def resolve_start(self) -> None:
+        """Before the first update of this process: no progress was restored (a fresh run, or
+        a checkpoint written before progress travelled in checkpoints)."""
+        if self.live:
+            return
+        self.live = True
+        if self.resuming and self.deferred is not None:
+            self.progress.adopt_log(upto_stage=self.deferred)
+            self.growth = self.run_dir.read_growth()
+        self._resolve_deferred()
+
+    def _resolve_deferred(self) -> None:
+        if self.deferred is not None:
+            stages_done, self.deferred = self.deferred, None
+            self.close_stage(stages_done)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"progress": self.progress.state_dict(), "growth": list(self.growth)}
+
+    # ---- stage end ------------------------------------------------------------------------
+    def close_stage(self, stages_done: int) -> None:
+        stages_done = min(stages_done, self.task.plan.num_stages)
+
+        def keep(stage: int) -> None:
+            info = {"stage": stage, "arrival": self.task.plan.stage(stage).arrival,
+                    "run": fingerprint_hash(self.fingerprint),
+                    "dictionary": self.task.manifest["dictionary"]["sha256"]}
+            keep_stage_checkpoint(self.run_dir, stage, info)
+
+        new = self.progress.close_stage(stages_done, self.measure, self.record, keep_checkpoint=keep)
+        if new and self.run_dir.writes:
+            from ..lm.tensorboard import log_arrivals
+
+            log_arrivals(self.cfg.tensorboard_logdir, self.progress.ordered())
+
+    def measure(self) -> Dict[str, float]:
+        """Perplexity of the model on the evaluation mega-batch and on the validation set."""
+        out: Dict[str, float] = {}
+        batching = Batching(self.cfg.batch_size_valid or self.cfg.batch_size or 8, self.cfg.max_tokens_valid)
+        for name, key in ((self.cfg.eval_subset, "eval"), ("valid", "valid")):
+            nll, ntok = total_nll(self.task.model, self.task, self.task.dataset_split(name), batching)
+            out[f"{key}_nll"] = nll / max(ntok, 1)
+            out[f"{key}_tokens"] = ntok
+            out[f"{key}_ppl"] = math.exp(min(out[f"{key}_nll"], 700.0))
+        return out
+
+    def record(self, info: ArrivalInfo, metrics: Dict[str, float]) -> ArrivalRecord:
+        model = self.task.model
+        counts = model.parameter_counts() if hasattr(model, "parameter_counts") else {}
+        params = counts.get("active", sum(p.numel() for p in model.parameters()))
+        train_tokens = sum(self.task.train_tokens(s.index) for s in self.task.plan.schedule[: info.stage])
+        infer, train = model_flops(model, self.cfg.tokens_per_sample, train_tokens)
+        return ArrivalRecord(
+            arrival=info.arrival, stage=info.stage, trained=info.trained, megabatches_seen=info.megabatches_seen,
+            params_active=int(params), train_flops_cum=float(train), infer_flops_per_example=float(infer),
+            wall_time=_training_seconds(), eval_ppl=metrics["eval_ppl"], eval_nll=metrics["eval_nll"],
+            eval_tokens=int(metrics["eval_tokens"]),
+            valid={"valid_ppl": metrics["valid_ppl"], "valid_nll": metrics["valid_nll"]},
+            extra={"train_tokens_cum": train_tokens})
+
+    # ---- stage start ------------------------------------------------------------------------
+    def before_update(self, update_num: int, optimizer: Any) -> None:
+        """Stage-start actions, once, at the stage's first update (never again on resume)."""
+        self.resolve_start()
+        stage = update_num // self.task.budget + 1
+        if update_num % self.task.budget == 0 and self.started_stage < stage:
+            self.start_stage(stage, optimizer)
+
+    def start_stage(self, stage: int, optimizer: Any) -> None:
+        from ..lm.stage_start import reinitialize, reset_optimizer_state
+
+        self.started_stage = stage
+        model = self.task.model
+        if stage in self.task.growth_plan:
+            self.grow(stage, optimizer)
+        if stage > 1 and self.cfg.stage_init == "scratch":
+            reinitialize(model, seed=self.cfg.seed * 1000 + stage)
+            reset_optimizer_state(optimizer, model=model)
+        elif stage > 1 and self.cfg.reset_optimizer_each_stage:
+            reset_optimizer_state(optimizer, model=None)
+
+    def grow(self, stage: int, optimizer: Any) -> None:
+        from ..lm.growth import grow_experts
+
+        model = self.task.model
+        batch = self.cfg.batch_size_valid or self.cfg.batch_size or 8
+        info = grow_experts(model, self.task, self.task.dataset_split("valid"), self.task.growth_plan[stage],
+                            batch, optimizer, seed=self.cfg.seed * 100 + stage)
+        info = {"stage": stage, **info, "params_active": int(model.parameter_counts()["active"])}
+        # a resumed run may redo a growth step: replace it, never duplicate it
+        self.growth = [entry for entry in self.growth if entry["stage"] < stage] + [info]
+        self.run_dir.write_growth(self.growth)
+

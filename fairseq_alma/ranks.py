@@ -1,0 +1,55 @@
+"""What every data-parallel rank of a training process must agree on.
+
+Each rank runs the same code on its own: a signal reaches each one separately (Slurm signals
+every task), maybe between two different updates, and only rank 0 takes the run directory's
+lock and writes its files.  Whenever the ranks' paths could part (one stops, the others train on
+and wait forever in the next all-reduce; rank 0 is refused the directory, the others train
+alone), they decide together with a one-element all-reduce.  Outside torch.distributed (one
+process) each function just answers for that process.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .errors import AlmaError, RunDirError
+
+CHECK_EVERY = 10  # updates between stop checks: reading the flag back synchronises a GPU
+
+
+def world() -> tuple[int, int]:
+    """(data-parallel world size, this rank); (1, 0) outside torch.distributed."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def _all_reduce_max(value: float) -> float:
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+        else torch.device("cpu")
+    flag = torch.tensor([value], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return float(flag.item())
+
+
+def all_ranks_stop(requested: bool, update_num: int) -> bool:
+    """True on every rank at the same update once any rank has ``requested`` a stop (checked
+    every ``CHECK_EVERY`` updates with several ranks, every update with one)."""
+    if world()[0] == 1:
+        return requested
+    if update_num % CHECK_EVERY != 0:
+        return False
+    return _all_reduce_max(1.0 if requested else 0.0) > 0
+
+
+def raise_unless_all_ok(error: AlmaError | None) -> None:
+    """Raise ``error`` on the rank that had it, and a one-line pointer to it on the others."""
+    failed = error is not None
+    if world()[0] > 1:
+        failed = _all_reduce_max(1.0 if failed else 0.0) > 0
+    if error is not None:
+        raise error
+    if failed:
+        raise RunDirError("another rank could not set up the run directory (its error, on "
+                          "rank 0's output, says why); nothing was trained")

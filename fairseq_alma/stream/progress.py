@@ -1,0 +1,135 @@
+"""Where a stream stands, and what happens at the end of every stage (paper §3, §3.1).
+
+``StreamPlan`` is the stream a learner sees: B mega-batches, waiting time w, replay.  From it the
+schedule (``schedule.py``) says which stages train on which mega-batches, and the arrival table
+says which stage answers the evaluation after each arrival t = 0..B.
+
+``StreamProgress`` holds the records written so far and runs the stage-end protocol that every
+learner shares (LM through fairseq, vision through its own loop):
+
+    the learner trains stage s  ->  close_stage(s):  keep the stage checkpoint,
+                                                     measure the model once,
+                                                     record every arrival stage s answers,
+                                                     rewrite stream.jsonl atomically
+
+Arrival 0 (the untrained model) is ``close_stage(0)``.  The records travel in the learner's
+checkpoint (``state_dict``), so a run killed anywhere and resumed by the same command records
+exactly the arrivals that are still missing: never one twice, never one lost.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from ..errors import RunDirError, UsageError
+from .records import ArrivalRecord
+from .run_dir import RunDirectory
+from .schedule import ArrivalInfo, Stage, arrival_table, build_schedule
+
+Measured = TypeVar("Measured")
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    """The stream a learner sees: B mega-batches arriving one by one, waiting time w, replay."""
+
+    num_megabatches: int
+    wait: int = 1
+    replay: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_megabatches, bool) or not isinstance(self.num_megabatches, int) \
+                or self.num_megabatches < 1:
+            raise UsageError(f"--num-megabatches must be an integer >= 1 (got "
+                             f"{self.num_megabatches!r})")
+        if isinstance(self.wait, bool) or not isinstance(self.wait, int) \
+                or not 1 <= self.wait <= self.num_megabatches:
+            raise UsageError(f"--wait must be in [1, {self.num_megabatches}] (the stream's "
+                             f"mega-batches); got {self.wait}")
+
+    @functools.cached_property
+    def schedule(self) -> list[Stage]:
+        return build_schedule(self.num_megabatches, self.wait, self.replay)
+
+    @functools.cached_property
+    def arrivals(self) -> list[ArrivalInfo]:
+        return arrival_table(self.schedule, self.num_megabatches)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.schedule)
+
+    def stage(self, index: int) -> Stage:
+        """Stage ``index`` (1-based)."""
+        return self.schedule[index - 1]
+
+
+class StreamProgress:
+    """Records written so far and the stage-end protocol (module doc)."""
+
+    def __init__(self, plan: StreamPlan, run_dir: RunDirectory) -> None:
+        self.plan = plan
+        self.run_dir = run_dir
+        self.records: dict[int, ArrivalRecord] = {}
+
+    def pending(self, stages_done: int) -> list[ArrivalInfo]:
+        """Arrivals answered by the model after ``stages_done`` stages, not recorded yet."""
+        return [info for info in self.plan.arrivals
+                if info.stage == stages_done and info.arrival not in self.records]
+
+    def ordered(self) -> list[ArrivalRecord]:
+        return [self.records[arrival] for arrival in sorted(self.records)]
+
+    @property
+    def complete(self) -> bool:
+        return len(self.records) == self.plan.num_megabatches + 1
+
+    def close_stage(
+        self,
+        stages_done: int,
+        measure: Callable[[], Measured],
+        record: Callable[[ArrivalInfo, Measured], ArrivalRecord],
+        keep_checkpoint: Callable[[int], Any] | None = None,
+    ) -> list[ArrivalRecord]:
+        """The stage-end protocol for the model after ``stages_done`` stages (module doc).
+
+        ``keep_checkpoint(s)`` keeps the end of stage s (s >= 1; every process calls it, the run
+        directory decides who writes); ``measure()`` evaluates the model once, however many
+        arrivals it answers; ``record(info, measured)`` builds one arrival's record.
+        """
+        if stages_done >= 1 and keep_checkpoint is not None:
+            keep_checkpoint(stages_done)
+        pending = self.pending(stages_done)
+        if not pending:
+            return []
+        measured = measure()
+        new = [record(info, measured) for info in pending]
+        for item in new:
+            self.records[item.arrival] = item
+        self.run_dir.write_records(self.ordered())
+        return new
+
+    # ---- checkpointing -----------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Plain JSON-able values (checkpoints may be loaded with ``weights_only``)."""
+        return {"records": [r.to_json() for r in self.ordered()]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.records = {}
+        for obj in state.get("records", []):
+            item = ArrivalRecord.from_json(obj)
+            self.records[item.arrival] = item
+
+    def adopt_log(self, upto_stage: int) -> None:
+        """Resume from a checkpoint written before records travelled in checkpoints: take the
+        records of stages <= ``upto_stage`` from ``stream.jsonl``."""
+        if not self.run_dir.stream_log.is_file():
+            return
+        try:
+            logged = self.run_dir.read_records()
+        except RunDirError as err:
+            raise RunDirError(f"cannot resume: {err}") from None
+        self.records = {r.arrival: r for r in logged if r.stage <= upto_stage}

@@ -1,0 +1,128 @@
+"""``fairseq-train --task alma_stream --vision-dataset D --arch alma_vision``: a thin entry.
+
+``AlmaStreamTask.setup_task`` hands a vision stream (``--arch alma_vision``) to
+``VisionStreamEntry``.  fairseq then asks
+it to build the model, the first moment it holds both the task's flags (data, ``--wait``,
+``--replay``, ``--seed``, ``--save-dir``, ``--batch-size``) and the learner's
+(``--arch alma_vision``, ``models/alma_vision.py``); the entry turns them into a ``VisionRun``
+and runs the stream with ``runner.run_vision_stream``, the code the sweep and the demo run too.
+The process then ends (exit 0, or the requeue status after a signal); fairseq's own trainer,
+optimizer and checkpoints are never involved.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, NoReturn
+
+import torch
+from fairseq.tasks import FairseqTask
+
+from ..errors import AlmaError, UsageError, require
+from ..fairseq_config import given, refuse_flags
+from ..ranks import raise_unless_all_ok, world
+from ..stream.progress import StreamPlan
+from ..stream.run_dir import RunDirectory
+from ..stream.stop import StopSignal, stage_limit
+from .devices import resolve_device
+from .learners import LearnerSpec
+from .runner import VisionRun, run_vision_stream
+from .stage_trainer import OptimizerSpec, StageTrainConfig
+
+logger = logging.getLogger(__name__)
+
+PAPER_BATCH_SIZE = 128  # App. B.1: "A training minibatch size of 128 is used."
+DATASETS = ("digits", "mnist", "cifar10", "npz")
+
+
+def _text(value: Any) -> str:
+    """fairseq keeps ChoiceEnum values as enum members; the vision library takes strings."""
+    return str(getattr(value, "value", value))
+
+
+def _mixture_layers(text: str) -> tuple[int, ...] | None:
+    if not text.strip():
+        return None
+    try:
+        layers = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise UsageError(f"--moe-mixture-layers takes comma-separated layer indices, e.g. '0,1' "
+                         f"(got {text!r})") from None
+    require(all(layer >= 0 for layer in layers), f"--moe-mixture-layers indices must be >= 0 (got {text!r})")
+    return layers
+
+
+def _optimizer(dataset: str, name: str, lr: float) -> OptimizerSpec:
+    """App. B.1's optimizers; --vision-lr replaces only the learning rate."""
+    if name == "paper":
+        name = "sgd" if dataset == "cifar10" else "adadelta"
+    require(lr >= 0, f"--vision-lr must be >= 0 (0 = the paper's value), got {lr}")
+    paper = OptimizerSpec.paper_cifar() if name == "sgd" else OptimizerSpec.paper_mnist()
+    return paper if lr == 0 else OptimizerSpec(name, float(lr), paper.momentum, paper.weight_decay)
+
+
+def vision_run(task_cfg: Any, model_cfg: Any) -> VisionRun:
+    """The ``VisionRun`` that fairseq-train's flags describe (one-line errors name the flag)."""
+    dataset = model_cfg.vision_dataset
+    require(bool(dataset), f"--arch alma_vision needs --vision-dataset ({', '.join(DATASETS)})")
+    require(dataset in DATASETS, f"--vision-dataset {dataset!r} is unknown; use one of {', '.join(DATASETS)}")
+    data_path = None if dataset == "digits" else (model_cfg.vision_data_path or task_cfg.data)
+    augment = _text(model_cfg.vision_augment)
+    crop_flip = augment == "crop-flip" or (augment == "auto" and dataset == "cifar10")
+    require(model_cfg.epochs_per_stage >= 1, f"--epochs-per-stage must be >= 1, got {model_cfg.epochs_per_stage}")
+    require(model_cfg.vision_threads >= 1, f"--vision-threads must be >= 1, got {model_cfg.vision_threads}")
+    training = StageTrainConfig(
+        epochs=int(model_cfg.epochs_per_stage), batch_size=int(task_cfg.batch_size or PAPER_BATCH_SIZE),
+        optimizer=_optimizer(dataset, _text(model_cfg.vision_optimizer), float(model_cfg.vision_lr)),
+        augment=crop_flip, amp=_text(model_cfg.vision_amp))
+    learner = LearnerSpec(
+        method=_text(model_cfg.vision_method), arch=_text(model_cfg.vision_arch),
+        width=int(model_cfg.vision_width), members=int(model_cfg.ensemble_members),
+        gating=_text(model_cfg.moe_gating), mixture_layers=_mixture_layers(model_cfg.moe_mixture_layers),
+        growth_rate=float(model_cfg.ff_growth_rate), seed=int(task_cfg.seed))
+    return VisionRun(
+        dataset=dataset, data_path=data_path,
+        plan=StreamPlan(int(model_cfg.num_megabatches), int(task_cfg.wait), bool(task_cfg.replay)),
+        learner=learner, training=training, valid_fraction=float(model_cfg.valid_fraction),
+        seed=int(task_cfg.seed), device=resolve_device(_text(model_cfg.vision_device), bool(given(task_cfg, "common", "cpu"))),
+        keep_stage_checkpoints=bool(model_cfg.keep_stage_checkpoints))
+
+
+class VisionStreamEntry(FairseqTask):
+    """What fairseq-train sees of a vision stream (module doc); not a registered task."""
+
+    @classmethod
+    def setup_task(cls, cfg: Any, **kwargs: Any) -> "VisionStreamEntry":
+        if kwargs.get("from_checkpoint"):
+            raise UsageError("a vision stream's checkpoints are the learner's own, not fairseq's; "
+                             "read its records with alma-score --from-log RUN_DIR")
+        return cls(cfg)
+
+    def build_model(self, cfg: Any, from_checkpoint: bool = False) -> NoReturn:
+        name = getattr(cfg, "_name", None)
+        require(name == "alma_vision", f"--arch {name} is not a vision learner; vision streams use "
+                "--arch alma_vision (the learner is set by --vision-method, --vision-arch, --vision-width)")
+        refuse_flags(self.cfg, "common", ("fp16", "bf16", "memory_efficient_fp16", "memory_efficient_bf16", "amp"),
+                     "does not apply to vision streams (the learner has its own precision); use "
+                     "--vision-amp fp16|bf16 instead")
+        run = vision_run(self.cfg, cfg)
+        torch.set_num_threads(int(cfg.vision_threads))
+        error, run_dir = None, None
+        try:  # rank 0 takes the directory; every rank learns whether it could
+            run_dir = RunDirectory.for_training(self.cfg.save_dir, world()[1])
+        except AlmaError as err:
+            error = err
+        raise_unless_all_ok(error)
+        limit = stage_limit(run.plan.num_stages, self.cfg.max_epoch or None)
+        logger.info("vision stream: %s %s%d, B=%d, w=%d%s, %d epochs per stage on %s, up to stage %d of %d",
+                    run.learner.method, run.learner.arch, run.learner.width, run.plan.num_megabatches,
+                    run.plan.wait, " replay" if run.plan.replay else "", run.training.epochs, run.device,
+                    limit, run.plan.num_stages)
+        records = run_vision_stream(run, run_dir, stop=StopSignal().install(), stop_after=limit,
+                                    restart=bool(self.cfg.restart_stream))
+        logger.info("vision stream: %d of %d arrivals recorded in %s", len(records),
+                    run.plan.num_megabatches + 1, run_dir.stream_log)
+        if torch.distributed.is_initialized():  # every rank ran the same stream; leave together
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
+        raise SystemExit(0)  # the stream is done: nothing is left for fairseq-train to do

@@ -1,0 +1,295 @@
+"""A whole vision ALMA stream: the vision learner behind the stream core (§3, §5, App. B.1).
+
+The one way vision streams run.  ``fairseq-train --task alma_stream --vision-dataset ...``
+(``fairseq_entry.py``), the in-process sweep (``sweep.py``) and ``alma-vision-demo`` all build a
+``VisionRun`` and call ``run_vision_stream``:
+
+    resume (checkpoint_last.pt)  ->  close_stage(0): the untrained model, arrival 0
+    for each stage s of the plan:    grow (learner.before_stage), train epochs with
+                                     best-validation selection (stage_trainer.train_stage),
+                                     close_stage(s): test error, one record per arrival,
+                                     save checkpoint_last.pt (learner, RNG, progress)
+
+A vision stage is short next to an LM stage, so it is the unit of resumption: a run killed or
+preempted inside stage s restarts stage s from its beginning, which gives exactly the numbers
+of an uninterrupted run (the stage is a function of the learner at its start and the seed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..errors import CheckpointError, Preempted, RunDirError, UsageError
+from ..stream.partition import Megabatch, partition_indices
+from ..stream.progress import StreamPlan, StreamProgress
+from ..stream.records import ArrivalRecord
+from ..stream.run_dir import RunDirectory, damaged_record
+from ..stream.schedule import ArrivalInfo, Stage
+from ..stream.stop import StopSignal
+from .data import VisionData, load_vision_data
+from .devices import check_amp
+from .learners import Learner, LearnerSpec, build_learner
+from .stage_trainer import StageResult, StageTrainConfig, evaluate, train_stage
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_FORMAT = "alma-vision-run/1"
+PROGRESS_SECONDS = 30.0  # log a stage's epochs at most this often (paper stages: 100 epochs)
+
+
+@dataclass(frozen=True)
+class VisionRun:
+    """Everything that defines one vision stream and changes its results (typed values).
+
+    ``settings()`` is what a resumed run must share with its checkpoint.
+    """
+
+    dataset: str  # digits, mnist, cifar10 or npz
+    data_path: str | None
+    plan: StreamPlan
+    learner: LearnerSpec
+    training: StageTrainConfig
+    valid_fraction: float = 0.1  # paper §5: 10% of each mega-batch
+    seed: int = 1  # the partition and the stages' data order (the learner has its own)
+    device: str = "cpu"
+    keep_stage_checkpoints: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.valid_fraction < 1.0:
+            raise UsageError(f"--valid-fraction must be in [0, 1) (got {self.valid_fraction})")
+
+    def settings(self) -> dict[str, Any]:
+        """Flag -> value of everything that changes results (not where the data lives)."""
+        train = self.training
+        spec = dataclasses.asdict(self.learner)
+        spec["mixture_layers"] = list(spec["mixture_layers"] or [])
+        return {
+            "--vision-dataset": self.dataset, "--num-megabatches": self.plan.num_megabatches,
+            "--wait": self.plan.wait, "--replay": self.plan.replay,
+            "--valid-fraction": self.valid_fraction, "--seed": self.seed,
+            "--epochs-per-stage": train.epochs, "--batch-size": train.batch_size,
+            "--vision-optimizer": train.optimizer.name, "--vision-lr": train.optimizer.lr,
+            "--vision-augment": train.augment, "--vision-amp": train.amp, "learner": spec,
+        }
+
+
+@dataclass
+class StageOutcome:
+    """``train_one_stage``'s result: the growth done before training, and the training."""
+
+    growth: dict[str, Any]
+    result: StageResult
+
+    @property
+    def flops(self) -> float:
+        return self.growth.get("flops", 0.0) + self.result.flops
+
+
+def make_partition(data: VisionData, plan: StreamPlan, seed: int,
+                   valid_fraction: float) -> list[Megabatch]:
+    """Seeded split of the training set into mega-batches with their validation parts."""
+    if plan.num_megabatches > data.x_train.shape[0]:
+        raise UsageError(f"--num-megabatches {plan.num_megabatches} is larger than the training "
+                         f"set of {data.name} ({data.x_train.shape[0]} examples)")
+    return partition_indices(data.x_train.shape[0], plan.num_megabatches, seed, valid_fraction)
+
+
+def stage_data(data: VisionData, partition: list[Megabatch],
+               megabatch_ids: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(train_x, train_y, valid_x, valid_y) of the union of ``megabatch_ids``."""
+    train = torch.from_numpy(np.concatenate([partition[i].train for i in megabatch_ids]))
+    valid = torch.from_numpy(np.concatenate([partition[i].valid for i in megabatch_ids]))
+    device = data.x_train.device
+    train, valid = train.to(device), valid.to(device)
+    return data.x_train[train], data.y_train[train], data.x_train[valid], data.y_train[valid]
+
+
+def train_one_stage(learner: Learner, stage: Stage, data: VisionData, partition: list[Megabatch],
+                    config: StageTrainConfig, seed: int,
+                    progress: Callable[[int, float, list[float]], None] | None = None,
+                    should_stop: Callable[[], bool] | None = None) -> StageOutcome:
+    """Grow (stages after the first), then train on ``stage.train_megabatches``; ``should_stop``
+    is asked after every epoch (the stage then raises ``Preempted``)."""
+    train_x, train_y, valid_x, valid_y = stage_data(data, partition, stage.train_megabatches)
+    growth = learner.before_stage(stage.index, train_x, train_y, valid_x, valid_y)
+    result = train_stage(learner, train_x, train_y, valid_x, valid_y, config,
+                         seed=seed * 1_000_003 + stage.index, progress=progress,
+                         should_stop=should_stop, stage=stage.index)
+    return StageOutcome(growth=growth, result=result)
+
+
+class _VisionStream:
+    """One run of ``run_vision_stream``: learner, data, progress and the checkpoint."""
+
+    def __init__(self, run: VisionRun, run_dir: RunDirectory, data: VisionData) -> None:
+        if run.training.augment and not data.is_image:
+            raise UsageError(f"--vision-augment crop-flip needs images, but {data.name} holds "
+                             f"feature vectors; use --vision-augment none")
+        if run.training.augment and run.training.augment_fill is None:
+            # pad crops with the normalised black pixel, as an unnormalised pipeline would
+            fill = tuple(-m / s for m, s in zip(data.mean, data.std))
+            run = dataclasses.replace(run, training=dataclasses.replace(run.training, augment_fill=fill))
+        self.run, self.run_dir = run, run_dir
+        self.device = torch.device(run.device)
+        self.data = _on_device(data, self.device)
+        self.partition = make_partition(data, run.plan, run.seed, run.valid_fraction)
+        self.learner = build_learner(run.learner, data.input_shape, data.num_classes).to(self.device)
+        self.progress = StreamProgress(run.plan, run_dir)
+        self.stages: dict[int, dict[str, Any]] = {}  # what each stage did (FLOPs, best epoch)
+        self.seconds_before = 0.0
+        self.started = time.perf_counter()
+
+    @property
+    def stages_done(self) -> int:
+        return max(self.stages, default=0)
+
+    def run_seconds(self) -> float:
+        return self.seconds_before + time.perf_counter() - self.started
+
+    # ---- checkpoint ----------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        learner = self.learner.checkpoint_state()
+        return {
+            "format": CHECKPOINT_FORMAT, "settings": self.run.settings(),
+            "learner": {"spec": dataclasses.asdict(learner["spec"]),
+                        "model": {k: v.cpu() for k, v in learner["model"].items()},
+                        "generator": learner["generator"]},
+            "stages": {s: dict(info) for s, info in self.stages.items()},
+            "progress": self.progress.state_dict(), "run_seconds": self.run_seconds(),
+        }
+
+    def save(self) -> None:
+        state = self.state()
+        self.run_dir.write_file(self.run_dir.last_checkpoint.name,
+                                lambda handle: torch.save(state, handle))
+        if self.run.keep_stage_checkpoints:
+            name = self.run_dir.stage_checkpoint(self.stages_done).name
+            self.run_dir.write_file(name, lambda handle: torch.save(state, handle))
+
+    def resume(self) -> None:
+        path = self.run_dir.last_checkpoint
+        if not path.is_file():
+            return
+        way_out = "move it aside to train the stream again from its start, or use --restart-stream"
+        bad = damaged_record(path)
+        if bad is not None:
+            raise CheckpointError(f"{path}: damaged (record {bad} fails its CRC check); {way_out}")
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as err:  # noqa: BLE001 - any unreadable file gets the same line
+            reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
+            raise CheckpointError(f"{path}: not a readable checkpoint ({reason}); {way_out}") from None
+        if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+            raise RunDirError(f"{path} is not a vision stream checkpoint of this version; use "
+                              f"another --save-dir")
+        spec = LearnerSpec(**{**state["learner"]["spec"], "mixture_layers": _tuple(
+            state["learner"]["spec"]["mixture_layers"])})
+        self.learner.load_checkpoint_state({**state["learner"], "spec": spec})
+        self.learner.to(self.device)
+        self.stages = {int(s): dict(info) for s, info in state["stages"].items()}
+        self.progress.load_state_dict(state["progress"])
+        self.seconds_before = float(state["run_seconds"])
+        logger.info("resumed %s after stage %d", self.run_dir.path, self.stages_done)
+
+    # ---- the stream ------------------------------------------------------------------------
+    def close_stage(self) -> None:
+        new = self.progress.close_stage(self.stages_done, self.measure, self.record)
+        if new:
+            logger.info("arrivals %s: test error %.4f", [r.arrival for r in new], new[0].test_error)
+
+    def measure(self) -> float:
+        return evaluate(self.learner, self.data.x_test, self.data.y_test,
+                        self.run.training.eval_batch_size, amp=self.run.training.amp).error
+
+    def record(self, info: ArrivalInfo, error: float) -> ArrivalRecord:
+        spec, plan = self.run.learner, self.run.plan
+        trained = {"best_epoch": self.stages[info.stage]["best_epoch"]} if info.trained else {}
+        return ArrivalRecord(
+            arrival=info.arrival, stage=info.stage, trained=info.trained,
+            megabatches_seen=info.megabatches_seen, params_active=self.learner.params_active(),
+            train_flops_cum=sum(self.stages[s]["flops"] for s in range(1, info.stage + 1)),
+            infer_flops_per_example=self.learner.infer_flops_per_example(), test_error=error,
+            wall_time=self.run_seconds(),
+            extra={"method": spec.method, "arch": spec.arch, "width": spec.width,
+                   "wait": plan.wait, "replay": plan.replay, **self.learner.describe(), **trained})
+
+    def train(self, stage: Stage, stop: StopSignal | None = None) -> None:
+        last_log = [time.perf_counter()]
+        epochs = self.run.training.epochs
+
+        def progress(epoch: int, train_loss: float, valid_losses: list[float]) -> None:
+            if time.perf_counter() - last_log[0] >= PROGRESS_SECONDS:
+                last_log[0] = time.perf_counter()
+                logger.info("stage %d: epoch %d/%d, train loss %.4f, valid loss %s", stage.index,
+                            epoch, epochs, train_loss, [round(v, 4) for v in valid_losses])
+
+        outcome = train_one_stage(self.learner, stage, self.data, self.partition,
+                                  self.run.training, self.run.seed, progress=progress,
+                                  should_stop=None if stop is None else lambda: stop.requested)
+        result = outcome.result
+        growth = {k: v for k, v in outcome.growth.items() if k != "flops"}
+        logger.info("stage %d (arrival %d, mega-batches %s): %s, best epoch %s, %.1fs",
+                    stage.index, stage.arrival, list(stage.train_megabatches),
+                    growth or "no growth", result.best_epoch, result.wall_time)
+        self.stages[stage.index] = {"flops": float(outcome.flops),
+                                    "best_epoch": list(result.best_epoch)}
+
+
+def _tuple(value: Any) -> tuple[int, ...] | None:
+    return tuple(value) if value else None
+
+
+def _on_device(data: VisionData, device: torch.device) -> VisionData:
+    if data.x_train.device == device:
+        return data
+    return dataclasses.replace(data, x_train=data.x_train.to(device), y_train=data.y_train.to(device),
+                               x_test=data.x_test.to(device), y_test=data.y_test.to(device))
+
+
+def data_digest(data: VisionData) -> str:
+    """sha256 of the data set's tensors: the data part of a vision run's fingerprint (the same
+    files moved elsewhere are the same data; other files are not)."""
+    digest = hashlib.sha256()
+    for tensor in (data.x_train, data.y_train, data.x_test, data.y_test):
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def run_vision_stream(run: VisionRun, run_dir: RunDirectory, data: VisionData | None = None,
+                      stop: StopSignal | None = None, stop_after: int | None = None,
+                      restart: bool = False) -> list[ArrivalRecord]:
+    """Run (or continue) the stream in ``run_dir``; returns the records of every arrival so far.
+
+    ``run_dir`` must hold this run or none (``restart`` moves another one aside first).
+    ``stop_after``: train at most up to this stage in this call (``ALMA_STOP_AFTER_STAGE``).
+    A ``stop`` signal is honoured between stages (and between epochs by the stage trainer):
+    the run raises ``Preempted``; the same call continues.
+    """
+    check_amp(run.training.amp, torch.device(run.device))
+    data = data if data is not None else load_vision_data(run.dataset, run.data_path)
+    stream = _VisionStream(run, run_dir, data)  # checks the flags against the data first
+    fingerprint = {"settings": run.settings(), "data": data_digest(data)}
+    run_dir.check_fingerprint(fingerprint, restart)
+    run_dir.claim(fingerprint, restart)
+    stream.resume()
+    stream.close_stage()
+    last = min(run.plan.num_stages, stop_after or run.plan.num_stages)
+    for stage in run.plan.schedule[stream.stages_done:last]:
+        if stop is not None and stop.requested:
+            raise Preempted(f"preempted by {stop.signal_name} before stage {stage.index}; "
+                            f"{run_dir.last_checkpoint} holds stage {stream.stages_done}; run the "
+                            f"same command to continue")
+        stream.train(stage, stop)
+        stream.close_stage()
+        stream.save()
+    return stream.progress.ordered()

@@ -1,0 +1,103 @@
+"""One test per patch in fairseq_alma/fairseq_patches.py: each fails if fairseq changes the code
+the patch relies on (the name looked up at call time, the signature, the call site), and checks
+what the patch does.  The end-to-end behaviour is tested where it matters (SIGUSR1 in
+test_alma_stream.py, one-line errors in test_switch_cli.py, expert parallelism in
+test_expert_parallel_train.py)."""
+
+from __future__ import annotations
+
+import inspect
+import pickle
+import shutil
+
+import pytest
+
+from fairseq_alma import fairseq_patches
+from fairseq_alma.errors import Preempted, UsageError
+
+
+def test_console_errors_reach_the_main_that_cli_main_calls(capsys):
+    import fairseq_cli.eval_lm as eval_cli
+    import fairseq_cli.train as train_cli
+
+    # cli_main must look ``main`` up in its module when it runs (after --user-dir imported us)
+    for module in (train_cli, eval_cli):
+        assert "call_main(" in inspect.getsource(module.cli_main)
+        assert ", main)" in inspect.getsource(module.cli_main)
+    fairseq_patches.install_console_errors()
+    assert fairseq_patches._patched(train_cli.main) and fairseq_patches._patched(eval_cli.main)
+    # picklable by name, for fairseq's multi-GPU spawn
+    assert fairseq_patches._patched(pickle.loads(pickle.dumps(train_cli.main)))
+
+    def failing(cfg: object) -> None:
+        raise UsageError("--moe-experts must be an integer >= 1 (got 0)")
+
+    wrapped = fairseq_patches._ConsoleMain("fairseq_cli.train", failing)
+    with pytest.raises(SystemExit) as caught:
+        wrapped(None)
+    assert caught.value.code == 2
+    assert capsys.readouterr().err == "fairseq-alma: error: --moe-experts must be an integer >= 1 (got 0)\n"
+    preempted = fairseq_patches._ConsoleMain("fairseq_cli.train", lambda cfg: (_ for _ in ()).throw(
+        Preempted("preempted at update 7, checkpoint saved in 0.1s")))
+    with pytest.raises(SystemExit) as caught:
+        preempted(None)
+    assert caught.value.code == 75 and "fairseq-alma: preempted at update 7" in capsys.readouterr().err
+
+
+def test_checkpoint_copies_are_atomic(tmp_path, monkeypatch):
+    from fairseq import checkpoint_utils
+    from fairseq.file_io import PathManager
+
+    # fairseq copies the first checkpoint of a save to its other names with PathManager.copy
+    assert "PathManager.copy(" in inspect.getsource(checkpoint_utils.save_checkpoint)
+    fairseq_patches.install_atomic_copies()
+    assert fairseq_patches._patched(PathManager.copy)
+    src, dst = tmp_path / "checkpoint_1_2.pt", tmp_path / "checkpoint_last.pt"
+    src.write_bytes(b"new" * 1000)
+    dst.write_bytes(b"old checkpoint")
+
+    def killed(source, target, length=0):  # the process dies halfway through the copy
+        target.write(source.read(10))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shutil, "copyfileobj", killed)
+    with pytest.raises(KeyboardInterrupt):
+        PathManager.copy(str(src), str(dst), overwrite=True)
+    assert dst.read_bytes() == b"old checkpoint"  # never a truncated checkpoint_last.pt
+    assert sorted(p.name for p in tmp_path.iterdir()) == [src.name, dst.name]  # no temporary left
+    monkeypatch.undo()
+    assert PathManager.copy(str(src), str(dst), overwrite=True) and dst.read_bytes() == src.read_bytes()
+    assert not PathManager.copy(str(src), str(dst), overwrite=False)  # fairseq's contract
+
+
+def test_requeue_save_wraps_the_validate_and_save_that_train_calls():
+    import fairseq_cli.train as train_cli
+    from fairseq import checkpoint_utils
+
+    # train() calls validate_and_save, looked up in its module, after every update
+    assert "validate_and_save(" in inspect.getsource(train_cli.train)
+    params = list(inspect.signature(train_cli.validate_and_save).parameters)
+    assert params == ["cfg", "trainer", "task", "epoch_itr", "valid_subsets", "end_of_epoch"]
+    # the settings save_for_requeue overrides are the ones save_checkpoint reads
+    source = inspect.getsource(checkpoint_utils.save_checkpoint)
+    for name in ("no_epoch_checkpoints", "save_interval_updates", "keep_best_checkpoints",
+                 "no_last_checkpoints", "no_save", "keep_interval_updates"):
+        assert f"cfg.{name}" in source, name
+    fairseq_patches.install_requeue_save()
+    assert fairseq_patches._patched(train_cli.validate_and_save)
+    overrides = fairseq_patches._CheckpointOverrides(type("C", (), {"save_dir": "d", "no_save": True})(),
+                                                     no_save=False)
+    assert overrides.save_dir == "d" and overrides.no_save is False
+
+
+def test_expert_parallel_trainer_members_exist_and_are_wrapped():
+    from fairseq import checkpoint_utils
+    from fairseq.trainer import Trainer
+
+    assert isinstance(inspect.getattr_static(Trainer, "always_call_state_dict_during_save_checkpoint"),
+                      property)
+    assert "trainer.always_call_state_dict_during_save_checkpoint" in inspect.getsource(
+        checkpoint_utils.save_checkpoint)
+    assert "self._build_optimizer()" in inspect.getsource(Trainer)
+    fairseq_patches.install_expert_parallel_trainer()
+    assert fairseq_patches._patched(Trainer._build_optimizer)
