@@ -17,7 +17,9 @@ The patches:
                              line and exit with its status instead of a traceback.
 ``install_atomic_copies``    fairseq copies a saved checkpoint to its other names
                              (checkpoint_last.pt, ...) with a plain, non-atomic copy.
-``install_requeue_save``     on SIGUSR1/SIGTERM: save checkpoint_last.pt only, without
+``install_requeue_save``     after every update attempt: end the epoch when the stage's
+                             budget of counted updates is done (fp16 overflow steps do not count),
+                             and on SIGUSR1/SIGTERM save checkpoint_last.pt only, without
                              validation or extra copies, then exit with the requeue status.
 ``install_expert_parallel_trainer``  expert shards differ across ranks, which fairseq's Trainer
                              assumes they never do (optimizer state, collective state_dict).
@@ -207,25 +209,72 @@ def save_for_requeue(cfg: Any, trainer: Any, epoch_itr: Any) -> float:
     return time.perf_counter() - start
 
 
-def install_requeue_save() -> None:
-    """Let the task stop training at an update boundary after a signal (``stream/stop.py``).
+def end_stage_epoch(epoch_itr: Any) -> None:
+    """End fairseq's current epoch after the batch just trained (the rest are spares).
 
-    Why: fairseq has no way to save on a signal.  ``fairseq_cli.train.train`` calls
+    ``EpochBatchIterator`` keeps the epoch's ``CountingIterator`` in ``_cur_epoch_itr``;
+    ``take`` truncates it, so ``end_of_epoch()`` is true for the save that follows (the
+    checkpoint then says "next epoch, 0 iterations", as at a natural epoch end), and the
+    training loop's grouping of it (``train`` builds ``iterators.GroupedIterator``, looked up
+    when it runs; replaced here by a subclass that sees the truncation) stops the epoch."""
+    current = epoch_itr._cur_epoch_itr
+    current.take(current.n)
+
+
+def _stage_aware_grouped_iterator(base_class: Any) -> Any:
+    """fairseq's ``GroupedIterator`` that also ends when the iterator it groups was truncated
+    (``end_stage_epoch``); fairseq's own raises ``IndexError`` ("exhausted at position")."""
+    from fairseq.data.iterators import CountingIterator
+
+    class StageAwareGroupedIterator(base_class):
+        _alma_patch = True
+
+        def __init__(self, iterable: Any, chunk_size: int, skip_remainder_batch: bool = False) -> None:
+            super().__init__(iterable, chunk_size, skip_remainder_batch)
+            self._grouped = iterable
+
+        def _truncated(self) -> bool:
+            return isinstance(self._grouped, CountingIterator) and not self._grouped.has_next()
+
+        def has_next(self) -> bool:
+            return super().has_next() and not self._truncated()
+
+        def __next__(self) -> Any:
+            if self._truncated():
+                raise StopIteration
+            return super().__next__()
+
+    return StageAwareGroupedIterator
+
+
+def install_requeue_save() -> None:
+    """Let the task end a stage's epoch after its counted updates, and stop training at an
+    update boundary after a signal (``stream/stop.py``).
+
+    Why: fairseq ends an epoch when its batches run out, and skipped (overflow) steps use up
+    batches without counting, so a stage would end early; and fairseq has no way to save on a
+    signal.  ``fairseq_cli.train.train`` calls
     ``validate_and_save`` after every update, looked up in its module at call time; the wrapper
     asks the task (``task.stop_requested(num_updates)``, which agrees across ranks) and, if a
     stop is due, saves only ``checkpoint_last.pt`` and raises ``Preempted``, which the console
     wrapper turns into the requeue exit status.  Otherwise fairseq's function runs unchanged.
     """
     import fairseq_cli.train as train_cli
+    from fairseq.data import iterators
 
     original = train_cli.validate_and_save
     if _patched(original):
         return
+    iterators.GroupedIterator = _stage_aware_grouped_iterator(iterators.GroupedIterator)
 
     def validate_and_save(cfg: Any, trainer: Any, task: Any, epoch_itr: Any,
                           valid_subsets: list, end_of_epoch: bool) -> Any:
-        stop_requested = getattr(task, "stop_requested", None)
         updates = trainer.get_num_updates()
+        after_update = getattr(task, "after_update", None)
+        if after_update is not None and after_update(updates) and not end_of_epoch:
+            end_stage_epoch(epoch_itr)  # the stage has its counted updates: its epoch ends here
+            end_of_epoch = True
+        stop_requested = getattr(task, "stop_requested", None)
         if stop_requested is not None and stop_requested(updates):
             seconds = save_for_requeue(cfg, trainer, epoch_itr)
             message = (f"preempted at update {updates}, checkpoint saved in {seconds:.1f}s "

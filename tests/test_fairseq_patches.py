@@ -83,8 +83,30 @@ def test_requeue_save_wraps_the_validate_and_save_that_train_calls():
     for name in ("no_epoch_checkpoints", "save_interval_updates", "keep_best_checkpoints",
                  "no_last_checkpoints", "no_save", "keep_interval_updates"):
         assert f"cfg.{name}" in source, name
+    # ending a stage's epoch early: the epoch's CountingIterator, truncated, reports its end
+    from fairseq.data import iterators
+
+    import torch
+
+    epoch_itr = iterators.EpochBatchIterator(
+        dataset=torch.utils.data.TensorDataset(torch.arange(6)), collate_fn=lambda s: s,
+        batch_sampler=[[i] for i in range(6)])
+    batches = epoch_itr.next_epoch_itr(shuffle=False)
+    next(batches), next(batches)
+    fairseq_patches.end_stage_epoch(epoch_itr)
+    assert epoch_itr.end_of_epoch() and epoch_itr.state_dict()["epoch"] == 2
+    assert epoch_itr.state_dict()["iterations_in_epoch"] == 0 and list(batches) == []
+    assert "iterators.GroupedIterator(" in inspect.getsource(train_cli.train)
     fairseq_patches.install_requeue_save()
     assert fairseq_patches._patched(train_cli.validate_and_save)
+    assert fairseq_patches._patched(iterators.GroupedIterator)
+    epoch_itr = iterators.EpochBatchIterator(
+        dataset=torch.utils.data.TensorDataset(torch.arange(8)), collate_fn=lambda s: s,
+        batch_sampler=[[i] for i in range(8)], epoch=1)
+    groups = iterators.GroupedIterator(epoch_itr.next_epoch_itr(shuffle=False), 2)
+    next(groups)
+    fairseq_patches.end_stage_epoch(epoch_itr)  # after one update of two batches
+    assert not groups.has_next() and list(groups) == []
     overrides = fairseq_patches._CheckpointOverrides(type("C", (), {"save_dir": "d", "no_save": True})(),
                                                      no_save=False)
     assert overrides.save_dir == "d" and overrides.no_save is False

@@ -41,3 +41,10 @@ def fixed_budget_batches(
         batches.extend(make_batches(order))
         passes += 1
     return batches[:needed]
+
+
+def spare_updates(budget: int) -> int:
+    """Batches (in updates) a stage keeps beyond its budget, for steps the trainer skips:
+    fp16's dynamic loss scaling skips tens to hundreds of steps in a 120k-update stage; a stage
+    that needs more than 5% (at least 20) spare updates raises at its end (``StageClock``)."""
+    return max(20, -(-budget // 20))

@@ -31,6 +31,7 @@ from ..stream.progress import StreamProgress
 from ..stream.records import ArrivalRecord
 from ..stream.run_dir import RunDirectory, fingerprint_hash
 from ..stream.schedule import ArrivalInfo
+from ..stream.stage_clock import StageClock
 from ..stream.stop import StopSignal, stage_limit
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,9 @@ class StreamTraining:
         self.resuming = self.run_dir.last_checkpoint.exists()  # fairseq will restore it
         self.live = False  # False until this process knows the progress (fresh, or restored)
         self.deferred: Optional[int] = None  # a stage boundary met before that
-        self.started_stage = 0
+        self.clock = StageClock(task.budget)  # counted / skipped updates of the stage
+        self.clock_unknown = False  # resumed from a checkpoint written before the clock was saved
+        self.started_stage = 0  # the last stage whose start actions ran
 
     def open_run_dir(self) -> tuple:
         """Take the run directory (rank 0 locks it) and make sure it holds this run, or none:
@@ -114,11 +117,36 @@ class StreamTraining:
         if not self.live:
             self.deferred = stages_done
             return
+        self.advance_clock(stages_done)
         self.close_stage(stages_done)
+
+    def advance_clock(self, stages_done: int) -> None:
+        """The stage that just ended must have all its counted updates; the next one starts."""
+        if self.clock_unknown or stages_done < self.clock.stage:
+            return  # a fresh start (stage 0 done), a boundary already passed, or a 0.1 checkpoint
+        if stages_done < self.task.plan.num_stages:
+            self.clock.next_stage(stages_done + 1)
+        elif not self.clock.done:
+            self.clock.next_stage(stages_done + 1)  # raises: the last stage's data ran out
+
+    def after_update(self, num_updates: int) -> bool:
+        """Asked by ``fairseq_patches.install_requeue_save`` after every update attempt, with
+        fairseq's counter: True when the stage's budget of counted updates is complete, so
+        fairseq ends the epoch there however many steps it skipped."""
+        done = self.clock.attempt(num_updates)
+        if self.clock.skipped and num_updates == self.clock.expected_updates() and not done:
+            logger.info("stage %d: update %d skipped by the trainer (%d skipped in this stage)",
+                        self.clock.stage, num_updates + 1, self.clock.skipped)
+        return done
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.progress.load_state_dict(state["progress"])
         self.growth = list(state.get("growth", []))
+        if "clock" in state:
+            self.clock.load_state_dict(state["clock"])
+            self.started_stage = int(state["started_stage"])
+        else:
+            self.clock_unknown = True
         self.live = True
         self._resolve_deferred()
 
@@ -131,15 +159,18 @@ class StreamTraining:
         if self.resuming and self.deferred is not None:
             self.progress.adopt_log(upto_stage=self.deferred)
             self.growth = self.run_dir.read_growth()
+            self.clock_unknown = True
         self._resolve_deferred()
 
     def _resolve_deferred(self) -> None:
         if self.deferred is not None:
             stages_done, self.deferred = self.deferred, None
+            self.advance_clock(stages_done)
             self.close_stage(stages_done)
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"progress": self.progress.state_dict(), "growth": list(self.growth)}
+        return {"progress": self.progress.state_dict(), "growth": list(self.growth),
+                "clock": self.clock.state_dict(), "started_stage": self.started_stage}
 
     # ---- stage end ------------------------------------------------------------------------
     def close_stage(self, stages_done: int) -> None:
@@ -180,15 +211,21 @@ class StreamTraining:
             wall_time=_training_seconds(), eval_ppl=metrics["eval_ppl"], eval_nll=metrics["eval_nll"],
             eval_tokens=int(metrics["eval_tokens"]),
             valid={"valid_ppl": metrics["valid_ppl"], "valid_nll": metrics["valid_nll"]},
-            extra={"train_tokens_cum": train_tokens})
+            extra={"train_tokens_cum": train_tokens,
+                   "skipped_updates": self.clock.skipped_by_stage.get(info.stage, 0)})
 
     # ---- stage start ------------------------------------------------------------------------
     def before_update(self, update_num: int, optimizer: Any) -> None:
-        """Stage-start actions, once, at the stage's first update (never again on resume)."""
+        """Stage-start actions, once per stage, before its first update attempt (the clock and
+        ``started_stage`` travel in the checkpoint: a resume never repeats them)."""
         self.resolve_start()
-        stage = update_num // self.task.budget + 1
-        if update_num % self.task.budget == 0 and self.started_stage < stage:
-            self.start_stage(stage, optimizer)
+        if self.clock_unknown:  # a 0.1 checkpoint: the position is fairseq's counter (no skips then)
+            self.clock_unknown = False
+            self.clock.stage, self.clock.counted = divmod(update_num, self.task.budget)
+            self.clock.stage += 1
+            self.started_stage = self.clock.stage - (1 if self.clock.counted == 0 else 0)
+        if self.started_stage < self.clock.stage:
+            self.start_stage(self.clock.stage, optimizer)
 
     def start_stage(self, stage: int, optimizer: Any) -> None:
         from ..lm.stage_start import reinitialize, reset_optimizer_state

@@ -35,7 +35,7 @@ from fairseq.tasks.language_modeling import LanguageModelingConfig, LanguageMode
 from omegaconf import II
 
 from ..errors import DataError, require
-from ..lm.budget import fixed_budget_batches
+from ..lm.budget import fixed_budget_batches, spare_updates
 from ..lm.growth import parse_growth_plan
 from ..optim.alma_stage_linear import stage_budget
 from ..ranks import all_ranks_stop
@@ -180,15 +180,19 @@ class AlmaStreamTask(LanguageModelingTask):
 
     def _stage_batches(self, stage: int, dataset: Any, max_tokens: Optional[int], max_sentences: Optional[int],
                        multiple: int, seed: int, num_shards: int) -> List[np.ndarray]:
-        """The stage's batch list: exactly budget x update_freq x workers batches."""
+        """The stage's batch list: budget x update_freq x workers batches, then spares for the
+        steps fairseq may skip (fp16 overflow); the stage ends after its budget of counted
+        updates (``stream/stage_clock.py``), wherever that falls in the list."""
         needed = self.budget * self.cfg.update_freq[-1] * num_shards
 
         def make_batches(order: np.ndarray) -> List[np.ndarray]:
             return list(data_utils.batch_by_size(order, dataset.num_tokens, max_tokens=max_tokens,
                                                  max_sentences=max_sentences, required_batch_size_multiple=multiple))
 
-        batches = fixed_budget_batches(len(dataset), make_batches, needed, seed, stage)
-        self.stage_tokens[stage] = int(sum(dataset.sizes[b].sum() for b in batches))
+        spare = spare_updates(self.budget) * self.cfg.update_freq[-1] * num_shards
+        batches = fixed_budget_batches(len(dataset), make_batches, needed + spare, seed, stage)
+        # compute of the counted updates only: steps fairseq skips (fp16 overflow) do not count
+        self.stage_tokens[stage] = int(sum(dataset.sizes[b].sum() for b in batches[:needed]))
         return batches
 
     def train_tokens(self, stage: int) -> int:
@@ -210,6 +214,11 @@ class AlmaStreamTask(LanguageModelingTask):
         super().begin_epoch(epoch, model)
         if self.training is not None:
             self.training.resolve_start()
+
+    def after_update(self, num_updates: int) -> bool:
+        """Asked by ``fairseq_patches.install_requeue_save`` after every update attempt: True
+        when the stage's budget of counted updates is done (the epoch then ends there)."""
+        return self.training is not None and self.training.after_update(num_updates)
 
     def stop_requested(self, num_updates: int) -> bool:
         """Asked by ``fairseq_patches.install_requeue_save`` after every update."""
