@@ -62,6 +62,10 @@ def stream_training_settings(task_cfg: Any, stages: int, stop_after: int) -> Non
     derive(task_cfg, "optimization", "max_epoch", stop_after, reason)
     derive(task_cfg, "checkpoint", "no_epoch_checkpoints", True,
            "checkpoint_stage{s}.pt keeps the end of every stage, checkpoint_last.pt the latest")
+    if not task_cfg.get("fairseq_validation"):
+        derive(task_cfg, "dataset", "disable_validation", True,
+               "stream.jsonl records the validation perplexity after every arrival; no "
+               "checkpoint_best.pt; --fairseq-validation turns fairseq's own validation back on")
     distributed = section(task_cfg, "distributed_training")
     if distributed is not None and (distributed.get("distributed_world_size") or 1) > 1:
         # fairseq 0.12 broadcasts a resumed checkpoint with torch.load, whose weights_only
@@ -69,6 +73,16 @@ def stream_training_settings(task_cfg: Any, stages: int, stop_after: int) -> Non
         # rank avoids the broadcast.
         derive(task_cfg, "checkpoint", "load_checkpoint_on_all_dp_ranks", True,
                "every rank reads checkpoint_last.pt when resuming")
+
+
+def refuse_tpu_bf16(node: Any) -> None:
+    """fairseq 0.12's ``--bf16`` is TPU mode: it needs torch_xla and dies on GPUs with
+    ``AttributeError: 'NoneType' object has no attribute 'xla_device'``; V100s have no bf16."""
+    for key in ("memory_efficient_bf16", "bf16"):  # fairseq sets bf16 with the first
+        if given(node, "common", key):
+            raise UsageError(f"--{key.replace('_', '-')} turns on fairseq 0.12's TPU mode (it needs "
+                             f"torch_xla and fails on GPUs); use --fp16 or --memory-efficient-fp16 "
+                             f"(V100), or --amp (bf16-capable GPUs)")
 
 
 def given(node: Any, section_name: str, key: str) -> Any:
@@ -97,6 +111,7 @@ FINGERPRINT_KEYS = {
 WHOLE_SECTIONS = ("model", "criterion", "optimizer", "lr_scheduler")
 # task fields that are paths, run control, or copies of the sections above (II interpolations)
 TASK_NOT_FINGERPRINTED = ("data", "save_dir", "max_epoch", "tensorboard_logdir", "restart_stream",
+                          "fairseq_validation",
                           "seed", "batch_size", "batch_size_valid", "max_tokens",
                           "max_tokens_valid", "required_batch_size_multiple", "update_freq",
                           "distributed_world_size", "data_buffer_size", "tpu", "use_plasma_view",

@@ -15,7 +15,6 @@ import torch.distributed as dist
 
 from .errors import AlmaError, RunDirError
 
-CHECK_EVERY = 10  # updates between stop checks: reading the flag back synchronises a GPU
 
 
 def world() -> tuple[int, int]:
@@ -33,13 +32,14 @@ def _all_reduce_max(value: float) -> float:
     return float(flag.item())
 
 
-def all_ranks_stop(requested: bool, update_num: int) -> bool:
-    """True on every rank at the same update once any rank has ``requested`` a stop (checked
-    every ``CHECK_EVERY`` updates with several ranks, every update with one)."""
+def all_ranks_stop(requested: bool) -> bool:
+    """True on every rank, after the same update, once any rank has ``requested`` a stop.
+
+    Asked after every update, so a signal is acted on at the next update boundary, inside
+    Slurm's grace period.  With several ranks it costs one one-element all-reduce per update
+    (reading it back synchronises a GPU, as fairseq's own per-update logging already does)."""
     if world()[0] == 1:
         return requested
-    if update_num % CHECK_EVERY != 0:
-        return False
     return _all_reduce_max(1.0 if requested else 0.0) > 0
 
 

@@ -86,7 +86,7 @@ def stream_cmd(data: Path, save_dir: Path, *extra: str) -> list[str]:
     ]
 
 
-RESUMABLE = ("--save-interval-updates", "2")
+RESUMABLE = ("--save-interval-updates", "2", "--fairseq-validation")  # saves (and validation) mid-stage
 
 
 def stage_weights(save: Path, stage: int) -> dict:

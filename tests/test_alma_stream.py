@@ -116,6 +116,9 @@ def test_stop_after_stage_env_then_continue(stream_dir, reference_run, tmp_path)
 def test_growth_stream_copies_experts_and_reports_loss(stream_dir, tmp_path):
     save = tmp_path / "grow"
     run(stream_cmd(stream_dir, save, "--moe-max-experts", "4", "--grow-experts", "2"))
+    # by default a stream keeps its stage checkpoints and checkpoint_last.pt, nothing else
+    assert sorted(p.name for p in save.glob("*.pt")) == [
+        "checkpoint_last.pt", "checkpoint_stage1.pt", "checkpoint_stage2.pt"]
     growth = [json.loads(line) for line in (save / "growth.jsonl").read_text().splitlines()]
     assert [g["stage"] for g in growth] == [2] and growth[0]["experts"] == 4
     assert all(len(v) == 2 for v in growth[0]["copied"].values())

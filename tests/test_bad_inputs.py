@@ -155,6 +155,8 @@ LM_CASES = [
     Case("capacity 0", lambda c: (lm(c, c.data, c.tmp / "r", "--capacity-factor", "0"), []), r"--capacity-factor must be > 0"),
     Case("moe-freq 0", lambda c: (lm(c, c.data, c.tmp / "r", "--moe-freq", "0"), []), r"--moe-freq must be an integer >= 1"),
     Case("moe-freq > layers", lambda c: (lm(c, c.data, c.tmp / "r", "--moe-freq", "3"), []), r"--moe-freq 3 .*2 .*layers"),
+    Case("bf16 is TPU mode", lambda c: (lm(c, c.data, c.tmp / "r", "--bf16"), []), r"--bf16 turns on fairseq 0.12's TPU mode .*use --fp16"),
+    Case("memory-efficient bf16", lambda c: (lm(c, c.data, c.tmp / "r", "--memory-efficient-bf16"), []), r"--memory-efficient-bf16 turns on fairseq 0.12's TPU mode"),
     Case("wrong criterion", lambda c: (lm(c, c.data, c.tmp / "r", "--criterion", "cross_entropy"), []), r"--criterion cross_entropy ignores the Switch balance loss"),
     Case("warmup >= budget", lambda c: (lm(c, c.data, c.tmp / "r", "--warmup-updates", "3"), []), r"--warmup-updates must be in \[0, 3\)"),
     Case("experts not divisible", lambda c: (lm(c, c.data, c.tmp / "r", "--moe-expert-parallel-size", "3"), []), r"--moe-expert-parallel-size"),

@@ -333,8 +333,7 @@ def _fairseq_cfg(common: dict, distributed: dict, checkpoint: dict) -> SimpleNam
 @pytest.mark.parametrize(
     "common, distributed, checkpoint, needle",
     [
-        ({"fp16": True}, {}, {}, "needs --memory-efficient-fp16 (or --memory-efficient-bf16) instead of plain --fp16"),
-        ({"bf16": True}, {}, {}, "instead of plain --fp16/--bf16"),
+        ({"fp16": True}, {}, {}, "needs --memory-efficient-fp16 (or --amp) instead of plain --fp16"),
         ({}, {"ddp_backend": "fully_sharded"}, {}, "works with --ddp-backend legacy_ddp or"),
         ({}, {}, {"no_last_checkpoints": True}, "cannot be used with --no-last-checkpoints"),
     ],

@@ -46,3 +46,61 @@ def test_copy_beyond_allocated_slots_is_refused():
         assert "--moe-max-experts" in str(exc)
     else:
         raise AssertionError("expected ValueError")
+
+
+def _fp16_optimizer(params, flatten: bool, memory_efficient: bool):
+    """fairseq's FP16Optimizer / MemoryEfficientFP16Optimizer around Adam, on CPU: fairseq
+    hard-wires ``torch.cuda.current_device()`` into building the flat master copy, the only
+    call the test replaces."""
+    from unittest import mock
+
+    from fairseq.optim.fp16_optimizer import FP16Optimizer, MemoryEfficientFP16Optimizer
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create({
+        "common": {"fp16_no_flatten_grads": not flatten, "bf16": False, "fp16_init_scale": 1,
+                   "fp16_scale_window": None, "fp16_scale_tolerance": 0.0, "min_loss_scale": 1e-4,
+                   "threshold_loss_scale": None, "memory_efficient_bf16": False,
+                   "model_parallel_size": 1, "amp": False},
+        "distributed_training": {"distributed_world_size": 1},
+        "optimization": {"update_freq": [1]},
+        "optimizer": {"_name": "adam", "lr": [1e-2], "adam_betas": "(0.9, 0.999)", "adam_eps": 1e-8,
+                      "weight_decay": 0.0, "use_old_adam": False, "fp16_adam_stats": False,
+                      "tpu": False},
+    })
+    builder = MemoryEfficientFP16Optimizer if memory_efficient else FP16Optimizer
+    with mock.patch("torch.cuda.current_device", lambda: None):  # CPU tensors: device.index None
+        return builder.build_optimizer(cfg, params)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("flatten, memory_efficient", [(True, False), (False, False), (False, True)],
+                         ids=["fp16-flat", "fp16-no-flatten", "memory-efficient-fp16"])
+def test_growth_copies_adam_moments_under_fp16_optimizers(flatten, memory_efficient):
+    """--fp16 keeps Adam's moments in FP16Optimizer's fp32 master copy (one flat tensor, or one
+    per parameter); --memory-efficient-fp16 keeps them per parameter.  Growth copies them in
+    each layout (it used to skip the flat one)."""
+    from fairseq_alma.lm.stage_start import optimizer_state_like
+
+    torch.manual_seed(0)
+    layer = SwitchFFN(SwitchFFNConfig(8, 16, 2, max_experts=4, capacity_factor=2.0))
+    params = [p for p in layer.parameters() if p.requires_grad]
+    opt = _fp16_optimizer(params, flatten, memory_efficient)
+    y, aux = layer(torch.randn(32, 8))
+    opt.backward(y.pow(2).sum() + aux.balance_loss)
+    opt.step()
+    copy_experts(layer, [1], optimizer=opt)
+    for name in ("fc1_weight", "fc2_bias"):
+        p = getattr(layer, name)
+        views = optimizer_state_like(opt, p)
+        assert len(views) == 2  # exp_avg and exp_avg_sq, shaped like the parameter
+        for m in views:
+            assert m.abs().sum() > 0 and torch.equal(m[2], m[1])
+    if flatten:  # the views write through to the one flat master state
+        flat = next(iter(opt.fp32_params.values()))
+        state = opt.fp32_optimizer.optimizer.state[flat]
+        offset = sum(q.numel() for q in params[: params.index(layer.fc1_weight)])
+        rows = state["exp_avg"][offset: offset + layer.fc1_weight.numel()].view(layer.fc1_weight.shape)
+        assert torch.equal(rows[2], rows[1])

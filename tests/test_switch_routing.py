@@ -106,3 +106,33 @@ def test_diagnostics():
     probs = torch.softmax(logits_for([0, 1, 0, 0, 0, 1], 4), -1)
     entropy = -(probs * probs.log()).sum(-1).sum()
     assert d["entropy_sum"].item() == pytest.approx(entropy.item(), rel=1e-5)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_router_is_float32_under_autocast_and_padding_never_reaches_the_losses(dtype):
+    """Under torch.autocast (fairseq --amp) the router's matmul stays float32: routing
+    decisions and the balance loss equal the float32 ones; NaN in padding rows changes
+    nothing."""
+    from fairseq_alma.modules import SwitchFFN, SwitchFFNConfig
+
+    torch.manual_seed(0)
+    layer = SwitchFFN(SwitchFFNConfig(16, 32, 4, capacity_factor=1.0, z_loss=True)).eval()
+    x = torch.randn(2, 12, 16)
+    padding = torch.zeros(2, 12, dtype=torch.bool)
+    padding[1, 8:] = True
+    logits32 = layer.router_logits(x.reshape(-1, 16))
+    _, aux32 = layer(x, padding)
+    with torch.autocast("cpu", dtype=dtype):
+        logits = layer.router_logits(x.reshape(-1, 16))
+        _, aux = layer(x, padding)
+    assert logits.dtype == torch.float32 and torch.equal(logits, logits32)
+    assert torch.equal(aux.balance_loss, aux32.balance_loss) and torch.equal(aux.z_loss, aux32.z_loss)
+    poisoned = x.clone()
+    poisoned[1, 8:] = float("nan")  # whatever padding holds
+    _, aux_nan = layer(poisoned, padding)
+    assert torch.isfinite(aux_nan.balance_loss) and torch.equal(aux_nan.balance_loss, aux32.balance_loss)
+    assert torch.equal(aux_nan.z_loss, aux32.z_loss)
+    assert aux_nan.diagnostics["tokens"] == 20 and torch.isfinite(aux_nan.diagnostics["entropy_sum"])

@@ -80,18 +80,12 @@ def expert_validation_losses(model: Any, task: Any, dataset: Any, batch_size: in
 
 
 def _copy_optimizer_rows(optimizer: Any, param: torch.nn.Parameter, src: List[int], dst: List[int]) -> None:
-    """Copy the optimizer state rows (e.g. Adam moments) of expert ``src`` slots into ``dst``."""
-    from .stage_start import _torch_optimizer
+    """Copy the optimizer state rows (Adam's moments) of expert ``src`` slots into ``dst``, in
+    whatever layout the precision flags keep them (``stage_start.optimizer_state_like``)."""
+    from .stage_start import optimizer_state_like
 
-    inner = _torch_optimizer(optimizer)
-    if inner is None:
-        return
-    state = inner.state.get(param)
-    if not state:
-        return  # flat fp32 master params (fp16) or no step taken yet: moments start from zero
-    for value in state.values():
-        if torch.is_tensor(value) and value.shape == param.shape:
-            value[dst] = value[src]
+    for value in optimizer_state_like(optimizer, param):
+        value[dst] = value[src]
 
 
 @torch.no_grad()

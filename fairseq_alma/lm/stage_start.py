@@ -56,6 +56,45 @@ def sync_master_params(optimizer: Any, model: Any) -> None:
                 dst.data.copy_(src.data)
 
 
+def optimizer_state_like(optimizer: Any, param: torch.Tensor) -> list[torch.Tensor]:
+    """Views, shaped like ``param``, of the optimizer's per-element state of it (Adam's two
+    moments), wherever fairseq keeps that state:
+
+    * per parameter: plain fp32 training and ``--memory-efficient-fp16`` (state keyed by the
+      model's own parameter);
+    * ``--fp16`` (FP16Optimizer): in the fp32 master copy, keyed by the master parameter, which
+      is one flat tensor of every trainable parameter in order (``fp16_params``), or one copy per
+      parameter with ``--fp16-no-flatten-grads``.
+
+    Empty before the first step (no state yet).  Growth writes into these views, so copied
+    experts keep their moments under every precision flag."""
+    inner = _torch_optimizer(optimizer)
+    if inner is None:
+        return []
+    master, ordered = getattr(optimizer, "fp32_params", None), getattr(optimizer, "fp16_params", None)
+    if master is None or ordered is None:
+        key, offset = param, None
+    else:
+        index = next((i for i, p in enumerate(ordered) if p is param), None)
+        if index is None:
+            return []
+        if isinstance(master, (list, tuple)):
+            key, offset = master[index], None
+        else:  # {device: flat}: offsets of the parameters that live on the same device
+            flats = list(master.values())
+            key = flats[0] if len(flats) == 1 else master[param.device.index]
+            same = [p for p in ordered[:index] if len(flats) == 1 or p.device == param.device]
+            offset = sum(p.numel() for p in same)
+    state = inner.state.get(key) or {}
+    views = []
+    for value in state.values():
+        if not torch.is_tensor(value) or value.shape != key.shape:
+            continue
+        views.append(value.view(param.shape) if offset is None
+                     else value[offset : offset + param.numel()].view(param.shape))
+    return views
+
+
 def reset_optimizer_state(optimizer: Any, model: Any = None) -> None:
     """Forget moments/momenta (Adam, SGD): the new stage starts like a new run's first step."""
     inner = _torch_optimizer(optimizer)

@@ -26,7 +26,7 @@ from omegaconf import II
 from torch import Tensor, nn
 
 from ..errors import UsageError, require
-from ..fairseq_config import section
+from ..fairseq_config import refuse_tpu_bf16, section
 from ..modules.expert_parallel import build_switch_ffn
 from ..modules.expert_parallel_fairseq import prepare_expert_parallel
 from ..modules.switch_decoder_layer import DenseFFN, SwitchDecoderLayer
@@ -222,6 +222,7 @@ def validate_config(cfg: SwitchTransformerLMConfig) -> None:
     dataclass): the check is then skipped.
     """
     switch_ffn_config(cfg)
+    refuse_tpu_bf16(cfg)
     require(cfg.moe_freq >= 1, f"--moe-freq must be an integer >= 1 (got {cfg.moe_freq})")
     require(cfg.moe_freq <= cfg.decoder_layers,
             f"--moe-freq {cfg.moe_freq} leaves the {cfg.decoder_layers} decoder layers without a "

@@ -15,7 +15,7 @@ break three of its assumptions, each fixed here at the point fairseq offers for 
   state_dict hooks gather them to full [E, ...] tensors on save and keep this rank's rows on load,
   so a resumed run continues exactly, with any number of ranks, or one.
 
-Limits, refused with a one-line error: ``--fp16``/``--bf16`` without ``--memory-efficient-*``
+Limits, refused with a one-line error: ``--fp16`` without ``--memory-efficient-fp16``
 (their flat fp32 copy mixes expert and shared gradients), sharded DDP backends, and
 ``--no-last-checkpoints`` (rank 0 could then skip a save the other ranks join).  With
 ``--clip-norm`` > 0 the norm is that of the shared gradients (fairseq's ``clip_grad_norm_`` leaves
@@ -55,13 +55,11 @@ def prepare_expert_parallel(model: nn.Module) -> None:
 def check_training_setup(cfg: Any) -> None:
     """One-line errors for fairseq options that cannot work with expert shards (module doc)."""
     common, training, checkpoint = cfg.common, cfg.distributed_training, cfg.checkpoint
-    flat_master = (common.fp16 or common.bf16) and not (
-        common.memory_efficient_fp16 or common.memory_efficient_bf16 or common.amp
-    )
+    flat_master = common.fp16 and not (common.memory_efficient_fp16 or common.amp)
     require(
         not flat_master,
-        "--moe-expert-parallel-size > 1 needs --memory-efficient-fp16 (or --memory-efficient-bf16) "
-        "instead of plain --fp16/--bf16",
+        "--moe-expert-parallel-size > 1 needs --memory-efficient-fp16 (or --amp) instead of plain "
+        "--fp16: its flat fp32 copy mixes expert and shared gradients",
     )
     require(
         str(training.ddp_backend) in DDP_BACKENDS,

@@ -8,7 +8,7 @@ Why this layout:
   ``moe`` branch's dense dispatch is 4x slower than a dense FFN on CPU): on CPU kept tokens are
   sorted by expert and each expert runs one matmul on its segment (expert_segments.py); on GPU
   all experts run as one batched matmul over an ``[E, C, d]`` buffer (see ``dispatch``).
-- Router logits and softmax are float32 even under --fp16/--bf16 (Switch §2.4: selective
+- Router logits and softmax are float32 even under --fp16/--amp (Switch §2.4: selective
   precision), and the balance loss is *returned*, never stored on the module.
 """
 
@@ -125,13 +125,18 @@ class SwitchFFN(nn.Module):
         return 2 * self.embed_dim * self.ffn_dim + self.ffn_dim + self.embed_dim
 
     def router_logits(self, tokens: Tensor) -> Tensor:
-        """(T, d) -> (T, E_active) float32 logits, with jitter noise in training."""
-        x = tokens.float()
-        eps = self.cfg.jitter_eps
-        if self.training and eps > 0:
-            x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
-        weight = self.router.weight[: self.num_experts].float()
-        return F.linear(x, weight)
+        """(T, d) -> (T, E_active) float32 logits, with jitter noise in training.
+
+        Selective precision (Switch §2.4): the router's inputs, weights, matmul and softmax are
+        float32 under ``--fp16`` (model.half()), ``--amp`` and any ``torch.autocast``; autocast
+        would otherwise run the matmul in fp16/bf16 despite the float32 operands."""
+        with torch.autocast(device_type=tokens.device.type, enabled=False):
+            x = tokens.float()
+            eps = self.cfg.jitter_eps
+            if self.training and eps > 0:
+                x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
+            weight = self.router.weight[: self.num_experts].float()
+            return F.linear(x, weight)
 
     def forward(self, x: Tensor, padding_mask: Optional[Tensor] = None) -> tuple[Tensor, SwitchAux]:
         """x: (..., d); padding_mask: same leading shape, True at padding.  Returns (y, aux)."""

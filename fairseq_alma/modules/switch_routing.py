@@ -69,13 +69,13 @@ def route_top1(
     """
     num_tokens, num_experts = logits.shape
     probs = torch.softmax(logits.float(), dim=-1)  # (T, E) fp32
-    gate, expert = probs.max(dim=-1)  # (T,), (T,)
     if valid is None:
         valid = torch.ones(num_tokens, dtype=torch.bool, device=logits.device)
-    else:
+    else:  # padding rows become 0, not NaN*0: whatever padding holds never reaches a loss
         valid = valid.reshape(num_tokens)
-        expert = torch.where(valid, expert, torch.full_like(expert, num_experts))
-        gate = gate * valid
+        probs = torch.where(valid.unsqueeze(-1), probs, torch.zeros_like(probs))
+    gate, expert = probs.max(dim=-1)  # (T,), (T,)
+    expert = torch.where(valid, expert, torch.full_like(expert, num_experts))
     num_valid = int(valid.sum())
     capacity = expert_capacity(num_valid, num_experts, capacity_factor)
 
@@ -113,7 +113,7 @@ def balance_loss(routing: Top1Routing, valid: Optional[Tensor] = None) -> Tensor
     n = valid.sum().clamp(min=1).to(probs.dtype)
     counts = torch.bincount(routing.expert[valid], minlength=num_experts).to(probs.dtype)
     f = counts / n  # (E,)
-    p_mean = (probs * valid.unsqueeze(-1).to(probs.dtype)).sum(0) / n  # (E,)
+    p_mean = torch.where(valid.unsqueeze(-1), probs, torch.zeros_like(probs)).sum(0) / n  # (E,)
     return num_experts * torch.sum(f * p_mean)
 
 
@@ -123,7 +123,7 @@ def router_z_loss(logits: Tensor, valid: Optional[Tensor] = None) -> Tensor:
     if valid is None:
         return z.mean()
     valid = valid.reshape(-1)
-    return (z * valid).sum() / valid.sum().clamp(min=1)
+    return torch.where(valid, z, torch.zeros_like(z)).sum() / valid.sum().clamp(min=1)
 
 
 def routing_diagnostics(routing: Top1Routing, valid: Optional[Tensor] = None) -> dict[str, Tensor]:
@@ -145,7 +145,7 @@ def routing_diagnostics(routing: Top1Routing, valid: Optional[Tensor] = None) ->
     return {
         "tokens": n.float(),
         "dropped": (valid & ~routing.keep).sum().float(),
-        "entropy_sum": (entropy * valid).sum().float(),
+        "entropy_sum": torch.where(valid, entropy, torch.zeros_like(entropy)).sum().float(),
         "load_max": share.max(),
         "load_min": share.min(),
         "unused": (counts == 0).sum().float(),

@@ -65,6 +65,10 @@ class AlmaStreamConfig(LanguageModelingConfig):
         default="", metadata={"help": "stages at whose start to grow, e.g. '2,3,4'; default: every stage after the first"}
     )
     eval_subset: str = field(default="eval", metadata={"help": "split scored after every arrival (the evaluation mega-batch)"})
+    fairseq_validation: bool = field(default=False, metadata={"help": (
+        "also run fairseq's own validation (and write checkpoint_best.pt, which means nothing "
+        "across stages); off by default: stream.jsonl records the validation perplexity after "
+        "every arrival")})
     restart_stream: bool = field(default=False, metadata={"help": (
         "start the stream again in a --save-dir that holds another run: its files are moved to "
         "SAVE_DIR/replaced-<time>/ (nothing is deleted); without it such a directory is refused")})
@@ -222,7 +226,7 @@ class AlmaStreamTask(LanguageModelingTask):
 
     def stop_requested(self, num_updates: int) -> bool:
         """Asked by ``fairseq_patches.install_requeue_save`` after every update."""
-        return self.training is not None and all_ranks_stop(self.training.stop.requested, num_updates)
+        return self.training is not None and all_ranks_stop(self.training.stop.requested)
 
     def state_dict(self) -> Dict[str, Any]:
         """fairseq keeps this in every checkpoint (``task_state``): the dictionary trained with."""
