@@ -30,9 +30,11 @@ $(STAMP): requirements.txt pyproject.toml
 	@$(MAKE) --no-print-directory check-torch
 	@touch $(STAMP)
 
-# Fails loudly if any step above replaced the torch build we installed first.
+# Fails loudly if any step above replaced the torch build we installed first, or if torch has no
+# kernels for the GPU it sees (e.g. a V100 with a non-CUDA-12.6 wheel of torch >= 2.11).
 check-torch:
 	@$(PY) -c "import torch, fairseq, fairseq_alma; print('torch', torch.__version__, '| fairseq', fairseq.__version__, '| fairseq_alma ok')"
+	@$(PY) -m fairseq_alma.cli.check_torch
 
 demo: install
 	$(VENV)/bin/alma-demo --out $(DEMO_DIR)

@@ -128,3 +128,19 @@ def test_growth_stream_copies_experts_and_reports_loss(stream_dir, tmp_path):
     assert per_expert > 0 and records[2]["params_active"] == growth[0]["params_active"]
     bad = run(stream_cmd(stream_dir, tmp_path / "bad", "--grow-experts", "2"), check=False)
     assert "--moe-max-experts must be >= 4" in bad.stderr
+
+
+@pytest.mark.slow
+def test_fairseq_transformer_lm_trains_a_stream(stream_dir, tmp_path):
+    """--task alma_stream also trains fairseq's own dense LMs (the baselines users have)."""
+    save = tmp_path / "dense"
+    cmd = stream_cmd(stream_dir, save)
+    cmd[cmd.index("switch_transformer_lm_tiny")] = "transformer_lm"
+    del cmd[cmd.index("--moe-experts"):cmd.index("--moe-experts") + 2]
+    cmd[cmd.index("switch_cross_entropy")] = "cross_entropy"
+    run(cmd + ["--decoder-layers", "2", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
+               "--decoder-attention-heads", "2"])
+    records = [json.loads(line) for line in (save / "stream.jsonl").read_text().splitlines()]
+    assert [r["trained"] for r in records] == [False, True, True]
+    assert records[2]["eval_ppl"] < records[0]["eval_ppl"] and records[2]["params_active"] > 0
+    assert records[1]["infer_flops_per_example"] > 0

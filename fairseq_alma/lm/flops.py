@@ -12,13 +12,20 @@ def _members(model: Any) -> list:
     return list(getattr(model.decoder, "members", [model.decoder]))
 
 
+def _dense_ffn_dim(layer: Any) -> int:
+    """FFN width of a dense block: ours (``layer.ffn.fc1``) or fairseq's transformer (``fc1``)."""
+    ffn = getattr(layer, "ffn", layer)
+    return ffn.fc1.out_features
+
+
 def model_shape(model: Any, context: int) -> SwitchLMShape:
+    """The sizes of a Switch LM, a UMix member, or fairseq's own ``transformer_lm`` (dense)."""
     decoder = _members(model)[0]
     moe = decoder.moe_layers() if hasattr(decoder, "moe_layers") else []
     return SwitchLMShape(
         n_layers=len(decoder.layers),
         d_model=decoder.embed_tokens.embedding_dim,
-        ffn_dim=(moe[0].ffn_dim if moe else decoder.layers[0].ffn.fc1.out_features),
+        ffn_dim=(moe[0].ffn_dim if moe else _dense_ffn_dim(decoder.layers[0])),
         vocab_size=decoder.embed_tokens.num_embeddings,
         context=context,
         moe_layers=len(moe),

@@ -1,0 +1,34 @@
+"""alma-train: fairseq-train with the plugin loaded and a --help that lists every option of the
+chosen task, model, criterion and LR scheduler (fairseq-train's own help lists none of them)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+from lm_fixtures import run, stream_cmd, tool
+
+
+def test_help_lists_the_plugins_flags_with_their_help():
+    proc = run([tool("alma-train"), "--arch", "switch_transformer_lm_base", "--criterion",
+                "switch_cross_entropy", "--lr-scheduler", "alma_stage_linear", "--help"])
+    text = proc.stdout
+    for flag, words in [("--wait", "waiting time"), ("--moe-experts", "experts per MoE block"),
+                        ("--grow-experts", "experts copied per MoE block"),
+                        ("--moe-balance-loss-weight", "balance"), ("--warmup-updates", "warmup"),
+                        ("--restart-stream", "moved to")]:
+        assert flag in text, flag
+        assert words in " ".join(text.split()), words
+    stock = subprocess.run([tool("fairseq-train"), "--user-dir", "fairseq_alma", "--task", "alma_stream",
+                            "--help"], capture_output=True, text=True)
+    assert "--moe-experts" not in stock.stdout  # what alma-train is for
+
+
+@pytest.mark.slow
+def test_alma_train_trains_like_fairseq_train(stream_dir, tmp_path):
+    cmd = stream_cmd(stream_dir, tmp_path / "run")
+    del cmd[cmd.index("--user-dir"):cmd.index("--user-dir") + 2]
+    run([tool("alma-train"), *cmd[1:]])
+    records = [json.loads(line) for line in (tmp_path / "run" / "stream.jsonl").read_text().splitlines()]
+    assert [r["trained"] for r in records] == [False, True, True]
