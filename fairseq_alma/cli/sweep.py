@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from ..configs import load_run_config, plan_sweep, resolve_profile
+from ..configs.global_batch import apply_global_batch
 from ..configs.fairseq_flags import check_config_flags
 from ..configs.sbatch_script import (
     array_spec,
@@ -130,7 +131,8 @@ def submit(args: argparse.Namespace) -> int:
     check_config_flags(config)
     profile = resolve_profile(args.profile, config.resources, config.path)
     program = _resolve_program(args.program)
-    jobs = plan_sweep(config, sweep_dir)
+    jobs = apply_global_batch(plan_sweep(config, sweep_dir), config.global_batch,
+                              profile.world_size, str(config.path))
     max_parallel = args.max_parallel or len(jobs)
     if max_parallel < 1:
         raise UsageError("--max-parallel must be >= 1")

@@ -9,6 +9,7 @@ A run config (issue 5, train_configs/) is::
     grid: {wait: [1, 3, 4]}       # each combination is one run
     seeds: [1, 2, 3]              # ... times each seed
     resources: gpu-node-8         # a profile in slurm/profiles/, or an inline mapping
+    global_batch: 192             # optional: sequences per update on any profile (global_batch.py)
 
 Booleans become bare flags (``true``) or are left out (``false``); ``null`` removes a flag set by
 an included config. Flags the launcher owns (seed, save dir, distributed wiring) are refused so a
@@ -27,7 +28,8 @@ from .yaml_files import load_with_includes, read_yaml_mapping
 
 Scalar = Union[str, int, float, bool, None]
 
-TOP_LEVEL_KEYS = ("include", "description", "data", "args", "grid", "seeds", "resources")
+TOP_LEVEL_KEYS = ("include", "description", "data", "args", "grid", "seeds", "resources",
+                  "global_batch")
 
 # Flags a config may not set, with the reason shown to the user.
 LAUNCHER_FLAGS = {
@@ -68,6 +70,7 @@ class RunConfig:
     description: str = ""
     resources: str | dict[str, Any] | None = None
     sources: tuple[Path, ...] = ()
+    global_batch: int | None = None  # sequences per update (global_batch.py)
 
     def grid_points(self) -> list[dict[str, Scalar]]:
         """Every combination of grid values, first grid key varying slowest (config order)."""
@@ -176,6 +179,15 @@ def parse_run_config(merged: dict[str, Any], path: Path, sources: tuple[Path, ..
     resources = merged.get("resources")
     if resources is not None and not isinstance(resources, (str, dict)):
         raise UsageError(f"{where}: resources: must be a profile name or an inline mapping")
+    global_batch = merged.get("global_batch")
+    if global_batch is not None:
+        if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+            raise UsageError(f"{where}: global_batch: must be a number of sequences >= 1")
+        for flag in ("update-freq", "max-tokens"):
+            if args.get(flag) is not None or flag in grid:
+                raise UsageError(f"{where}: global_batch sets {flag.replace('max-tokens', 'the batch')} "
+                                 f"for every profile; remove '{flag}' (batch-size is the most "
+                                 f"sequences one GPU holds)")
     return RunConfig(
         path=path,
         data=data,
@@ -185,6 +197,7 @@ def parse_run_config(merged: dict[str, Any], path: Path, sources: tuple[Path, ..
         description=description,
         resources=resources,
         sources=sources,
+        global_batch=global_batch,
     )
 
 
