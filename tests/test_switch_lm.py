@@ -170,3 +170,43 @@ def test_incremental_decoding_matches_full_forward():
 def test_cli_namespace_conversion_keeps_defaults():
     cfg = convert_namespace_to_omegaconf(Namespace(_name="switch_transformer_lm", arch="switch_transformer_lm_tiny", task="language_modeling", criterion="switch_cross_entropy", no_progress_bar=True))
     assert cfg is not None
+
+
+@pytest.mark.parametrize("arch", ["switch_transformer_lm_tiny", "umix_switch_transformer_lm_tiny"])
+def test_checkpoint_activations_keeps_every_gradient_and_counts_the_balance_loss_once(arch):
+    """--checkpoint-activations recomputes each block in backward (non-reentrant): every
+    parameter's gradient, the router's included, equals the run without it, with dropout and
+    router jitter on (their random draws are replayed), and one balance loss per MoE block."""
+    import copy
+
+    from fairseq_alma.models.umix_switch_transformer_lm import UMixSwitchLMConfig
+    from fairseq_alma.models.umix_switch_transformer_lm import UMixSwitchTransformerLanguageModel as UMixLM
+
+    torch.manual_seed(0)
+    overrides = dict(moe_experts=4, capacity_factor=1.0, dropout=0.2, moe_jitter_eps=0.1)
+    if arch.startswith("umix"):
+        cfg = OmegaConf.structured(UMixSwitchLMConfig(tokens_per_sample=512, umix_members=2))
+        ARCH_CONFIG_REGISTRY["umix_switch_transformer_lm_tiny"](cfg)
+        for key, value in overrides.items():
+            setattr(cfg, key, value)
+        plain = UMixLM.build_model(cfg, FakeTask(30))
+    else:
+        plain = build(arch, 30, **overrides)
+    recomputed = copy.deepcopy(plain)
+    for decoder in getattr(recomputed.decoder, "members", [recomputed.decoder]):
+        decoder.checkpoint_activations = True
+    tokens = torch.randint(4, 30, (3, 16))
+    tokens[2, 12:] = 1  # padding
+    grads, balances = [], []
+    for model in (plain, recomputed):
+        model.train()
+        torch.manual_seed(5)
+        logits, extra = model(tokens)
+        balance = sum(aux.balance_loss for aux in extra["moe_aux"])
+        balances.append((len(extra["moe_aux"]), balance.detach()))
+        (logits.float().logsumexp(-1).mean() + 0.01 * balance).backward()
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+    assert balances[0][0] == balances[1][0] and torch.equal(balances[0][1], balances[1][1])
+    assert grads[0].keys() == grads[1].keys() and any("router" in name for name in grads[0])
+    for name in grads[0]:
+        assert torch.allclose(grads[0][name], grads[1][name], rtol=1e-5, atol=1e-7), name

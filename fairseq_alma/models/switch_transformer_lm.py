@@ -24,6 +24,7 @@ from fairseq.modules import LayerNorm, PositionalEmbedding
 from fairseq.utils import safe_getattr
 from omegaconf import II
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from ..errors import UsageError, require
 from ..fairseq_config import refuse_tpu_bf16, section
@@ -75,6 +76,10 @@ class SwitchTransformerLMConfig(FairseqDataclass):
         },
     )
     moe_jitter_eps: float = field(default=0.0, metadata={"help": "multiplicative router jitter noise in training (0 = off)"})
+    checkpoint_activations: bool = field(default=False, metadata={"help": (
+        "recompute each block's activations in the backward pass instead of keeping them "
+        "(less memory, about a third more compute); non-reentrant torch.utils.checkpoint, so "
+        "every gradient, the router's and the balance loss's included, is the one without it")})
     moe_expert_parallel_size: int = field(
         default=1,
         metadata={
@@ -101,6 +106,7 @@ class SwitchTransformerDecoder(FairseqIncrementalDecoder):
             cfg.max_target_positions, d, self.padding_idx, learned=cfg.decoder_learned_pos
         )
         self.dropout = cfg.dropout
+        self.checkpoint_activations = cfg.checkpoint_activations
         normalize_before = not cfg.decoder_post_norm
         self.layers = nn.ModuleList(
             SwitchDecoderLayer(
@@ -175,8 +181,13 @@ class SwitchTransformerDecoder(FairseqIncrementalDecoder):
 
         moe_aux = []
         inner_states: List[Optional[Tensor]] = [x]
+        recompute = self.checkpoint_activations and self.training and incremental_state is None \
+            and torch.is_grad_enabled()
         for layer in self.layers:
-            x, aux = layer(x, attn_mask, padding_mask, incremental_state)
+            if recompute:  # non-reentrant: the aux losses keep their graph (reentrant would not)
+                x, aux = checkpoint(layer, x, attn_mask, padding_mask, None, use_reentrant=False)
+            else:
+                x, aux = layer(x, attn_mask, padding_mask, incremental_state)
             if aux is not None:
                 moe_aux.append(aux)
             inner_states.append(x)
@@ -223,6 +234,9 @@ def validate_config(cfg: SwitchTransformerLMConfig) -> None:
     """
     switch_ffn_config(cfg)
     refuse_tpu_bf16(cfg)
+    require(not (cfg.checkpoint_activations and cfg.moe_expert_parallel_size > 1),
+            "--checkpoint-activations with --moe-expert-parallel-size > 1 is not supported (the "
+            "recomputed all_to_all would have to run in the same order on every rank); drop one")
     require(cfg.moe_freq >= 1, f"--moe-freq must be an integer >= 1 (got {cfg.moe_freq})")
     require(cfg.moe_freq <= cfg.decoder_layers,
             f"--moe-freq {cfg.moe_freq} leaves the {cfg.decoder_layers} decoder layers without a "
