@@ -6,6 +6,10 @@ itself cannot be imported, nothing is registered and the parts that need no fair
 stream core in ``stream/``, the errors) still import: the core is tested that way.
 """
 
+from .fairseq_patches import install_quiet_startup
+
+install_quiet_startup()  # before fairseq's own import, when we are first (our console tools)
+
 try:
     import fairseq  # noqa: F401
 except ModuleNotFoundError as err:  # only the fairseq-free parts are usable
@@ -13,8 +17,7 @@ except ModuleNotFoundError as err:  # only the fairseq-free parts are usable
         raise
 else:
     from . import criterions, models, optim, tasks  # noqa: F401  (registration side effects)
-    from .fairseq_patches import install_checkpoint_errors, install_console_errors, install_quiet_startup
+    from .fairseq_patches import install_checkpoint_errors, install_console_errors
 
     install_console_errors()
     install_checkpoint_errors()
-    install_quiet_startup()

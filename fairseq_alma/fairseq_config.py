@@ -85,6 +85,28 @@ def refuse_tpu_bf16(node: Any) -> None:
                              f"(V100), or --amp (bf16-capable GPUs)")
 
 
+def check_sharding(node: Any, growth: bool) -> None:
+    """fairscale's sharding options that an LM stream cannot run correctly, refused before the
+    first update (fairseq itself would fail later, with a traceback, or not at all)."""
+    zero = str(given(node, "distributed_training", "zero_sharding") or "none")
+    backend = str(given(node, "distributed_training", "ddp_backend") or "")
+    fp16_flat = given(node, "common", "fp16") and not given(node, "common", "memory_efficient_fp16") \
+        and not given(node, "common", "fp16_no_flatten_grads")
+    if zero == "os" and fp16_flat:
+        raise UsageError("--zero-sharding os cannot shard --fp16's flat fp32 copy: add "
+                         "--fp16-no-flatten-grads, or use --memory-efficient-fp16")
+    if backend == "fully_sharded":
+        import torch
+
+        if not torch.cuda.is_available() or given(node, "common", "cpu"):
+            raise UsageError("--ddp-backend fully_sharded needs CUDA (fairscale's FSDP); use "
+                             "--ddp-backend legacy_ddp (and --zero-sharding os) on CPU")
+        if growth:
+            raise UsageError("--grow-experts cannot grow experts inside FSDP's flattened, sharded "
+                             "parameters; use --ddp-backend legacy_ddp or pytorch_ddp with "
+                             "--zero-sharding os")
+
+
 def given(node: Any, section_name: str, key: str) -> Any:
     """The value of ``cfg.<section_name>.<key>`` (None when absent)."""
     target = section(node, section_name)

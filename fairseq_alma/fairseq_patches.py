@@ -404,3 +404,5 @@ def install_quiet_startup() -> None:
     """
     for message in HYDRA_DEPRECATIONS:
         warnings.filterwarnings("ignore", message=message, category=UserWarning)
+    # fairscale 0.4.13 (imported by fairseq's fsdp_wrap) uses torch.cuda.amp's deprecated API
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"fairscale\.")

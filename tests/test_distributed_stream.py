@@ -219,3 +219,34 @@ def test_growth_on_two_ranks_equals_one_process(data, tmp_path):
     w = weights[next(k for k in weights if k.endswith("fc1_weight"))]
     sources = grown[0]["copied"]["0"]
     assert any(not torch.equal(w[new], w[src]) for new, src in zip((2, 3), sources)), "no grown expert trained"
+
+
+OSS = ["--zero-sharding", "os"]
+
+
+def test_zero_sharding_os_equals_legacy_ddp_and_resumes(data, two_rank_run, tmp_path):
+    """fairscale's OSS (--zero-sharding os) shards Adam's state over the ranks; without expert
+    parallelism every rank holds every parameter, so the stream is bit-identical to legacy_ddp's,
+    also when both ranks are killed inside stage 2 and the same commands resume."""
+    save = tmp_path / "run"
+    commands = [cmd + OSS for cmd in rank_commands(data, save, free_port())]
+    procs = start_ranks(commands, tmp_path / "first")
+    wait_for_file(save / "checkpoint_2_8.pt", procs)
+    for proc in procs:
+        proc.send_signal(signal.SIGKILL)
+    for proc in procs:
+        proc.wait(timeout=30)
+    log = finish_ranks(start_ranks(commands, tmp_path / "second"), tmp_path / "second")
+    assert int(LOADED.search(log).group(2)) >= 8  # resumed, with the sharded optimizer state
+    assert_same_stream(save, two_rank_run[0])
+
+
+def test_zero_sharding_with_expert_parallelism_is_refused_before_training(data, tmp_path):
+    commands = [cmd + OSS + ["--moe-expert-parallel-size", "2"]
+                for cmd in rank_commands(data, tmp_path / "run", free_port())]
+    procs = start_ranks(commands, tmp_path / "logs")
+    for rank, proc in enumerate(procs):
+        assert proc.wait(timeout=300) != 0
+    text = (tmp_path / "logs" / "rank0.log").read_text()
+    assert "fairseq-alma: error: --moe-expert-parallel-size > 1 cannot be combined with --zero-sharding os" in text
+    assert not (tmp_path / "run" / "checkpoint_last.pt").exists()

@@ -51,15 +51,17 @@ class StreamTraining:
     """The training side of ``AlmaStreamTask`` (module doc)."""
 
     def __init__(self, task: Any) -> None:
-        from ..fairseq_config import stream_training_settings
+        from ..fairseq_config import check_sharding, stream_training_settings
         from ..fairseq_patches import install_atomic_copies, install_requeue_save
 
         self.task, self.cfg = task, task.cfg
+        # flags first: a refused combination leaves the run directory untouched
+        check_sharding(self.cfg, growth=bool(task.growth_plan))
+        limit = stage_limit(task.plan.num_stages, self.cfg.max_epoch or None)
         self.run_dir, self.fingerprint = self.open_run_dir()
         self.progress = StreamProgress(task.plan, self.run_dir)
         self.growth: List[Dict[str, Any]] = []
-        stream_training_settings(self.cfg, task.plan.num_stages,
-                                 stage_limit(task.plan.num_stages, self.cfg.max_epoch or None))
+        stream_training_settings(self.cfg, task.plan.num_stages, limit)
         install_atomic_copies()
         install_requeue_save()
         self.stop = StopSignal().install()

@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from fairseq import utils
+from fairseq.distributed import fsdp_wrap
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.models import FairseqIncrementalDecoder, FairseqLanguageModel, register_model, register_model_architecture
 from fairseq.modules import LayerNorm, PositionalEmbedding
@@ -27,7 +28,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import UsageError, require
-from ..fairseq_config import refuse_tpu_bf16, section
+from ..fairseq_config import check_sharding, refuse_tpu_bf16, section
 from ..modules.expert_parallel import build_switch_ffn
 from ..modules.expert_parallel_fairseq import prepare_expert_parallel
 from ..modules.switch_decoder_layer import DenseFFN, SwitchDecoderLayer
@@ -108,15 +109,17 @@ class SwitchTransformerDecoder(FairseqIncrementalDecoder):
         self.dropout = cfg.dropout
         self.checkpoint_activations = cfg.checkpoint_activations
         normalize_before = not cfg.decoder_post_norm
+        # each block its own FSDP unit under --ddp-backend fully_sharded (no-op otherwise), so
+        # FSDP gathers one block's parameters at a time instead of the whole model
         self.layers = nn.ModuleList(
-            SwitchDecoderLayer(
+            fsdp_wrap(SwitchDecoderLayer(
                 d,
                 cfg.decoder_attention_heads,
                 self._build_ffn(cfg, i),
                 dropout=cfg.dropout,
                 attention_dropout=cfg.attention_dropout,
                 normalize_before=normalize_before,
-            )
+            ))
             for i in range(cfg.decoder_layers)
         )
         self.layer_norm = LayerNorm(d) if normalize_before else None
@@ -234,6 +237,7 @@ def validate_config(cfg: SwitchTransformerLMConfig) -> None:
     """
     switch_ffn_config(cfg)
     refuse_tpu_bf16(cfg)
+    check_sharding(cfg, growth=False)  # before fsdp_wrap builds FSDP units it cannot run
     require(not (cfg.checkpoint_activations and cfg.moe_expert_parallel_size > 1),
             "--checkpoint-activations with --moe-expert-parallel-size > 1 is not supported (the "
             "recomputed all_to_all would have to run in the same order on every rank); drop one")

@@ -15,7 +15,9 @@ break three of its assumptions, each fixed here at the point fairseq offers for 
   state_dict hooks gather them to full [E, ...] tensors on save and keep this rank's rows on load,
   so a resumed run continues exactly, with any number of ranks, or one.
 
-Limits, refused with a one-line error: ``--fp16`` without ``--memory-efficient-fp16``
+Limits, refused with a one-line error: ``--zero-sharding os`` (fairscale's OSS broadcasts each
+whole parameter from one owner rank, which would merge the ranks' different experts),
+``--fp16`` without ``--memory-efficient-fp16``
 (their flat fp32 copy mixes expert and shared gradients), sharded DDP backends, and
 ``--no-last-checkpoints`` (rank 0 could then skip a save the other ranks join).  With
 ``--clip-norm`` > 0 the norm is that of the shared gradients (fairseq's ``clip_grad_norm_`` leaves
@@ -65,6 +67,12 @@ def check_training_setup(cfg: Any) -> None:
         str(training.ddp_backend) in DDP_BACKENDS,
         f"--moe-expert-parallel-size > 1 works with --ddp-backend {' or '.join(DDP_BACKENDS)} "
         f"(got {training.ddp_backend})",
+    )
+    require(
+        getattr(training, "zero_sharding", "none") == "none",
+        "--moe-expert-parallel-size > 1 cannot be combined with --zero-sharding os: fairscale's OSS "
+        "gives each whole parameter to one rank and broadcasts it, overwriting the other ranks' "
+        "experts; use one of them",
     )
     require(
         not checkpoint.no_last_checkpoints,
