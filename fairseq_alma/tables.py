@@ -11,8 +11,10 @@ from collections.abc import Sequence
 from tabulate import tabulate
 
 
-def format_table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> str:
-    """``rows`` under ``header``; the first ``left`` columns are left-aligned, the rest right.
+def format_table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1,
+                 markdown: bool = False) -> str:
+    """``rows`` under ``header``; the first ``left`` columns are left-aligned, the rest right;
+    ``markdown``: a GitHub Markdown table instead of plain text.
 
     >>> print(format_table(["run", "ppl"], [["a", "12.5"], ["bb", "9.0"]]), end="")
     run      ppl
@@ -21,6 +23,7 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int
     bb       9.0
     """
     align = ["left" if i < left else "right" for i in range(len(header))]
-    text = tabulate([list(row) for row in rows], headers=list(header), tablefmt="simple",
+    text = tabulate([list(row) for row in rows], headers=list(header),
+                    tablefmt="github" if markdown else "simple",
                     colalign=align, disable_numparse=True)
     return text + "\n"

@@ -143,4 +143,5 @@ def test_fairseq_transformer_lm_trains_a_stream(stream_dir, tmp_path):
     records = [json.loads(line) for line in (save / "stream.jsonl").read_text().splitlines()]
     assert [r["trained"] for r in records] == [False, True, True]
     assert records[2]["eval_ppl"] < records[0]["eval_ppl"] and records[2]["params_active"] > 0
-    assert records[1]["infer_flops_per_example"] > 0
+    assert records[1]["infer_flops_per_token"] > 0
+    assert records[1]["infer_flops_per_sequence"] == records[1]["infer_flops_per_token"] * 32

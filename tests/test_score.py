@@ -105,28 +105,65 @@ def _reference_ppl(checkpoints: list[Path], data: Path) -> float:
     return math.exp(nll / count)
 
 
+def _eval_lm(stream: Path, checkpoint: Path) -> list[str]:
+    return [tool("fairseq-eval-lm"), str(stream / "data"), "--user-dir", USER_DIR, "--path",
+            str(checkpoint), "--gen-subset", "eval",
+            *shlex.split("--tokens-per-sample 32 --batch-size 8 --cpu --num-workers 0")]
+
+
+def _stock_ppl(result: tuple[int, str, str]) -> float:
+    code, out, err = result
+    assert code == 0, err[-3000:]
+    return float(re.search(r"Perplexity: ([0-9.]+)", out + err).group(1))
+
+
 @pytest.mark.slow
 def test_single_matches_fairseq_eval_lm_and_writes_outputs(stream, tmp_path):
     run_dir, out = stream / "ens1", tmp_path / "out"
     score_cmd = [tool("alma-score"), str(run_dir), "--json", str(out / "s.json"),
                  "--csv", str(out / "s.csv"), "--plot", str(out / "s.png")]
-    eval_cmd = [tool("fairseq-eval-lm"), str(stream / "data"), "--user-dir", USER_DIR,
-                "--path", str(run_dir / "checkpoint_stage1.pt"), "--gen-subset", "eval",
-                *shlex.split("--tokens-per-sample 32 --batch-size 8 --cpu --num-workers 0")]
-    (code, score_out, score_err), (_, eval_out, eval_err) = _parallel([score_cmd, eval_cmd])
+    (code, score_out, score_err), *stock = _parallel([
+        score_cmd, _eval_lm(stream, run_dir / "checkpoint_stage1.pt"),
+        _eval_lm(stream, run_dir / "checkpoint_stage0.pt")])
     assert code == 0, score_err[-3000:]
-    stock = float(re.search(r"Perplexity: ([0-9.]+)", eval_out + eval_err).group(1))
+    trained, initial = (_stock_ppl(result) for result in stock)
     ppls = _ppls(out / "s.json")
-    assert ppls[0] is None and ppls[1] is None  # --wait 2: nothing trained before arrival 2
-    assert ppls[2] == pytest.approx(stock, rel=0.005)  # the acceptance criterion
+    # --wait 2: arrivals 0 and 1 are answered by the initialised model (checkpoint_stage0.pt,
+    # a fairseq checkpoint stock tools load), charged by the anytime metric
+    assert ppls[0] == ppls[1] == pytest.approx(initial, rel=0.005)
+    assert ppls[1] == pytest.approx(read_records(run_dir / "stream.jsonl")[1].eval_ppl, rel=1e-6)
+    assert ppls[2] == pytest.approx(trained, rel=0.005)  # the acceptance criterion
     assert ppls[3] == ppls[2]  # arrival 3 trains nothing: stage 1 answers again
     row = next(line for line in score_out.splitlines() if line.startswith("SM_w2"))
-    assert row.split()[:5] == ["SM_w2", "2", "0.11M", "*", f"{ppls[2]:.2f}"]
-    assert "checkpoint 1/1" in score_err and "tokens/s" in score_err
+    anytime = 2 ** ((math.log2(ppls[1]) + 2 * math.log2(ppls[2])) / 3)
+    assert row.split() == ["SM_w2", "2", "0.11M", "*", f"{ppls[2]:.2f}", f"{ppls[2]:.2f}",
+                           f"{ppls[2]:.2f}", f"{anytime:.2f}", *row.split()[-2:]]
+    assert "checkpoint 2/2" in score_err and "tokens/s" in score_err
     csv_lines = (out / "s.csv").read_text().splitlines()
-    assert csv_lines[0].startswith("setting,num_experts,params,ppl_t0,ppl_t1,ppl_t2,avg_ppl")
+    assert csv_lines[0].startswith("setting,num_experts,params,ppl_t0,ppl_t1,ppl_t2,"
+                                   "trained_avg_ppl,anytime_nll,anytime_ppl,")
     assert csv_lines[1].split(",")[3] == "" and float(csv_lines[1].split(",")[4]) == ppls[2]
+    scoring = json.loads((out / "s.json").read_text())["series"][0]["scoring"]
+    assert scoring["untrained_arrivals"].startswith("evaluated: checkpoint_stage0.pt")
     assert (out / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_runs_without_an_initial_checkpoint(stream, tmp_path, capsys):
+    """A run written before checkpoint_stage0.pt existed: the run's own evaluation reuses the
+    logged arrival-0 perplexity (the same number); any other --subset or an Ens leaves the
+    anytime metric undefined and says why, never a guess."""
+    old = _without(stream, tmp_path, "ens1", drop="checkpoint_stage0.pt")
+    code, out, err = _score(capsys, old, "--json", tmp_path / "own.json")
+    assert code == 0, err
+    own = json.loads((tmp_path / "own.json").read_text())["series"][0]
+    assert own["scoring"]["untrained_arrivals"].startswith("stream.jsonl")
+    assert own["summary"]["anytime_ppl"] is not None and err.count("checkpoint ") == 1
+    code, out, err = _score(capsys, old, "--subset", "valid", "--json", tmp_path / "valid.json")
+    valid = json.loads((tmp_path / "valid.json").read_text())["series"][0]
+    assert code == 0 and valid["summary"]["anytime_ppl"] is None and valid["arrivals"][1]["ppl"] is None
+    assert "no checkpoint_stage0.pt" in err and "anytime_nll is undefined" in err
+    assert "n/a" in out.splitlines()[2]
 
 
 @pytest.mark.slow
@@ -136,11 +173,13 @@ def test_from_log_equals_evaluation(stream, tmp_path, capsys):
     assert _score(capsys, *runs, "--from-log", "--json", tmp_path / "log.json")[0] == 0
     for i, run_dir in enumerate(runs):
         evaluated, logged = _ppls(tmp_path / "eval.json", i), _ppls(tmp_path / "log.json", i)
-        assert [v is None for v in evaluated] == [v is None for v in logged]
+        # arrival 0 is evaluated only where the initial model answers later arrivals (--wait 2)
+        assert [v is None for v in evaluated] == [run_dir.name == "scratch", False, False, False]
+        assert None not in logged
         for a, b in zip(evaluated, logged):
             assert a is None or a == pytest.approx(b, rel=1e-6)
         records = read_records(run_dir / "stream.jsonl")
-        assert logged[1:] == [r.eval_ppl if r.stage else None for r in records][1:]
+        assert logged == [r.eval_ppl for r in records]
 
 
 @pytest.mark.slow
@@ -151,7 +190,10 @@ def test_ens_averages_member_probabilities(stream, tmp_path, capsys):
     series = json.loads((tmp_path / "ens.json").read_text())["series"][0]
     ppls = [a["ppl"] for a in series["arrivals"]]
     expected = _reference_ppl([m / "checkpoint_stage1.pt" for m in members], stream / "data")
-    assert ppls[2] == pytest.approx(expected, rel=1e-5) and ppls[3] == ppls[2] and ppls[1] is None
+    assert ppls[2] == pytest.approx(expected, rel=1e-5) and ppls[3] == ppls[2]
+    # arrivals 0-1 (--wait 2): the ensemble of the members' initialised models
+    initial = _reference_ppl([m / "checkpoint_stage0.pt" for m in members], stream / "data")
+    assert ppls[0] == ppls[1] == pytest.approx(initial, rel=1e-5)
     member_ppl = [read_records(m / "stream.jsonl")[2].eval_ppl for m in members]
     assert ppls[2] < max(member_ppl)
     records = [read_records(m / "stream.jsonl") for m in members]
@@ -160,7 +202,7 @@ def test_ens_averages_member_probabilities(stream, tmp_path, capsys):
     assert [a["params"] for a in series["arrivals"]] == summed
     assert series["arrivals"][3]["train_flops_cum"] == sum(r[3].train_flops_cum for r in records)
     assert out.splitlines()[2].split()[:4] == ["Ens_w2", "2@2", "0.22M", "*"]  # under the rule
-    assert err.count("checkpoint ") == 2  # each member's checkpoint scored once
+    assert err.count("checkpoint ") == 4  # each member's two checkpoints scored once
 
 
 @pytest.mark.slow
@@ -272,7 +314,7 @@ def test_from_log_renders_vision_streams(tmp_path, capsys):
     extra = {"method": "sm", "arch": "mlp", "width": 8, "wait": 1, "replay": False}
     write_records(run_dir / "stream.jsonl", [
         ArrivalRecord(arrival=t, stage=t, trained=t > 0, megabatches_seen=t, params_active=100,
-                      train_flops_cum=1e9 * t, infer_flops_per_example=10.0, wall_time=1.0,
+                      train_flops_cum=1e9 * t, infer_flops_per_image=10.0, wall_time=1.0,
                       test_error=error, extra=extra)
         for t, error in enumerate(errors)])
     code, out, err = _score(capsys, run_dir, "--from-log", "--csv", tmp_path / "v.csv")

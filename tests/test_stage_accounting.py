@@ -64,7 +64,7 @@ if AT:
 GROWTH = ("--moe-max-experts", "4", "--grow-experts", "2", "--log-interval", "1",
           "--save-interval-updates", "2")
 ACCOUNTING = ("arrival", "stage", "trained", "megabatches_seen", "params_active",
-              "train_flops_cum", "infer_flops_per_example", "train_tokens_cum")
+              "train_flops_cum", "infer_flops_per_token", "infer_flops_per_sequence", "flops_convention", "train_tokens_cum")
 
 
 def _run(cmd: list[str], tmp: Path, overflow_at: str = "", kill_after: Path | None = None) -> str:

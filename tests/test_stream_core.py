@@ -38,7 +38,7 @@ def test_core_imports_with_fairseq_and_torch_blocked():
 def _record(info, value: float) -> ArrivalRecord:
     return ArrivalRecord(arrival=info.arrival, stage=info.stage, trained=info.trained,
                          megabatches_seen=info.megabatches_seen, params_active=10,
-                         train_flops_cum=float(info.stage), infer_flops_per_example=1.0,
+                         train_flops_cum=float(info.stage), infer_flops_per_image=1.0,
                          wall_time=0.0, test_error=value)
 
 
@@ -52,16 +52,26 @@ def test_close_stage_records_each_arrival_once_and_round_trips(tmp_path):
         return 0.5 / (len(measured))
 
     assert [r.arrival for r in progress.close_stage(0, measure, _record, kept.append)] == [0, 1]
-    assert kept == []  # no stage checkpoint for the untrained model
+    assert kept == [0]  # the initialised model answers arrival 1: kept for scoring
+    assert progress.close_stage(0, measure, _record, kept.append) == [] and kept == [0]  # not twice
     assert [r.arrival for r in progress.close_stage(1, measure, _record, kept.append)] == [2, 3]
     assert progress.close_stage(1, measure, _record, kept.append) == []  # nothing twice
-    assert len(measured) == 2 and kept == [1, 1]  # the checkpoint is kept (idempotent) each time
+    assert len(measured) == 2 and kept == [0, 1, 1]  # a stage's checkpoint is kept (idempotent) each time
     assert [r.arrival for r in run_dir.read_records()] == [0, 1, 2, 3]
     restored = StreamProgress(StreamPlan(5, wait=2), run_dir)
     restored.load_state_dict(progress.state_dict())
     assert restored.ordered() == progress.ordered() and not restored.complete
     restored.close_stage(2, measure, _record)
     assert restored.complete and [r.stage for r in restored.ordered()] == [0, 0, 1, 1, 2, 2]
+
+
+def test_no_initial_checkpoint_when_every_arrival_is_trained(tmp_path):
+    """--wait 1: the initialised model answers only arrival 0, which no metric charges."""
+    progress = StreamProgress(StreamPlan(3, wait=1), RunDirectory.for_training(tmp_path / "run"))
+    kept: list[int] = []
+    assert [r.arrival for r in progress.close_stage(0, lambda: 0.9, _record, kept.append)] == [0]
+    assert kept == [] and not StreamPlan(3).initial_model_answers
+    assert StreamPlan(3, wait=3).initial_model_answers and StreamPlan(4, wait=2).initial_model_answers
 
 
 def test_only_the_writer_writes(tmp_path):

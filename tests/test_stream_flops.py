@@ -57,6 +57,30 @@ def test_paper_base_and_large_inference_cost_vs_section_6_2():
     assert large / 126e9 == pytest.approx(1.0792, abs=1e-4)
 
 
+@pytest.mark.parametrize("convention, base, large", [
+    ("full", 48.76926976e9, 135.977238528e9),
+    ("kaplan", 47.158657024e9, 131.14540032e9),  # QK^T only: n_ctx*d MACs per layer
+    ("params", 45.548044288e9, 126.313562112e9),  # 2N: reproduces the paper's large 126
+])
+def test_flops_conventions_table_of_the_module_doc(convention, base, large):
+    shapes = {"base": (6, 512, 2048, 50000, 512, 3, 4), "large": (12, 768, 3072, 50000, 512, 6, 4)}
+    got = {name: SwitchLMShape(*shape, convention=convention).forward_flops_per_sequence()
+           for name, shape in shapes.items()}
+    assert got == {"base": base, "large": large}
+    # only the attention-score term differs: per layer 2, 1 or 0 x n_ctx*d MACs
+    tiny = SwitchLMShape(**TINY, convention=convention).forward_macs_per_token()
+    assert tiny == 360 - {"full": 0, "kaplan": 1, "params": 2}[convention] * 2 * 3 * 4
+
+
+def test_base_without_experts_is_still_not_the_papers_42():
+    # the module doc's claim: leaving the three Switch FFNs (and routers) out gives 39.1, not 42
+    no_experts = SwitchLMShape(6, 512, 2048, 50000, 512, 3, 4, convention="params")
+    switch_ffn = 3 * (2 * 512 * 2048 + 512 * 4) * 2 * 512
+    assert (no_experts.forward_flops_per_sequence() - switch_ffn) / 1e9 == pytest.approx(39.09, abs=0.01)
+    with pytest.raises(ValueError, match="convention 'paper' must be one of"):
+        SwitchLMShape(**TINY, convention="paper")
+
+
 @pytest.mark.parametrize(
     "change, pattern",
     [

@@ -26,7 +26,7 @@ def _record(arrival, **changes):
         "megabatches_seen": arrival,
         "params_active": 1000,
         "train_flops_cum": 6.0e9 * arrival,
-        "infer_flops_per_example": 2.5e6,
+        "infer_flops_per_token": 2.5e6,
         "wall_time": 1.5 * arrival,
         "eval_ppl": 50.0 - arrival,
         "eval_nll": 3.9,
@@ -44,7 +44,7 @@ def test_round_trip_and_exact_line_layout(tmp_path):
     assert len(lines) == 3
     assert lines[0] == (
         '{"arrival": 0, "stage": 0, "trained": false, "megabatches_seen": 0, '
-        '"params_active": 1000, "train_flops_cum": 0.0, "infer_flops_per_example": 2500000.0, '
+        '"params_active": 1000, "train_flops_cum": 0.0, "infer_flops_per_token": 2500000.0, '
         '"eval_ppl": 50.0, "eval_nll": 3.9, "eval_tokens": 4096, "valid_ppl": 60.0, '
         '"wall_time": 0.0}'
     )
@@ -126,8 +126,32 @@ def test_record_field_checks(changes, pattern):
 
 
 def test_vision_record_has_test_error_only():
-    record = _record(2, eval_ppl=None, eval_nll=None, eval_tokens=None, test_error=0.25)
+    record = _record(2, eval_ppl=None, eval_nll=None, eval_tokens=None, test_error=0.25,
+                     infer_flops_per_token=None, infer_flops_per_image=1e6)
     assert "eval_ppl" not in record.to_json() and record.to_json()["test_error"] == 0.25
+
+
+def test_inference_flops_carry_their_unit():
+    """An LM counts per token, vision per image; the other unit, or none, is refused."""
+    with pytest.raises(ValueError, match="infer_flops_per_image given for a language model"):
+        _record(1, infer_flops_per_image=5.0)
+    with pytest.raises(ValueError, match="infer_flops_per_token = None must be a finite number"):
+        _record(1, infer_flops_per_token=None)
+    with pytest.raises(ValueError, match="infer_flops_per_token given for a vision record"):
+        _record(1, eval_ppl=None, test_error=0.5)
+
+
+def test_files_of_0_2_read_their_flops_in_the_unit_they_were_written_in():
+    """fairseq-alma <= 0.2 wrote ``infer_flops_per_example``: per token for an LM, per image for
+    vision; reading maps it, and writing uses the new names."""
+    lm = _record(1).to_json()
+    lm["infer_flops_per_example"] = lm.pop("infer_flops_per_token")
+    assert ArrivalRecord.from_json(lm).infer_flops_per_token == 2.5e6
+    vision = _record(1, eval_ppl=None, eval_nll=None, eval_tokens=None, test_error=0.5,
+                     infer_flops_per_token=None, infer_flops_per_image=7.0).to_json()
+    vision["infer_flops_per_example"] = vision.pop("infer_flops_per_image")
+    back = ArrivalRecord.from_json(vision)
+    assert back.infer_flops_per_image == 7.0 and "infer_flops_per_example" not in back.to_json()
 
 
 def test_atomic_writes_replace_and_preserve_on_failure(tmp_path, monkeypatch):

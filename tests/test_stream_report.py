@@ -2,23 +2,16 @@
 
 import csv
 import json
+import math
 import os
 import struct
 
 import pytest
 
-from fairseq_alma.cli.report import (
-    ReportSeries,
-    format_table,
-    plot_cer_tradeoffs,
-    plot_error_curves,
-    plot_tradeoffs,
-    report_dict,
-    series_from_records,
-    write_csv,
-    write_json,
-)
+from fairseq_alma.report.figures import plot_cer_tradeoffs, plot_error_curves, plot_tradeoffs
+from fairseq_alma.report.tables import format_table, report_dict, write_csv, write_json
 from fairseq_alma.stream.records import ArrivalRecord
+from fairseq_alma.stream.series import ReportSeries, series_from_records
 
 
 def lm_series():
@@ -60,17 +53,19 @@ def vision_series():
 
 
 def test_lm_table_exact_layout():
-    # averages: (28.5 + 27.5 + 27 + 26) / 4 = 27.25; SM_w3: (25.5 + 25) / 2 = 25.25
+    # paper's averages over trained arrivals: (28.5 + 27.5 + 27 + 26) / 4 = 27.25; SM_w3:
+    # (25.5 + 25) / 2 = 25.25.  Anytime (every arrival 1..4, geometric): SM_w1 27.24; SM_w3
+    # (800 x 700 x 25.5 x 25) ** 0.25 = 137.46, its two waiting arrivals charged.
     # cum params: 5 x 65M = 325M, 5 x 91M = 455M; TFLOPs: 4e15 / 1e12 = 4000, 3000
     assert format_table(lm_series()) == (
-        "setting    #experts      params     t0     t1     t2     t3    avg ppl    cum TFLOPs"
-        "    cum params\n"
-        "---------  ----------  --------  -----  -----  -----  -----  ---------  ------------"
-        "  ------------\n"
-        "SM_w1      4                65M  28.50  27.50  27.00  26.00      27.25          4000"
-        "          325M\n"
-        "SM_w3      8                91M      *      *  25.50  25.00      25.25          3000"
-        "          455M\n"
+        "setting    #experts      params     t0     t1     t2     t3    avg ppl (trained)"
+        "    anytime ppl    cum TFLOPs    cum params\n"
+        "---------  ----------  --------  -----  -----  -----  -----  -------------------"
+        "  -------------  ------------  ------------\n"
+        "SM_w1      4                65M  28.50  27.50  27.00  26.00                27.25"
+        "          27.24          4000          325M\n"
+        "SM_w3      8                91M      *      *  25.50  25.00                25.25"
+        "         137.46          3000          455M\n"
     )
 
 
@@ -97,7 +92,9 @@ def test_lm_csv_and_json(tmp_path):
             "ppl_t1",
             "ppl_t2",
             "ppl_t3",
-            "avg_ppl",
+            "trained_avg_ppl",
+            "anytime_nll",
+            "anytime_ppl",
             "train_tflops_cum",
             "params_cum",
         ],
@@ -110,18 +107,25 @@ def test_lm_csv_and_json(tmp_path):
             "27.0",
             "26.0",
             "27.25",
+            repr(sum(math.log2(p) for p in (28.5, 27.5, 27.0, 26.0)) / 4),
+            repr(2 ** (sum(math.log2(p) for p in (28.5, 27.5, 27.0, 26.0)) / 4)),
             "4000.0",
             "325000000.0",
         ],
-        ["SM_w3", "8", "91000000", "", "", "25.5", "25.0", "25.25", "3000.0", "455000000.0"],
+        ["SM_w3", "8", "91000000", "", "", "25.5", "25.0", "25.25", rows[2][8], rows[2][9],
+         "3000.0", "455000000.0"],
     ]
+    assert 2 ** float(rows[2][8]) == pytest.approx(float(rows[2][9])) == pytest.approx(137.457061)
     data = json.loads((tmp_path / "t.json").read_text())
     assert data == report_dict(lm_series())
     assert data["metric"] == "ppl" and data["num_megabatches"] == 4
     sm_w3 = data["series"][1]
-    assert sm_w3["summary"] == {"avg_ppl": 25.25, "train_tflops_cum": 3000.0, "params_cum": 455e6}
+    assert sm_w3["summary"] == {"trained_avg_ppl": 25.25, "anytime_nll": pytest.approx(7.1028372),
+                                "anytime_ppl": pytest.approx(137.457061),
+                                "train_tflops_cum": 3000.0, "params_cum": 455e6}
     assert [a["trained_so_far"] for a in sm_w3["arrivals"]] == [False, False, False, True, True]
-    assert [a["avg_ppl_so_far"] for a in sm_w3["arrivals"]] == [None, None, None, 25.5, 25.25]
+    assert [a["trained_avg_ppl_so_far"] for a in sm_w3["arrivals"]] == [None, None, None, 25.5, 25.25]
+    assert sm_w3["arrivals"][2]["anytime_nll_so_far"] == pytest.approx(math.log2(800 * 700) / 2)
     assert sm_w3["arrivals"][1]["ppl"] == 800.0  # the raw evaluation is kept
     assert sorted(os.listdir(tmp_path)) == ["t.csv", "t.json"]
 
@@ -173,7 +177,7 @@ def test_plots_are_written_and_non_trivial(tmp_path):
     plot_error_curves(vision_series(), tmp_path / "fig3.png")
     plot_cer_tradeoffs(vision_series(), tmp_path / "fig2.png")
     for name, size in (
-        ("fig5.png", (1320, 495)),
+        ("fig5.png", (1980, 990)),  # 2 rows (paper, anytime) x 3 panels
         ("fig3.png", (660, 495)),
         ("fig2.png", (1320, 495)),
     ):
@@ -192,7 +196,7 @@ def test_series_from_records():
             megabatches_seen=arrival,
             params_active=10 + arrival,
             train_flops_cum=5.0 * (arrival >= 2),
-            infer_flops_per_example=1.0,
+            infer_flops_per_token=1.0,
             wall_time=0.0,
             eval_ppl=ppl,
         )
@@ -202,7 +206,10 @@ def test_series_from_records():
     )
     assert series.metric == "ppl" and series.params == 12
     assert series.params_cum == [10.0, 21.0, 33.0]
-    assert series.summary() == {"avg_ppl": 30.0, "train_tflops_cum": 5e-12, "params_cum": 33.0}
+    anytime = (math.log2(90.0) + math.log2(30.0)) / 2  # arrival 1 charged with the initial model
+    assert series.summary() == {"trained_avg_ppl": 30.0, "anytime_nll": pytest.approx(anytime),
+                                "anytime_ppl": pytest.approx(2 ** anytime),
+                                "train_tflops_cum": 5e-12, "params_cum": 33.0}
     with pytest.raises(ValueError, match=r"arrivals 0..B in order, found \[1, 2\]"):
         series_from_records("x", "1", [record(1, 90.0, False), record(2, 30.0, True)])
 
@@ -220,6 +227,10 @@ def test_bad_series():
         ReportSeries("x", "1", [None, 20.0, 19.0], [0.0, 2.0, 1.0], [1, 1, 1])
     with pytest.raises(ValueError, match="no series to report"):
         format_table([])
+    kaplan = ReportSeries("SM_k", "4", [None, 20.0], [0.0, 1.0], [1, 1], flops_convention="kaplan")
+    full = ReportSeries("SM_f", "4", [None, 20.0], [0.0, 1.0], [1, 1], flops_convention="full")
+    with pytest.raises(ValueError, match="different --flops-convention"):
+        format_table([kaplan, full])
 
 
 def test_numpy_scalars_are_stored_as_plain_numbers(tmp_path):
@@ -234,5 +245,7 @@ def test_numpy_scalars_are_stored_as_plain_numbers(tmp_path):
     )
     write_csv([series], tmp_path / "n.csv")
     write_json([series], tmp_path / "n.json")
-    assert (tmp_path / "n.csv").read_text().splitlines()[1] == "SM_w1,4,7,20.5,19.5,20.0,2.0,21.0"
-    assert json.loads((tmp_path / "n.json").read_text())["series"][0]["summary"]["avg_ppl"] == 20.0
+    anytime = (math.log2(20.5) + math.log2(19.5)) / 2
+    assert (tmp_path / "n.csv").read_text().splitlines()[1] == (
+        f"SM_w1,4,7,20.5,19.5,20.0,{anytime!r},{2 ** anytime!r},2.0,21.0")
+    assert json.loads((tmp_path / "n.json").read_text())["series"][0]["summary"]["trained_avg_ppl"] == 20.0

@@ -124,7 +124,7 @@ def test_growth_creates_tensors_in_the_learners_dtype(digits, variant):
         learner.before_stage(stage, *data)
     tensors = list(learner.parameters()) + list(learner.buffers())
     assert all(t.dtype == torch.float64 for t in tensors if t.is_floating_point())
-    assert learner._example_batch().dtype == torch.float64 and learner.infer_flops_per_example()
+    assert learner._example_batch().dtype == torch.float64 and learner.infer_flops_per_image()
     fresh = build_learner(learner.spec, (1, 8, 8), 10).double()
     fresh.load_checkpoint_state(learner.checkpoint_state())  # resized tensors are float64 too
     assert all(t.dtype == torch.float64 for t in fresh.parameters())
@@ -247,7 +247,7 @@ def test_cuda_run_matches_the_cpu_run(digits, variant):
 def test_cuda_grown_learner_and_grown_checkpoint_stay_on_the_gpu(digits, variant):
     learner, _, _ = run_stages(digits, variant, CUDA, stages=(1, 2, 3))
     assert all(t.is_cuda for t in list(learner.parameters()) + list(learner.buffers()))
-    assert learner.infer_flops_per_example() > 0
+    assert learner.infer_flops_per_image() > 0
     fresh = build_learner(learner.spec, (1, 8, 8), 10).to(CUDA)
     fresh.load_checkpoint_state(learner.checkpoint_state())
     assert all(t.is_cuda for t in list(fresh.parameters()) + list(fresh.buffers()))

@@ -83,7 +83,7 @@ def test_mlp_macs_and_params_by_hand():
     )
     assert count_forward_macs(plain, lambda: plain(torch.zeros(2, 64)), 2) == 1440
     learner = build_learner(LearnerSpec("sm", "mlp", 16), (1, 8, 8), 10)
-    assert learner.infer_flops_per_example() == 2 * 1440 and learner.params_active() == 1482
+    assert learner.infer_flops_per_image() == 2 * 1440 and learner.params_active() == 1482
 
 
 def test_vgg_macs_by_hand():
@@ -109,4 +109,4 @@ def test_gens_counts_every_member_and_trains_only_the_newest():
     x = torch.randn(3, 1, 8, 8)
     expected = torch.stack([F.softmax(m(x)[0], -1) for m in learner.members]).mean(0).log()
     torch.testing.assert_close(learner.predict_log_probs(x), expected, rtol=1e-5, atol=1e-6)
-    assert math.isclose(learner.infer_macs_per_example(), 2 * (64 * 4 + 16 + 40))
+    assert math.isclose(learner.infer_macs_per_image(), 2 * (64 * 4 + 16 + 40))

@@ -143,7 +143,7 @@ def test_digits_stream_records(digits, tmp_path, method):
     assert params == [params[0] * m for m in expected_members]
     # 64 -> 8 -> 8 -> 10: 512 + 64 + 80 MACs per member, 2 FLOPs each
     assert all(
-        r["infer_flops_per_example"] == 2 * (64 * 8 + 64 + 80) * m
+        r["infer_flops_per_image"] == 2 * (64 * 8 + 64 + 80) * m
         for r, m in zip(records, expected_members)
     )
     assert [r.test_error for r in read_records(tmp_path / "run" / "stream.jsonl")] == errors

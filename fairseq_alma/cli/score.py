@@ -24,8 +24,9 @@ import warnings
 from typing import Any
 
 from ..errors import UsageError
+from ..report.inputs import expand_run_dirs
 from ..stream.metrics import perplexity_from_nll
-from ..stream.series import ReportSeries
+from ..stream.series import ReportSeries, flops_convention
 from .entry import OneLineArgumentParser, run_console
 from .score_runs import StreamRun, check_members, load_run
 
@@ -66,6 +67,45 @@ def _costs(members: list[StreamRun], mode: str) -> tuple[list[float], list[int],
     return flops, params, label
 
 
+def initial_predictor(members: list[StreamRun], mode: str) -> list[str]:
+    """What the learner offers at the arrivals before its first training (--wait > 1): the
+    initialised model of each member (Ens: all of them; gEns: the run's own), from
+    ``checkpoint_stage0.pt``.  Empty when the run does not wait or a member has no such file."""
+    if not members[0].waits:
+        return []
+    runs = members[:1] if mode == "gens" else members
+    if all(run.initial for run in runs):
+        return [run.initial for run in runs]
+    return []
+
+
+def _charge_untrained(values: list[float | None], members: list[StreamRun], mode: str,
+                      settings: Any, evaluated: bool) -> str:
+    """How the arrivals before the first training were scored, filling ``values`` in place.
+
+    Runs written before fairseq-alma 0.3 have no ``checkpoint_stage0.pt``; for a single model
+    scored with the run's own evaluation (data, split, block length) stream.jsonl's arrival-0
+    perplexity is that same number.  Otherwise the anytime metric is left undefined (never
+    guessed), and a warning says why."""
+    first = members[0]
+    if evaluated:
+        return "evaluated: checkpoint_stage0.pt (the initialised model)"
+    own = settings_for(first, argparse.Namespace(data=None, subset=None, tokens_per_sample=None,
+                                                 batch_size=settings.batch_size))
+    same = (os.path.realpath(own.data) == os.path.realpath(settings.data)
+            and (own.subset, own.tokens_per_sample) == (settings.subset, settings.tokens_per_sample))
+    if mode == "single" and same:
+        for record in first.records:
+            if record.stage == 0:
+                values[record.arrival] = record.eval_ppl
+        return "stream.jsonl: the initialised model's perplexity, logged at arrival 0"
+    logger.warning("%s has no checkpoint_stage0.pt (trained before fairseq-alma 0.3)%s: the "
+                   "arrivals before its first training are not scored, so anytime_nll is "
+                   "undefined; train the stream again to get it", first.path,
+                   "" if mode == "single" else f" and --mode {mode} needs every member's")
+    return "not scored: no checkpoint_stage0.pt"
+
+
 def build_series(runs: list[StreamRun], args: argparse.Namespace,
                  scorer: Any) -> list[tuple[ReportSeries, dict]]:
     """One (series, JSON extras) per run (single) or one for the ensemble (ens, gens)."""
@@ -86,18 +126,25 @@ def build_series(runs: list[StreamRun], args: argparse.Namespace,
             extra["source"] = str(first.path / "stream.jsonl")
         else:
             settings = settings_for(first, args)
+            untrained = initial_predictor(members, args.mode)
+            if untrained:
+                predictors[0] = untrained
             nll = score_predictors(scorer, predictors, settings)
             stage_ppl = {s: _ppl(*nll[s], f"stage {s} of {first.path}") for s in nll}
-            values = [stage_ppl[r.stage] if r.stage >= 1 else None for r in records]
+            values = [stage_ppl.get(r.stage) for r in records]
             extra |= {"source": "evaluated", "settings": vars(settings),
                       "nll_tokens_by_stage": {str(s): list(v) for s, v in nll.items()}}
+            if first.waits:
+                extra["untrained_arrivals"] = _charge_untrained(values, members, args.mode,
+                                                                settings, bool(untrained))
         extra["members_by_arrival"] = [predictors.get(r.stage, []) for r in records]
         flops, params, label = _costs(members, args.mode)
         prefix = {"ens": "Ens", "gens": "gEns"}.get(args.mode)
         series = ReportSeries(
             setting=args.setting or first.default_setting(prefix), num_experts=label,
             metric_by_arrival=values, train_flops_cum=flops, params_by_arrival=params,
-            trained=[r.trained for r in records], metric=first.metric)
+            trained=[r.trained for r in records], metric=first.metric,
+            flops_convention=flops_convention(records))
         out.append((series, extra))
     return out
 
@@ -159,14 +206,14 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 
 def _write_outputs(results: list[tuple[ReportSeries, dict]], args: argparse.Namespace) -> None:
+    from ..report import figures, tables
     from ..stream.atomic import atomic_write_json
-    from . import report
 
     series = [s for s, _ in results]
     try:
-        print(report.format_table(series), end="", flush=True)
-        if args.json:  # report.py's dict, plus how each number was obtained
-            payload = report.report_dict(series)
+        print(tables.format_table(series), end="", flush=True)
+        if args.json:  # the report's dict, plus how each number was obtained
+            payload = tables.report_dict(series)
             for entry, (_, extra) in zip(payload["series"], results, strict=True):
                 extra = dict(extra)
                 members = extra.pop("members_by_arrival")
@@ -175,9 +222,9 @@ def _write_outputs(results: list[tuple[ReportSeries, dict]], args: argparse.Name
                 entry["scoring"] = extra
             atomic_write_json(args.json, payload)
         if args.csv:
-            report.write_csv(series, args.csv)
+            tables.write_csv(series, args.csv)
         if args.plot:
-            draw = report.plot_tradeoffs if series[0].metric == "ppl" else report.plot_error_curves
+            draw = figures.plot_tradeoffs if series[0].metric == "ppl" else figures.plot_error_curves
             draw(series, args.plot)
     except ValueError as err:  # e.g. runs of different stream lengths in one table
         raise UsageError(str(err)) from None
@@ -196,19 +243,6 @@ def _configure_logging() -> None:
     warnings.filterwarnings("ignore", message="Support for mismatched key_padding_mask")
 
 
-def expand_run_dirs(paths: list[str]) -> list[str]:
-    """A directory without stream.jsonl whose sub-directories have one (an ``alma-sweep``
-    --sweep-dir) stands for those run dirs, in name order."""
-    out = []
-    for path in paths:
-        runs = []
-        if os.path.isdir(path) and not os.path.exists(os.path.join(path, "stream.jsonl")):
-            runs = sorted(entry.path for entry in os.scandir(path)
-                          if os.path.isfile(os.path.join(entry.path, "stream.jsonl")))
-        out += runs or [path]
-    return out
-
-
 def run(args: argparse.Namespace) -> int:
     """Check the runs, score them, render; every user mistake raises ``UsageError``."""
     args.run_dirs = expand_run_dirs(args.run_dirs)
@@ -222,7 +256,9 @@ def run(args: argparse.Namespace) -> int:
 
         from ..lm.ensemble_eval import CheckpointScorer
 
-        total = len(runs[0].stages) if args.mode == "gens" else sum(len(r.stages) for r in runs)
+        groups = [[run] for run in runs] if args.mode == "single" else [runs]
+        total = sum(len(initial_predictor(group, args.mode)) for group in groups)
+        total += len(runs[0].stages) if args.mode == "gens" else sum(len(r.stages) for r in runs)
         use_cuda = torch.cuda.is_available() and not args.cpu
         scorer = CheckpointScorer(use_cuda=use_cuda, total=total)
         logger.info("scoring %d checkpoint(s) on %s", total, scorer.device)

@@ -18,6 +18,8 @@ from ..errors import CheckpointError, DataError, RunDirError, UsageError
 from ..fairseq_patches import recovery_hint
 from ..stream.records import ArrivalRecord, read_records
 from ..stream.run_dir import RunDirectory, damaged_record, fingerprint_hash
+from ..report.inputs import setting_name, vision_size_label
+from ..stream.series import flops_convention
 
 logger = logging.getLogger("fairseq_alma.cli.score")
 
@@ -29,6 +31,7 @@ class StreamRun:
     path: Path
     records: list[ArrivalRecord]
     checkpoints: dict[int, str]  # stage s -> checkpoint_stage{s}.pt
+    initial: str | None = None  # checkpoint_stage0.pt: the initialised model (runs with --wait > 1)
     cfg: Any = None  # fairseq config of the last stage checkpoint (None: a vision log)
     experts: int | None = None  # active experts per MoE block at the last stage
     fingerprint: dict | None = None  # run.json's (None: a run of fairseq-alma 0.1)
@@ -43,25 +46,24 @@ class StreamRun:
         return sorted(r.stage for r in self.records if r.trained)
 
     def logged_metric(self) -> list[float | None]:
+        """The metric the run recorded at every arrival (the initial model's before training)."""
         if self.metric == "error":
             return [r.test_error for r in self.records]
-        return [r.eval_ppl if r.stage >= 1 else None for r in self.records]
+        return [r.eval_ppl for r in self.records]
+
+    @property
+    def waits(self) -> bool:
+        """Arrivals 1.. come before the first training: the initial model answers them."""
+        return any(r.stage == 0 and r.arrival >= 1 for r in self.records)
 
     def experts_label(self) -> str:
         if self.cfg is None:  # vision sweep records say what they trained
-            extra = self.records[-1].extra
-            return f"{extra.get('arch', '')}{extra.get('width', '')}" or "?"
+            return vision_size_label(self.records[-1])
         return str(self.experts) if self.experts else "dense"
 
     def default_setting(self, prefix: str | None = None) -> str:
         """Table 2's names: 'SM_w1', 'Ens_w4 (4x steps)', 'gEns_w1'; ' replay' when replaying."""
-        flags = self.records[-1].extra if self.cfg is None else self.cfg.task  # vision: records
-        wait, replay = flags.get("wait") or 1, flags.get("replay")
-        steps = flags.get("scale_updates_by_wait")
-        grows = flags.get("grow_experts")
-        prefix = prefix or flags.get("method") or ("gMoE" if grows else "SM")
-        name = f"{prefix}_w{wait}" + (f" ({wait}x steps)" if steps and wait > 1 else "")
-        return name + (" replay" if replay else "")
+        return setting_name(self.records[-1].extra if self.cfg is None else self.cfg.task, prefix)
 
 
 def load_run(run_dir: str, args: argparse.Namespace) -> StreamRun:
@@ -95,9 +97,12 @@ def load_run(run_dir: str, args: argparse.Namespace) -> StreamRun:
                 raise UsageError(f"{ckpt}: missing (stage {record.stage}, trained at arrival "
                                  f"{record.arrival}); re-run the training command to restore it")
             run.checkpoints[record.stage] = str(ckpt)
+    initial = path / "checkpoint_stage0.pt"
+    run.initial = str(initial) if initial.is_file() and run.waits and not args.from_log else None
     run.fingerprint = RunDirectory.for_reading(path).read_fingerprint()
     expected = fingerprint_hash(run.fingerprint) if run.fingerprint is not None else None
-    for stage, ckpt in run.checkpoints.items():
+    kept = {**run.checkpoints, **({0: run.initial} if run.initial else {})}
+    for stage, ckpt in sorted(kept.items()):
         state = _read_checkpoint(ckpt)
         alma = state.get("alma") or {}
         if expected and alma.get("run") and alma["run"] != expected:
@@ -162,6 +167,10 @@ def check_members(runs: list[StreamRun], mode: str) -> None:
         if (None not in data and data[0] != data[1]) or (all(dicts) and dicts[0] != dicts[1]):
             raise UsageError(f"--mode ens: {run.path} was trained on another stream (data or "
                              f"dictionary) than {first.path}; members must share one stream")
+        if flops_convention(run.records) != flops_convention(first.records):
+            raise UsageError(f"--mode ens: {run.path} counts FLOPs with --flops-convention "
+                             f"{flops_convention(run.records)}, {first.path} with "
+                             f"{flops_convention(first.records)}; members must count alike")
         if len(run.records) != len(first.records):
             raise UsageError(f"--mode ens: {run.path} has B = {len(run.records) - 1} mega-batches "
                              f"but {first.path} has B = {len(first.records) - 1}; members must "

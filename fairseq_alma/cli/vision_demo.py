@@ -32,7 +32,7 @@ from ..errors import AlmaError, RunDirError
 from ..stream.atomic import atomic_write_json
 from ..stream.records import ArrivalRecord, read_records
 from ..stream.series import ReportSeries, series_from_records
-from . import report
+from ..report import figures, tables
 from .demo import PACKAGE_DIR, tool
 from .entry import run_console
 
@@ -167,7 +167,7 @@ def write_report(args: argparse.Namespace, out: Path, results: dict[Run, list]) 
             series.append(mean_series(w, h, per_seed))
     print(f"\n== CER table (errors averaged over seeds {seeds}; CER sums the test error after "
           f"each of the B + 1 = {args.num_megabatches + 1} arrivals, Eq. 1)\n")
-    print(report.format_table(series))
+    print(tables.format_table(series))
     print("CER per seed:")
     for h in widths:
         for w in waits:
@@ -181,10 +181,10 @@ def write_report(args: argparse.Namespace, out: Path, results: dict[Run, list]) 
     plots = []
     for h in widths:
         plots.append(out / f"error_curves_h{h}.png")
-        report.plot_error_curves([s for s in series if s.num_experts == f"h{h}"], plots[-1])
+        figures.plot_error_curves([s for s in series if s.num_experts == f"h{h}"], plots[-1])
     plots.append(out / "cer_tradeoffs.png")
-    report.plot_cer_tradeoffs(series, plots[-1])
-    report.write_json(series, out / "report.json")
+    figures.plot_cer_tradeoffs(series, plots[-1])
+    tables.write_json(series, out / "report.json")
     atomic_write_json(out / "summary.json", {
         "num_megabatches": args.num_megabatches, "epochs_per_stage": args.epochs_per_stage,
         "seeds": seeds, "finding": finding,

@@ -18,7 +18,7 @@ def _dense_ffn_dim(layer: Any) -> int:
     return ffn.fc1.out_features
 
 
-def model_shape(model: Any, context: int) -> SwitchLMShape:
+def model_shape(model: Any, context: int, convention: str = "full") -> SwitchLMShape:
     """The sizes of a Switch LM, a UMix member, or fairseq's own ``transformer_lm`` (dense)."""
     decoder = _members(model)[0]
     moe = decoder.moe_layers() if hasattr(decoder, "moe_layers") else []
@@ -30,11 +30,14 @@ def model_shape(model: Any, context: int) -> SwitchLMShape:
         context=context,
         moe_layers=len(moe),
         num_experts=max((m.num_experts for m in moe), default=1),
+        convention=convention,
     )
 
 
-def model_flops(model: Any, context: int, train_tokens: int) -> Tuple[int, int]:
-    """(inference FLOPs per token, training FLOPs for ``train_tokens`` tokens); UMix runs N members."""
-    shape = model_shape(model, context)
+def model_flops(model: Any, context: int, train_tokens: int,
+                convention: str = "full") -> Tuple[int, int]:
+    """(inference FLOPs per token, training FLOPs for ``train_tokens`` tokens); UMix runs N members.
+    ``convention``: how attention scores count (``stream/flops.py``)."""
+    shape = model_shape(model, context, convention)
     n = len(_members(model))
     return n * shape.forward_flops_per_token(), n * shape.train_flops(train_tokens)

@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional
 
 from ..lm.flops import model_flops
 from ..lm.nll import Batching, total_nll
-from ..lm.stage_checkpoints import keep_stage_checkpoint
+from ..lm.stage_checkpoints import keep_initial_checkpoint, keep_stage_checkpoint
 from ..ranks import world
 from ..stream.progress import StreamProgress
 from ..stream.records import ArrivalRecord
@@ -179,10 +179,16 @@ class StreamTraining:
         stages_done = min(stages_done, self.task.plan.num_stages)
 
         def keep(stage: int) -> None:
-            info = {"stage": stage, "arrival": self.task.plan.stage(stage).arrival,
+            info = {"stage": stage, "arrival": self.task.plan.stage(stage).arrival if stage else 0,
                     "run": fingerprint_hash(self.fingerprint),
                     "dictionary": self.task.manifest["dictionary"]["sha256"]}
-            keep_stage_checkpoint(self.run_dir, stage, info)
+            if stage == 0:
+                from ..fairseq_config import fairseq_root
+
+                keep_initial_checkpoint(self.run_dir, self.task.model, fairseq_root(self.cfg),
+                                        self.task.state_dict(), info)
+            else:
+                keep_stage_checkpoint(self.run_dir, stage, info)
 
         new = self.progress.close_stage(stages_done, self.measure, self.record, keep_checkpoint=keep)
         if new and self.run_dir.writes:
@@ -206,14 +212,16 @@ class StreamTraining:
         counts = model.parameter_counts() if hasattr(model, "parameter_counts") else {}
         params = counts.get("active", sum(p.numel() for p in model.parameters()))
         train_tokens = sum(self.task.train_tokens(s.index) for s in self.task.plan.schedule[: info.stage])
-        infer, train = model_flops(model, self.cfg.tokens_per_sample, train_tokens)
+        convention = str(self.cfg.flops_convention)
+        infer, train = model_flops(model, self.cfg.tokens_per_sample, train_tokens, convention)
         return ArrivalRecord(
             arrival=info.arrival, stage=info.stage, trained=info.trained, megabatches_seen=info.megabatches_seen,
-            params_active=int(params), train_flops_cum=float(train), infer_flops_per_example=float(infer),
+            params_active=int(params), train_flops_cum=float(train), infer_flops_per_token=float(infer),
             wall_time=_training_seconds(), eval_ppl=metrics["eval_ppl"], eval_nll=metrics["eval_nll"],
             eval_tokens=int(metrics["eval_tokens"]),
             valid={"valid_ppl": metrics["valid_ppl"], "valid_nll": metrics["valid_nll"]},
-            extra={"train_tokens_cum": train_tokens,
+            extra={"infer_flops_per_sequence": float(infer) * self.cfg.tokens_per_sample,
+                   "flops_convention": convention, "train_tokens_cum": train_tokens,
                    "skipped_updates": self.clock.skipped_by_stage.get(info.stage, 0)})
 
     # ---- stage start ------------------------------------------------------------------------

@@ -4,36 +4,53 @@ Why analytic: Comp must be comparable across runs, machines and kernels, and the
 about Switch layers (§6.2: the number of experts "does not affect the inference cost since only one
 expert per input is selected") is a statement about this count, not about measured time.
 
-Per token, forward, in multiply-adds (MACs); FLOPs = 2 × MACs:
+Per token, forward, in multiply-adds (MACs); FLOPs = 2 × MACs.  d = model width, f = FFN width,
+n_ctx = --tokens-per-sample, V = vocabulary, E = experts per Switch layer:
 
-  token / position embeddings          0            (a table lookup)
-  attention projections Q, K, V, O     4·d²         per layer
-  attention scores + weighted sum      2·n_ctx·d    per layer (QKᵀ and AV over the full context,
-                                                    the convention of Kaplan et al. 2020, Table 1)
-  dense feed-forward                   2·d·f        per dense layer
-  Switch (MoE) feed-forward            d·E + 2·d·f  per MoE layer: the router, plus ONE expert,
-                                                    the one the token is routed to (top-1)
-  output projection to the vocabulary  d·V
+  term                                 MACs per token           why
+  token / position embeddings          0                        a table lookup, no arithmetic
+  attention projections Q, K, V, O     4·d²         per layer   four d×d matrices
+  attention scores QKᵀ                 n_ctx·d      per layer   one dot product per position
+  attention-weighted sum of V          n_ctx·d      per layer   one d-vector per position
+  dense feed-forward                   2·d·f        per dense layer   d→f and f→d
+  Switch feed-forward                  d·E + 2·d·f  per Switch layer  the router (d→E), then ONE
+                                                                expert, the token's (top-1)
+  output projection to the vocabulary  d·V                      the softmax's logits
 
 Biases, layer norms, softmaxes, activations and the balance loss are ignored (lower order).
 Training = 3 × forward: the backward pass costs about twice the forward (gradients with respect to
 activations and to weights), as in Kaplan et al. 2020.
 
-Check against the paper (§5, §6.2: "inference cost per input of 42 and 126 GFLOPS"): with an
-input read as one 512-token sequence, V = 50,000 and Switch layers every other layer (which is
-what §5's "6M additional parameters per expert" implies for the base model: 3 layers × 2·512·2048)
-this formula gives, with 4 experts,
-  base  (6 layers, d 512, f 2048):  48.77 GFLOPs per sequence = 1.16 × the paper's 42,
-  large (12 layers, d 768, f 3072): 135.98 GFLOPs per sequence = 1.08 × the paper's 126.
-The paper does not give its formula; the gap is of the size of the attention-score term
-(3.2 and 9.7 GFLOPs), which some counts leave out.  We keep the term (it is real work) and report
-the ratio instead of tuning the formula to the paper (tests/test_stream_flops.py).
+The two attention-score terms are counted over the full context, as a dense kernel computes them
+(the causal mask halves the useful work, not the work done).  Conventions differ here, so
+``FLOPS_CONVENTIONS`` offers three (``--flops-convention`` of the alma_stream task):
+
+  full    (default) both terms above: 2·n_ctx·d MACs per layer;
+  kaplan  Kaplan et al. 2020, Table 1: C_forward = 2N + 2·n_layer·n_ctx·d, i.e. the QKᵀ term
+          only (n_ctx·d MACs per layer);
+  params  2N: two FLOPs per parameter used by the token, no attention-score term.
+
+Against the paper (§5, §6.2: "inference cost per input of 42 and 126 GFLOPS"), with an input
+read as one 512-token sequence, V = 50,000, 4 experts and Switch layers every other layer (what
+§5's "6M additional parameters per expert" implies for the base model: 3 layers × 2·512·2048):
+
+  model                              full      kaplan    params    paper
+  base  (6 layers, d 512, f 2048)    48.77     47.16     45.55     42
+  large (12 layers, d 768, f 3072)  135.98    131.15    126.32    126
+
+``params`` reproduces the large model's 126 GFLOPs.  No count that includes the token's expert
+reproduces the base model's 42: ``params`` without the Switch experts gives 39.1, and 42 is about
+2 × the paper's "40M shared parameters" × 512, as if the base number left the routed expert out.
+We default to ``full`` (it is the work a GPU does) and report the ratio; tests/test_stream_flops.py
+checks every number of this table.
 """
 
 from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
+
+FLOPS_CONVENTIONS = ("full", "kaplan", "params")
 
 
 def _integer(name: str, value: object, minimum: int) -> int:
@@ -48,7 +65,8 @@ class SwitchLMShape:
 
     ``moe_layers`` is how many of the ``n_layers`` feed-forward blocks are Switch layers;
     ``num_experts`` is the experts per Switch layer (only the router cost depends on it, and it is
-    ignored when ``moe_layers`` is 0).
+    ignored when ``moe_layers`` is 0).  ``convention`` says how attention scores count (module
+    doc).
     """
 
     n_layers: int
@@ -58,8 +76,11 @@ class SwitchLMShape:
     context: int
     moe_layers: int
     num_experts: int
+    convention: str = "full"
 
     def __post_init__(self) -> None:
+        if self.convention not in FLOPS_CONVENTIONS:
+            raise ValueError(f"convention {self.convention!r} must be one of {FLOPS_CONVENTIONS}")
         for name in ("n_layers", "d_model", "ffn_dim", "vocab_size", "context"):
             _integer(name, getattr(self, name), 1)
         _integer("moe_layers", self.moe_layers, 0)
@@ -74,7 +95,8 @@ class SwitchLMShape:
         """Multiply-adds of one token's forward pass (table in the module doc)."""
         d, f = self.d_model, self.ffn_dim
         experts = self.num_experts if self.moe_layers else 0
-        attention = self.n_layers * (4 * d * d + 2 * self.context * d)
+        scores = {"full": 2, "kaplan": 1, "params": 0}[self.convention] * self.context * d
+        attention = self.n_layers * (4 * d * d + scores)
         feed_forward = self.n_layers * 2 * d * f + self.moe_layers * d * experts
         return attention + feed_forward + d * self.vocab_size
 
@@ -83,8 +105,8 @@ class SwitchLMShape:
         return 2 * self.forward_macs_per_token()
 
     def forward_flops_per_sequence(self) -> int:
-        """Forward FLOPs of one full ``context``-token sequence: the LM's
-        ``infer_flops_per_example`` in ``stream.jsonl`` and §6.2's "inference cost per input"."""
+        """Forward FLOPs of one full ``context``-token sequence: ``infer_flops_per_sequence`` in
+        ``stream.jsonl`` and §6.2's "inference cost per input"."""
         return self.context * self.forward_flops_per_token()
 
     def train_flops(self, tokens: int) -> int:

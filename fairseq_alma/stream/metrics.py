@@ -9,8 +9,16 @@ entry 0 is the model before any data.  The paper's metrics:
   running sums, so the value at arrival t is the budget spent up to t.
 * Language models (§6.2, Table 2, Fig. 5) report the *average* perplexity over the stream
   instead, averaged over the arrivals 1..B at which the model has been trained at least once
-  (Table 2 prints '*' for the others: an untrained LM's perplexity ~ the vocabulary size would
-  swamp the average).
+  (Table 2 prints '*' for the others): ``trained_average_perplexity``.  It never charges a
+  learner for waiting: SM_w4's average is its final perplexity, so waiting looks free.
+* The anytime LM metric (ours, the LM analogue of CER): ``anytime_nll_bits`` = the mean over
+  ALL arrivals 1..B of the per-token cross-entropy in bits, an arrival before the first training
+  charged with the model the learner has then (the initialised one).  It lives in the log
+  domain because an untrained LM's perplexity is about the vocabulary size (50,000 at the
+  paper's BPE): an arithmetic mean of perplexities would be that number over B and nothing
+  else; a mean of log-losses weighs one untrained arrival as ~log2(V) bits against ~4-5 bits of
+  a trained model, a real but bounded penalty.  ``anytime_ppl`` = 2 ** anytime_nll_bits is the
+  geometric mean of the per-arrival perplexities.
 
 Range checks raise ``ValueError`` with one line that says which entry is wrong and how to fix
 the call (the habit of Continuum's metrics).
@@ -93,7 +101,7 @@ def trained_so_far(trained_mask: Sequence[bool]) -> list[bool]:
     return out
 
 
-def running_average_perplexity(
+def running_trained_average_perplexity(
     ppl_by_arrival: Sequence[float | None], trained_mask: Sequence[bool]
 ) -> list[float | None]:
     """Average perplexity over the trained arrivals 1..t, for every t (None until the first
@@ -125,22 +133,69 @@ def running_average_perplexity(
     return out
 
 
-def average_perplexity(
+def trained_average_perplexity(
     ppl_by_arrival: Sequence[float | None], trained_mask: Sequence[bool]
 ) -> float:
-    """Average perplexity over the stream (§6.2, Fig. 5): the mean over arrivals 1..B at which
-    the model has been trained at least once (Table 2's non-'*' entries).
+    """The paper's average perplexity over the stream (§6.2, Fig. 5, Table 2): the arithmetic
+    mean over arrivals 1..B at which the model has been trained at least once (Table 2's
+    non-'*' entries).
 
-    >>> average_perplexity([None, None, 30.0, 20.0], [False, False, True, False])
+    >>> trained_average_perplexity([None, None, 30.0, 20.0], [False, False, True, False])
     25.0
     """
-    averages = running_average_perplexity(ppl_by_arrival, trained_mask)
+    averages = running_trained_average_perplexity(ppl_by_arrival, trained_mask)
     if averages[-1] is None:
         raise ValueError(
             "trained_mask has no True entry: the model is never trained, so the "
             "average perplexity is undefined"
         )
     return averages[-1]
+
+
+def running_anytime_nll_bits(ppl_by_arrival: Sequence[float | None]) -> list[float | None]:
+    """The anytime cross-entropy (module doc) over arrivals 1..t, for every t: the mean of
+    log2(perplexity) over arrivals 1..t, trained or not (None at t = 0, and from the first
+    arrival that was not evaluated on).  One point per arrival of an anytime trajectory."""
+    if len(ppl_by_arrival) < 2:
+        raise ValueError(
+            f"ppl_by_arrival has {len(ppl_by_arrival)} entries; pass the perplexity at every "
+            f"arrival t = 0..B (B + 1 >= 2 entries, t = 0 is the untrained model)"
+        )
+    out: list[float | None] = [None]
+    total, missing = 0.0, False
+    for t in range(1, len(ppl_by_arrival)):
+        value = ppl_by_arrival[t]
+        if value is None:
+            missing = True
+        if missing:
+            out.append(None)
+            continue
+        ppl = _finite(value, "ppl_by_arrival", t)
+        if ppl < 1.0:
+            raise ValueError(
+                f"ppl_by_arrival[{t}] = {ppl} is below 1, not a perplexity; pass exp(mean NLL)"
+            )
+        total += math.log2(ppl)
+        out.append(total / t)
+    return out
+
+
+def anytime_nll_bits(ppl_by_arrival: Sequence[float | None]) -> float:
+    """The anytime LM metric (module doc): mean over arrivals 1..B of the per-token
+    cross-entropy in bits, every arrival charged, the untrained ones with the initial model.
+
+    >>> anytime_nll_bits([4096.0, 4096.0, 16.0, 16.0])  # wait 2: one untrained arrival of 3
+    6.666666666666667
+    """
+    running = running_anytime_nll_bits(ppl_by_arrival)
+    if running[-1] is None:
+        missing = next(t for t in range(1, len(ppl_by_arrival)) if ppl_by_arrival[t] is None)
+        raise ValueError(
+            f"ppl_by_arrival[{missing}] is None: the anytime metric charges every arrival 1..B, "
+            f"so evaluate the model the learner had at arrival {missing} (the initial model "
+            f"before the first training)"
+        )
+    return running[-1]
 
 
 def perplexity_from_nll(nll_sum_nats: float, ntokens: int) -> float:

@@ -7,7 +7,9 @@ says which stage answers the evaluation after each arrival t = 0..B.
 ``StreamProgress`` holds the records written so far and runs the stage-end protocol that every
 learner shares (LM through fairseq, vision through its own loop):
 
-    the learner trains stage s  ->  close_stage(s):  keep the stage checkpoint,
+    the learner trains stage s  ->  close_stage(s):  keep the stage checkpoint (s = 0: the
+                                                     initialised model, when it answers
+                                                     arrivals before the first training),
                                                      measure the model once,
                                                      record every arrival stage s answers,
                                                      rewrite stream.jsonl atomically
@@ -59,6 +61,12 @@ class StreamPlan:
         return arrival_table(self.schedule, self.num_megabatches)
 
     @property
+    def initial_model_answers(self) -> bool:
+        """True when arrivals 1.. come before the first training (--wait > 1): the initialised
+        model is what the learner offers there, and the anytime metric charges it."""
+        return any(info.stage == 0 and info.arrival >= 1 for info in self.arrivals)
+
+    @property
     def num_stages(self) -> int:
         return len(self.schedule)
 
@@ -96,13 +104,16 @@ class StreamProgress:
     ) -> list[ArrivalRecord]:
         """The stage-end protocol for the model after ``stages_done`` stages (module doc).
 
-        ``keep_checkpoint(s)`` keeps the end of stage s (s >= 1; every process calls it, the run
-        directory decides who writes); ``measure()`` evaluates the model once, however many
+        ``keep_checkpoint(s)`` keeps the end of stage s (every process calls it, the run
+        directory decides who writes); s = 0, the initialised model, only while it is still the
+        model (its arrival not yet recorded) and only if it answers arrivals >= 1 (--wait > 1),
+        so scoring can charge the arrivals a waiting learner had nothing trained for; ``measure()`` evaluates the model once, however many
         arrivals it answers; ``record(info, measured)`` builds one arrival's record.
         """
-        if stages_done >= 1 and keep_checkpoint is not None:
-            keep_checkpoint(stages_done)
         pending = self.pending(stages_done)
+        if keep_checkpoint is not None and (stages_done >= 1 or (
+                pending and self.plan.initial_model_answers)):
+            keep_checkpoint(stages_done)
         if not pending:
             return []
         measured = measure()

@@ -9,13 +9,18 @@ Fields (JSON keys):
   params_active                                  |θ_t|: parameters in use (grown experts count
                                                  only once active) — summed over t this is Mem
   train_flops_cum                                training FLOPs spent up to this arrival (Comp)
-  infer_flops_per_example                        forward FLOPs of one example (an LM: one sequence)
+  infer_flops_per_token                          LM: forward FLOPs of one token (``flops.py``);
+                                                 ``infer_flops_per_sequence`` (extra) is that
+                                                 times --tokens-per-sample, §6.2's "per input"
+  infer_flops_per_image                          vision: forward FLOPs of one image
   eval_ppl, eval_nll, eval_tokens                LM: perplexity, mean NLL in nats per token, tokens
   test_error                                     vision: error rate in [0, 1]
   valid_*                                        optional metrics on the learner's validation data
   wall_time                                      wall-clock seconds the run has spent so far (time
                                                  queued or stopped between resumes not counted)
 Any other key is kept verbatim in ``extra`` so newer writers do not break older readers.
+Files of fairseq-alma <= 0.2 named the FLOPs ``infer_flops_per_example`` although the LM wrote
+per-token numbers; reading maps it to the per-token (LM) or per-image (vision) field.
 
 Why ``write_records`` rewrites the whole file instead of appending: the task keeps its records in
 its checkpointed state and re-materialises the file from them, so a run killed between writing a
@@ -38,7 +43,7 @@ from ..errors import RunDirError
 from .atomic import atomic_write_text
 
 _INT_FIELDS = ("arrival", "stage", "megabatches_seen", "params_active")
-_FLOAT_FIELDS = ("train_flops_cum", "infer_flops_per_example", "wall_time")
+_FLOAT_FIELDS = ("train_flops_cum", "wall_time")
 _REQUIRED = (
     "arrival",
     "stage",
@@ -46,9 +51,10 @@ _REQUIRED = (
     "megabatches_seen",
     "params_active",
     "train_flops_cum",
-    "infer_flops_per_example",
     "wall_time",
 )
+_INFER_FLOPS = ("infer_flops_per_token", "infer_flops_per_image")  # LM, vision: one of them
+_LEGACY_INFER_FLOPS = "infer_flops_per_example"
 _METRICS = ("eval_ppl", "eval_nll", "eval_tokens", "test_error")
 
 
@@ -70,8 +76,9 @@ class ArrivalRecord:
     megabatches_seen: int
     params_active: int
     train_flops_cum: float
-    infer_flops_per_example: float
     wall_time: float
+    infer_flops_per_token: float | None = None
+    infer_flops_per_image: float | None = None
     eval_ppl: float | None = None
     eval_nll: float | None = None
     eval_tokens: int | None = None
@@ -108,6 +115,15 @@ class ArrivalRecord:
             _is_real(self.test_error) and 0.0 <= self.test_error <= 1.0
         ):
             raise ValueError(f"test_error = {self.test_error!r} must be an error rate in [0, 1]")
+        unit = "infer_flops_per_token" if self.eval_ppl is not None else "infer_flops_per_image"
+        other = _INFER_FLOPS[1] if unit == _INFER_FLOPS[0] else _INFER_FLOPS[0]
+        if getattr(self, other) is not None:
+            raise ValueError(f"{other} given for a {'language model' if self.eval_ppl is not None else 'vision'} "
+                             f"record; its inference FLOPs are {unit}")
+        value = getattr(self, unit)
+        if not _is_real(value) or value < 0:
+            raise ValueError(f"{unit} = {value!r} must be a finite number >= 0")
+        setattr(self, unit, float(value))
         for key, value in self.valid.items():
             if not key.startswith("valid_") or not _is_real(value):
                 raise ValueError(
@@ -120,7 +136,8 @@ class ArrivalRecord:
         if self.eval_tokens is not None:
             self.eval_tokens = int(self.eval_tokens)
         self.valid = {key: float(value) for key, value in self.valid.items()}
-        clash = set(self.extra) & (set(_REQUIRED) | set(_METRICS) | set(self.valid))
+        clash = set(self.extra) & (set(_REQUIRED) | set(_METRICS) | set(_INFER_FLOPS)
+                                   | {_LEGACY_INFER_FLOPS} | set(self.valid))
         if clash or any(key.startswith("valid_") for key in self.extra):
             raise ValueError(
                 f"extra keys {sorted(self.extra)} clash with record fields; use other names"
@@ -129,6 +146,8 @@ class ArrivalRecord:
     def to_json(self) -> dict[str, Any]:
         """The JSON object for one line, keys in a fixed order (stable diffs between runs)."""
         obj: dict[str, Any] = {name: getattr(self, name) for name in _REQUIRED[:-1]}
+        obj.update({name: getattr(self, name) for name in _INFER_FLOPS
+                    if getattr(self, name) is not None})
         for name in _METRICS:
             if getattr(self, name) is not None:
                 obj[name] = getattr(self, name)
@@ -145,7 +164,10 @@ class ArrivalRecord:
         missing = [name for name in _REQUIRED if name not in obj]
         if missing:
             raise ValueError(f"missing key(s) {', '.join(missing)}")
-        known = {name: obj[name] for name in _REQUIRED + _METRICS if name in obj}
+        if _LEGACY_INFER_FLOPS in obj:  # <= 0.2: per token for an LM, per image for vision
+            unit = _INFER_FLOPS[0] if obj.get("eval_ppl") is not None else _INFER_FLOPS[1]
+            obj = {(unit if k == _LEGACY_INFER_FLOPS else k): v for k, v in obj.items()}
+        known = {name: obj[name] for name in _REQUIRED + _INFER_FLOPS + _METRICS if name in obj}
         valid = {k: v for k, v in obj.items() if k.startswith("valid_")}
         extra = {k: v for k, v in obj.items() if k not in known and k not in valid}
         return cls(**known, valid=valid, extra=extra)

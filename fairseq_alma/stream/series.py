@@ -4,7 +4,8 @@
 ``series_from_records`` or from its own evaluation of stage checkpoints — and
 ``fairseq_alma.cli.report`` renders them.  Lists are indexed by arrival t = 0 … B (t = 0 is the
 model before any data), the layout of ``stream.jsonl``; the summaries are the paper's: average
-perplexity over trained arrivals (§6.2, Fig. 5), CER (Eq. 1), Comp and Mem (Eq. 2).
+perplexity over trained arrivals (§6.2, Fig. 5), CER (Eq. 1), Comp and Mem (Eq. 2); and for
+language models the anytime cross-entropy, which charges every arrival (``metrics.py``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,13 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .metrics import cumulative, cumulative_error_rate, running_average_perplexity, trained_so_far
+from .metrics import (
+    cumulative,
+    cumulative_error_rate,
+    running_anytime_nll_bits,
+    running_trained_average_perplexity,
+    trained_so_far,
+)
 from .records import ArrivalRecord
 
 METRICS = ("ppl", "error")
@@ -28,12 +35,16 @@ class ReportSeries:
         num_experts: label of the model size: "8", "4@2" (2 members of 4 experts), or for vision
             e.g. "h32".
         metric_by_arrival: perplexity ("ppl") or test error rate ("error") at arrivals 0..B;
-            None only where not evaluated (LM arrivals before the first training).
+            an LM's arrivals before its first training hold the initial model's perplexity, or
+            None where it was not evaluated (then the anytime metric is undefined).
         trained: True at the arrivals where a stage trained (``stream.jsonl``'s ``trained``);
             None: trained from the first arrival >= 1 whose metric is not None.
         train_flops_cum: training FLOPs spent up to each arrival (Comp, Eq. 2).
         params_by_arrival: |θ_t| at each arrival; its running sum is Mem (Eq. 2).
         metric: "ppl" (language model) or "error" (vision).
+        flops_convention: LM runs: the ``--flops-convention`` their FLOPs were counted with
+            ("full" for runs that predate the flag); series counted differently are never put
+            on one compute axis.  None for vision (its FLOPs are counted from the model).
     """
 
     setting: str
@@ -43,6 +54,7 @@ class ReportSeries:
     params_by_arrival: list[int]
     trained: list[bool] | None = None
     metric: str = "ppl"
+    flops_convention: str | None = None  # LM: how attention FLOPs count (stream/flops.py)
 
     def __post_init__(self) -> None:
         if self.metric not in METRICS:
@@ -99,18 +111,33 @@ class ReportSeries:
         return int(self.params_by_arrival[-1])
 
     def average_by_arrival(self) -> list[float | None]:
-        """LM: average perplexity over trained arrivals up to each t (Fig. 5 trajectory)."""
-        return running_average_perplexity(self.metric_by_arrival, self.trained)
+        """LM: the paper's average perplexity over trained arrivals up to each t (Fig. 5)."""
+        return running_trained_average_perplexity(self.trained_metric(), self.trained)
 
-    def summary(self) -> dict[str, float]:
-        """The stream-level numbers: average ppl (LM) or CER and final error (vision), Comp, Mem."""
-        out: dict[str, float] = {}
+    def trained_metric(self) -> list[float | None]:
+        """The metric where Table 2 shows it: None at arrivals before the first training."""
+        return [v if seen else None for v, seen in zip(self.metric_by_arrival, self.seen,
+                                                        strict=True)]
+
+    def anytime_by_arrival(self) -> list[float | None]:
+        """LM: anytime cross-entropy in bits over arrivals 1..t, every arrival charged."""
+        return running_anytime_nll_bits(self.metric_by_arrival)
+
+    def summary(self) -> dict[str, float | None]:
+        """The stream-level numbers: for an LM the paper's average perplexity over trained
+        arrivals (``trained_avg_ppl``) and the anytime cross-entropy over all arrivals
+        (``anytime_nll`` in bits, ``anytime_ppl`` = 2 ** it; None where an untrained arrival
+        was not evaluated); for vision CER and final error; then Comp and Mem."""
+        out: dict[str, float | None] = {}
         if self.metric == "ppl":
-            out["avg_ppl"] = self.average_by_arrival()[-1]
-            if out["avg_ppl"] is None:
+            out["trained_avg_ppl"] = self.average_by_arrival()[-1]
+            if out["trained_avg_ppl"] is None:
                 raise ValueError(
                     f"{self.setting}: never trained, the average perplexity is undefined"
                 )
+            anytime = self.anytime_by_arrival()[-1]
+            out["anytime_nll"] = anytime
+            out["anytime_ppl"] = None if anytime is None else 2.0 ** anytime
         else:
             out["cer"] = cumulative_error_rate(self.metric_by_arrival)
             out["final_error"] = float(self.metric_by_arrival[-1])
@@ -129,7 +156,7 @@ def series_from_records(
             f"{setting}: stream.jsonl must hold arrivals 0..B in order, found {arrivals}"
         )
     metric = "ppl" if records[0].eval_ppl is not None else "error"
-    values = [r.eval_ppl if metric == "ppl" else r.test_error for r in records]
+    values = [r.eval_ppl if metric == "ppl" else r.test_error for r in records]  # every arrival
     return ReportSeries(
         setting=setting,
         num_experts=num_experts,
@@ -138,4 +165,15 @@ def series_from_records(
         params_by_arrival=[r.params_active for r in records],
         trained=[r.trained for r in records],
         metric=metric,
+        flops_convention=flops_convention(records),
     )
+
+
+def flops_convention(records: Sequence[ArrivalRecord]) -> str | None:
+    """The FLOP-counting convention of an LM run's records (module doc of ``flops.py``)."""
+    if records[0].eval_ppl is None:
+        return None
+    found = {r.extra.get("flops_convention", "full") for r in records}
+    if len(found) != 1:
+        raise ValueError(f"stream.jsonl mixes FLOP conventions {sorted(found)}; re-run the stream")
+    return found.pop()

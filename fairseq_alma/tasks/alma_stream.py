@@ -65,6 +65,11 @@ class AlmaStreamConfig(LanguageModelingConfig):
         default="", metadata={"help": "stages at whose start to grow, e.g. '2,3,4'; default: every stage after the first"}
     )
     eval_subset: str = field(default="eval", metadata={"help": "split scored after every arrival (the evaluation mega-batch)"})
+    flops_convention: ChoiceEnum(["full", "kaplan", "params"]) = field(default="full", metadata={"help": (
+        "how stream.jsonl counts FLOPs (fairseq_alma/stream/flops.py): full = attention scores "
+        "QK and AV over the whole context, as computed; kaplan = Kaplan et al. 2020 (QK only); "
+        "params = 2 FLOPs per parameter used, which gives the paper's 126 GFLOPs for the large "
+        "model")})
     fairseq_validation: bool = field(default=False, metadata={"help": (
         "also run fairseq's own validation (and write checkpoint_best.pt, which means nothing "
         "across stages); off by default: stream.jsonl records the validation perplexity after "

@@ -177,15 +177,15 @@ class Learner(nn.Module):
         module.train(was_training)
         return macs
 
-    def infer_macs_per_example(self) -> float:
+    def infer_macs_per_image(self) -> float:
         was_training = self.training
         self.eval()
         macs = count_forward_macs(self, lambda: self.predict_log_probs(self._example_batch()), 2)
         self.train(was_training)
         return macs
 
-    def infer_flops_per_example(self) -> float:
-        return inference_flops(self.infer_macs_per_example())
+    def infer_flops_per_image(self) -> float:
+        return inference_flops(self.infer_macs_per_image())
 
 
 class StackedLearner(Learner):

@@ -137,7 +137,7 @@ class GrowingMoE(SingleModelLearner):
     ) -> dict[str, Any]:
         if stage_index <= 1:
             return {"flops": 0.0, "experts": self.describe()["experts"]}
-        flops = inference_flops(self.infer_macs_per_example(), valid_x.shape[0])
+        flops = inference_flops(self.infer_macs_per_image(), valid_x.shape[0])
         losers = [int(total.argmax()) for total in self.expert_losses(valid_x, valid_y)]
         for block, loser in zip(self.model.growing_blocks(), losers):
             block.split_expert(loser, self.generator)

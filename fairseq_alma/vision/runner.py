@@ -218,7 +218,7 @@ class _VisionStream:
             arrival=info.arrival, stage=info.stage, trained=info.trained,
             megabatches_seen=info.megabatches_seen, params_active=self.learner.params_active(),
             train_flops_cum=sum(self.stages[s]["flops"] for s in range(1, info.stage + 1)),
-            infer_flops_per_example=self.learner.infer_flops_per_example(), test_error=error,
+            infer_flops_per_image=self.learner.infer_flops_per_image(), test_error=error,
             wall_time=self.run_seconds(),
             extra={"method": spec.method, "arch": spec.arch, "width": spec.width,
                    "wait": plan.wait, "replay": plan.replay, **self.learner.describe(), **trained})

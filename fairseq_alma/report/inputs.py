@@ -1,0 +1,159 @@
+"""What ``alma-report`` reads: run directories, sweep directories and ``alma-score --json`` files.
+
+* A run directory (``stream.jsonl``, and ``run.json`` with the run's fingerprint) gives one
+  series from its logged metric: perplexity on the evaluation mega-batch at every arrival (LM) or
+  test error (vision); its setting name and size come from the fingerprint and the records.
+* A sweep directory (``alma-sweep``/``alma-vision-sweep`` --sweep-dir: run directories inside)
+  stands for its runs.
+* An ``alma-score --json`` file gives its series as scored, Ens and gEns included; the run
+  directories it names lend it their fingerprints, so seeds of an ensemble group too.
+
+Nothing here imports fairseq or torch: reports are drawn on machines without them.  Every bad
+input is a one-line ``UsageError`` naming the path and what to pass instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ..errors import RunDirError, UsageError
+from ..stream.records import ArrivalRecord, read_records
+from ..stream.run_dir import RunDirectory
+from ..stream.series import series_from_records
+from .seeds import SEED_KEYS, ReportedRun, find_key
+from .tables import series_from_entry
+
+
+def expand_run_dirs(paths: list[str]) -> list[str]:
+    """A directory without stream.jsonl whose sub-directories have one (an ``alma-sweep``
+    --sweep-dir) stands for those run dirs, in name order."""
+    out = []
+    for path in paths:
+        runs = []
+        if os.path.isdir(path) and not os.path.exists(os.path.join(path, "stream.jsonl")):
+            runs = sorted(entry.path for entry in os.scandir(path)
+                          if os.path.isfile(os.path.join(entry.path, "stream.jsonl")))
+        out += runs or [path]
+    return out
+
+
+def setting_name(flags: Mapping[str, Any], prefix: str | None = None) -> str:
+    """Table 2's names from a run's stream flags: 'SM_w1', 'Ens_w4 (4x steps)', 'gMoE_w1',
+    ' replay' when replaying; vision runs name their method."""
+    wait, replay = flags.get("wait") or 1, flags.get("replay")
+    steps = flags.get("scale_updates_by_wait")
+    prefix = prefix or flags.get("method") or ("gMoE" if flags.get("grow_experts") else "SM")
+    name = f"{prefix}_w{wait}" + (f" ({wait}x steps)" if steps and wait > 1 else "")
+    return name + (" replay" if replay else "")
+
+
+def vision_size_label(record: ArrivalRecord) -> str:
+    """A vision run's size as its records say: architecture and width, e.g. 'mlp32'."""
+    return f"{record.extra.get('arch', '')}{record.extra.get('width', '')}" or "?"
+
+
+def _lm_experts_label(config: Mapping[str, Any], growth: list[dict[str, Any]]) -> str:
+    """Experts per MoE block at the end of the stream ('dense' for fairseq's transformer_lm);
+    UMix: 'E@N' (N members of E experts, as Ens)."""
+    model = config.get("model") or {}
+    experts = growth[-1]["experts"] if growth else model.get("moe_experts")
+    if not experts:
+        return "dense"
+    members = model.get("umix_members")
+    return f"{experts}@{members}" if members and members > 1 else str(experts)
+
+
+def _seed(fingerprint: Mapping[str, Any] | None) -> tuple[int, ...] | None:
+    value = find_key(fingerprint, SEED_KEYS) if fingerprint is not None else None
+    return None if value is None else (int(value),)
+
+
+def read_run_dir(path: Path) -> ReportedRun:
+    """One run directory as a series of its logged metric (module doc)."""
+    try:
+        records = read_records(path / "stream.jsonl")
+        run_dir = RunDirectory.for_reading(path)
+        fingerprint = run_dir.read_fingerprint()
+        growth = run_dir.read_growth()
+    except RunDirError as err:
+        raise UsageError(str(err)) from None
+    if len(records) < 2 or [r.arrival for r in records] != list(range(len(records))):
+        raise UsageError(f"{path / 'stream.jsonl'}: needs arrivals 0..B in order; finish the run "
+                         f"(the same training command continues it)")
+    if records[0].eval_ppl is None:  # vision: its records carry the flags
+        flags, size = records[-1].extra, vision_size_label(records[-1])
+    elif fingerprint is None:
+        raise UsageError(f"{path / 'run.json'}: missing (a run of fairseq-alma < 0.2); score it "
+                         f"with alma-score --json and pass that file instead")
+    else:
+        config = fingerprint.get("config") or {}
+        flags, size = config.get("task") or {}, _lm_experts_label(config, growth)
+    name = setting_name(flags)
+    if flags.get("stage_init") == "scratch":
+        name += " (scratch init)"
+    try:
+        series = series_from_records(name, size, records)
+    except ValueError as err:
+        raise UsageError(f"{path / 'stream.jsonl'}: {err}") from None
+    return ReportedRun(series, str(path), fingerprint, _seed(fingerprint))
+
+
+def read_score_json(path: Path) -> list[ReportedRun]:
+    """The series of an ``alma-score --json`` (or ``alma-report``) file, each with the
+    fingerprints of the run directories it was scored from, where they still exist."""
+    try:
+        data = json.loads(path.read_text("utf-8"))
+        metric, entries = data["metric"], data["series"]
+        series = [series_from_entry(entry, metric) for entry in entries]
+    except (OSError, UnicodeDecodeError) as err:
+        raise UsageError(f"{path}: cannot read ({err})") from None
+    except (ValueError, KeyError, TypeError) as err:
+        raise UsageError(f"{path}: not an alma-score --json file ({type(err).__name__}: {err}); "
+                         f"pass run directories or alma-score's --json output") from None
+    out = []
+    for entry, s in zip(entries, series, strict=True):
+        scoring = entry.get("scoring") or {}
+        members = [Path(run) for run in scoring.get("runs", [])]
+        fingerprints = []
+        for member in members:
+            try:
+                fingerprints.append(RunDirectory.for_reading(member).read_fingerprint())
+            except RunDirError:
+                fingerprints.append(None)
+        known = bool(members) and None not in fingerprints
+        fingerprint = {"mode": scoring.get("mode"), "members": fingerprints} if known else None
+        seeds = [_seed(fp) for fp in fingerprints] if known else []
+        seed = tuple(s[0] for s in seeds) if seeds and None not in seeds else None
+        out.append(ReportedRun(s, f"{path}:{s.setting}", fingerprint, seed))
+    return out
+
+
+def read_inputs(paths: list[str]) -> list[ReportedRun]:
+    """Every run or scored series the command line names (module doc), in order."""
+    expanded = expand_run_dirs(paths)
+    seen: dict[str, str] = {}
+    for path in expanded:
+        real = os.path.realpath(path)
+        if real in seen:
+            raise UsageError(f"{path} is given twice (also as {seen[real]}); pass each run once")
+        seen[real] = path
+    runs: list[ReportedRun] = []
+    for path in expanded:
+        target = Path(path)
+        if target.is_file() and target.suffix == ".json":
+            runs += read_score_json(target)
+        elif (target / "stream.jsonl").is_file():
+            runs.append(read_run_dir(target))
+        elif target.exists():
+            raise UsageError(f"{path}: neither a run directory (stream.jsonl), a sweep directory "
+                             f"of them, nor an alma-score --json file")
+        else:
+            raise UsageError(f"{path}: no such file or directory")
+    if not runs:
+        raise UsageError("no run to report; pass run directories, sweep directories or "
+                         "alma-score --json files")
+    return runs

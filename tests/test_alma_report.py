@@ -1,0 +1,185 @@
+"""alma-report on real small runs: a tiny LM stream (2 seeds of SM_w1, SM_w2, SM_w1 with
+replay, and an alma-score Ens JSON) and a digits vision sweep (2 seeds, 2 widths, 2 waiting
+times, and a replay run).  Each table and figure the command promises is checked, and the
+grouping of seeds against the members' own numbers."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import subprocess
+from pathlib import Path
+
+import pytest
+from lm_fixtures import prepare_stream, run, tool
+
+from fairseq_alma.stream.records import read_records
+
+REPO = Path(__file__).resolve().parent.parent
+USER_DIR = str(REPO / "fairseq_alma")
+LM_FLAGS = (
+    "--task alma_stream --arch switch_transformer_lm_tiny --moe-experts 2 --criterion "
+    "switch_cross_entropy --optimizer adam --lr 0.003 --lr-scheduler alma_stage_linear "
+    "--warmup-updates 2 --updates-per-stage 4 --tokens-per-sample 32 --batch-size 8 --cpu "
+    "--num-workers 0 --log-format simple --dropout 0"
+).split()
+
+
+def _parallel(cmds: list[list[str]]) -> None:
+    """Start-up bound commands, two at a time (CI has 2 cores)."""
+    for start in range(0, len(cmds), 2):
+        procs = [(cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True)) for cmd in cmds[start:start + 2]]
+        for cmd, proc in procs:
+            out, _ = proc.communicate(timeout=600)
+            assert proc.returncode == 0, f"{' '.join(cmd)}\n{out[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def lm_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("report_lm")
+    prepare_stream(root, root / "data", num_megabatches=3)
+    runs = {"sm_s1": "--seed 1", "sm_s2": "--seed 2", "w2_s1": "--wait 2 --seed 1",
+            "replay_s1": "--replay --seed 1"}
+    _parallel([[tool("fairseq-train"), str(root / "data"), "--user-dir", USER_DIR, *LM_FLAGS,
+                "--save-dir", str(root / "runs" / name), *flags.split()]
+               for name, flags in runs.items()])
+    run([tool("alma-score"), str(root / "runs" / "sm_s1"), str(root / "runs" / "sm_s2"),
+         "--mode", "ens", "--cpu", "--json", str(root / "ens.json")])
+    return root
+
+
+@pytest.fixture(scope="module")
+def vision_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("report_vision")
+    common = ["--num-megabatches", "3", "--epochs-per-stage", "2", "--quiet"]
+    _parallel([
+        [tool("alma-vision-sweep"), "--out", str(root / "plain"), "--widths", "4", "8",
+         "--waits", "1", "2", "--seeds", "1", "2", *common],
+        [tool("alma-vision-sweep"), "--out", str(root / "replay"), "--widths", "4",
+         "--waits", "2", "--seeds", "1", "--replay", *common],
+    ])
+    return root
+
+
+def _report(*argv: str | Path) -> subprocess.CompletedProcess:
+    return run([tool("alma-report"), *map(str, argv)], check=False)
+
+
+def _report_ok(*argv: str | Path, out: Path) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """Run alma-report into ``out``; it must succeed. Returns the process and the files written."""
+    proc = _report(*argv, "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, sorted(p.name for p in out.iterdir())
+
+
+def _png_with_ink(path: Path) -> tuple[int, int]:
+    import matplotlib.image
+
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+    pixels = matplotlib.image.imread(str(path))
+    assert float(pixels[..., :3].std()) > 0.05
+    return pixels.shape[1], pixels.shape[0]
+
+
+@pytest.mark.slow
+def test_lm_report_groups_seeds_and_draws_figures_2_to_5(lm_runs, tmp_path):
+    out = tmp_path / "report"
+    proc, written = _report_ok(lm_runs / "runs", lm_runs / "ens.json", out=out)
+    assert written == [
+        "fig3_perplexity_curves.png", "fig4_replay.png", "fig5_tradeoffs.png",
+        "table2.csv", "table2.json", "table2.md"]
+    assert _png_with_ink(out / "fig5_tradeoffs.png") == (1980, 990)  # 3 panels x 2 rows
+    _png_with_ink(out / "fig3_perplexity_curves.png")
+    _png_with_ink(out / "fig4_replay.png")
+    data = json.loads((out / "table2.json").read_text())
+    rows = {(s["setting"], s["num_experts"]): s for s in data["series"]}
+    assert sorted(rows) == [("Ens_w1", "2@2"), ("SM_w1", "2"), ("SM_w1 replay", "2"), ("SM_w2", "2")]
+    sm = rows[("SM_w1", "2")]
+    assert sm["seeds"] == [[1], [2]] and len(sm["members"]) == 2
+    members = [read_records(lm_runs / "runs" / name / "stream.jsonl") for name in ("sm_s1", "sm_s2")]
+    finals = [records[-1].eval_ppl for records in members]
+    assert sm["arrivals"][3]["ppl"] == pytest.approx(statistics.fmean(finals))
+    assert sm["arrivals"][3]["ppl_std"] == pytest.approx(statistics.stdev(finals))
+    averages = [statistics.fmean(r.eval_ppl for r in records[1:]) for records in members]
+    assert sm["summary"]["trained_avg_ppl"] == pytest.approx(statistics.fmean(averages))
+    assert sm["summary_std"]["trained_avg_ppl"] == pytest.approx(statistics.stdev(averages))
+    # SM_w2 waits: its arrival 1 is charged with the initialised model
+    w2 = read_records(lm_runs / "runs" / "w2_s1" / "stream.jsonl")
+    anytime = statistics.fmean(math.log2(r.eval_ppl) for r in w2[1:])
+    assert rows[("SM_w2", "2")]["summary"]["anytime_nll"] == pytest.approx(anytime)
+    assert rows[("SM_w2", "2")]["summary"]["trained_avg_ppl"] < 2 ** anytime
+    assert "seeds" not in rows[("SM_w2", "2")]  # one seed: a plain series entry
+    table = proc.stdout.splitlines()
+    assert table[0].split()[:3] == ["setting", "#experts", "seeds"]
+    assert "avg ppl (trained)" in table[0] and "anytime ppl" in table[0]
+    sm_line = next(line for line in table if line.startswith("SM_w1  "))
+    assert f"{statistics.fmean(averages):.2f} ± {statistics.stdev(averages):.2f}" in sm_line
+    markdown = (out / "table2.md").read_text().splitlines()
+    assert markdown[0].startswith("| setting") and markdown[1].startswith("|---")
+    csv_header = (out / "table2.csv").read_text().splitlines()[0].split(",")
+    assert {"seeds", "anytime_nll", "anytime_nll_std", "trained_avg_ppl_std"} <= set(csv_header)
+
+
+@pytest.mark.slow
+def test_no_seed_groups_gives_a_row_per_run(lm_runs, tmp_path):
+    proc = _report(lm_runs / "runs", "--out", tmp_path, "--no-seed-groups")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(json.loads((tmp_path / "table2.json").read_text())["series"]) == 4
+    assert "seeds" not in proc.stdout.splitlines()[0]
+
+
+@pytest.mark.slow
+def test_vision_report_draws_figures_2_3_4_with_error_bars(vision_runs, tmp_path):
+    out = tmp_path / "report"
+    proc, written = _report_ok(vision_runs / "plain", vision_runs / "replay", out=out)
+    assert written == [
+        "cer_table.csv", "cer_table.json", "cer_table.md", "fig2_cer_tradeoffs.png",
+        "fig3_error_curves_mlp4.png", "fig3_error_curves_mlp8.png", "fig4_replay.png"]
+    for png in out.glob("*.png"):
+        _png_with_ink(png)
+    data = json.loads((out / "cer_table.json").read_text())
+    groups = {(s["setting"], s["num_experts"]): s for s in data["series"]}
+    assert sorted(groups) == [("sm_w1", "mlp4"), ("sm_w1", "mlp8"), ("sm_w2", "mlp4"),
+                              ("sm_w2", "mlp8"), ("sm_w2 replay", "mlp4")]
+    assert all(len(g.get("seeds", [None])) == (1 if "replay" in key[0] else 2)
+               for key, g in groups.items())
+    one = groups[("sm_w2", "mlp8")]
+    cers = [sum(r.test_error for r in read_records(Path(run) / "stream.jsonl"))
+            for run in one["runs"]]
+    assert one["summary"]["cer"] == pytest.approx(statistics.fmean(cers))
+    assert one["summary_std"]["cer"] == pytest.approx(statistics.stdev(cers))
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("missing", "no such file or directory"),
+    ("not_a_run", "neither a run directory"),
+    ("bad_json", "not an alma-score --json file"),
+    ("twice", "is given twice"),
+])
+def test_bad_input_is_one_line(tmp_path, case, needle):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "bad.json").write_text('{"series": 3}')
+    argv = {"missing": [tmp_path / "nowhere"], "not_a_run": [tmp_path / "empty"],
+            "bad_json": [tmp_path / "bad.json"],
+            "twice": [tmp_path / "bad.json", tmp_path / "bad.json"]}[case]
+    proc = _report(*argv, "--out", tmp_path / "out")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("alma-report: error:") and needle in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_lm_and_vision_runs_are_not_mixed(lm_runs, vision_runs, tmp_path):
+    proc = _report(lm_runs / "runs" / "sm_s1", vision_runs / "replay", "--out", tmp_path / "o")
+    assert proc.returncode == 2 and "mix metrics" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_help_lists_the_figures():
+    proc = run([tool("alma-report"), "--help"])
+    for figure in ("fig2_cer_tradeoffs.png", "fig3_error_curves", "fig4_replay.png",
+                   "fig5_tradeoffs.png", "table2.md", "anytime"):
+        assert figure in proc.stdout

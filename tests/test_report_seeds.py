@@ -1,0 +1,103 @@
+"""Grouping runs that differ only by seed (report/seeds.py), and the tables of such groups:
+mean ± sample standard deviation, never a spread for one seed, never a group on a guess."""
+
+import csv
+import json
+import statistics
+
+import pytest
+
+from fairseq_alma.report.seeds import (
+    ReportedRun,
+    SeedGroup,
+    find_key,
+    group_by_seed,
+    replay_pairs,
+    stat,
+    without_keys,
+)
+from fairseq_alma.report.tables import format_table, report_dict, write_csv
+from fairseq_alma.stream.series import ReportSeries
+
+
+def _lm_fingerprint(seed: int, wait: int = 1, replay: bool = False) -> dict:
+    return {"config": {"common": {"seed": seed, "fp16": False},
+                       "task": {"wait": wait, "replay": replay}},
+            "data": {"manifest_sha256": "abc"}}
+
+
+def _run(seed: int, ppl: list[float | None], wait: int = 1, replay: bool = False,
+         fingerprint: bool = True) -> ReportedRun:
+    trained = [False] + [t % wait == 0 for t in range(1, len(ppl))]  # a stage every w arrivals
+    series = ReportSeries(f"SM_w{wait}" + (" replay" if replay else ""), "4", ppl,
+                          [float(t) * 1e12 for t in range(len(ppl))], [100] * len(ppl), trained)
+    return ReportedRun(series, f"run{seed}", _lm_fingerprint(seed, wait, replay) if fingerprint
+                       else None, (seed,))
+
+
+def test_fingerprint_minus_seed():
+    fingerprint = {"settings": {"--seed": 3, "--wait": 2, "learner": {"seed": 3, "width": 8}}}
+    assert without_keys(fingerprint, frozenset({"seed", "--seed"})) == {
+        "settings": {"--wait": 2, "learner": {"width": 8}}}
+    assert find_key(fingerprint, {"seed", "--seed"}) == 3
+    assert find_key({"a": [{"b": {"replay": True}}]}, {"replay"}) is True
+
+
+def test_runs_differing_only_by_seed_are_grouped():
+    runs = [_run(2, [900.0, 30.0, 20.0]), _run(1, [900.0, 32.0, 22.0]),
+            _run(1, [900.0, 900.0, 25.0], wait=2)]
+    groups = group_by_seed(runs)
+    assert [g.n for g in groups] == [2, 1]
+    sm_w1 = groups[0]
+    assert sm_w1.seeds == [(1,), (2,)]  # ordered by seed
+    summary = sm_w1.summary()
+    assert summary["trained_avg_ppl"].mean == pytest.approx(26.0)
+    assert summary["trained_avg_ppl"].std == pytest.approx(statistics.stdev([27.0, 25.0]))
+    assert groups[1].summary()["trained_avg_ppl"].std is None  # one seed: no spread claimed
+    table = format_table(groups)
+    assert "seeds" in table.splitlines()[0]
+    row = next(line for line in table.splitlines() if line.startswith("SM_w1"))
+    assert "26.00 ± 1.41" in row and row.split()[2] == "2"
+
+
+def test_no_fingerprint_never_grouped_and_copies_refused():
+    alone = group_by_seed([_run(1, [900.0, 30.0, 20.0], fingerprint=False),
+                           _run(2, [900.0, 31.0, 21.0], fingerprint=False)])
+    assert [g.n for g in alone] == [1, 1]
+    with pytest.raises(ValueError, match="same fingerprint and seed"):
+        group_by_seed([_run(1, [900.0, 30.0, 20.0]), _run(1, [900.0, 30.0, 20.0])])
+
+
+def test_stat_is_undefined_when_a_seed_lacks_the_number():
+    assert stat([1.0, None]) is None and stat([]) is None
+    assert stat([2.0]).std is None and stat([1.0, 3.0]).std == pytest.approx(2 ** 0.5)
+
+
+def test_group_json_and_csv_keep_every_seed(tmp_path):
+    groups = group_by_seed([_run(1, [900.0, 30.0, 20.0]), _run(2, [900.0, 34.0, 22.0])])
+    entry = report_dict(groups)["series"][0]
+    assert entry["seeds"] == [[1], [2]] and entry["runs"] == ["run1", "run2"]
+    assert entry["summary"]["trained_avg_ppl"] == pytest.approx(26.5)
+    assert entry["summary_std"]["trained_avg_ppl"] == pytest.approx(statistics.stdev([25.0, 28.0]))
+    assert [a["ppl"] for a in entry["arrivals"]] == [900.0, 32.0, 21.0]
+    assert entry["arrivals"][1]["ppl_std"] == pytest.approx(statistics.stdev([30.0, 34.0]))
+    assert len(entry["members"]) == 2 and entry["members"][1]["arrivals"][1]["ppl"] == 34.0
+    json.dumps(report_dict(groups), allow_nan=False)
+    write_csv(groups, tmp_path / "g.csv")
+    header, row = list(csv.reader((tmp_path / "g.csv").open()))
+    assert header[:4] == ["setting", "num_experts", "seeds", "params"]
+    assert row[header.index("trained_avg_ppl")] == repr(26.5)
+    assert float(row[header.index("trained_avg_ppl_std")]) == pytest.approx(2.1213203)
+
+
+def test_replay_pairs_match_everything_but_replay_and_seed():
+    plain = SeedGroup([_run(1, [900.0, 30.0, 20.0])])
+    replay = SeedGroup([_run(2, [900.0, 29.0, 18.0], replay=True)])
+    other = SeedGroup([_run(1, [900.0, 900.0, 25.0], wait=2, replay=True)])
+    assert replay_pairs([plain, other, replay]) == [(plain, replay)]
+    assert replay_pairs([plain, other]) == []
+
+
+def test_a_group_must_share_its_stream():
+    with pytest.raises(ValueError, match="share a fingerprint but not their stream"):
+        SeedGroup([_run(1, [900.0, 30.0, 20.0]), _run(2, [900.0, 30.0, 20.0, 10.0])])
