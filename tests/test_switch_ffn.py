@@ -116,6 +116,27 @@ def test_train_and_eval_capacity():
     assert aux_eval_capped.diagnostics["dropped"].item() == aux_train.diagnostics["dropped"].item()
 
 
+def test_batch_prioritized_routing_in_training_only():
+    """--moe-batch-prioritized-routing: training keeps the most confident tokens of a full
+    expert (so the kept tokens' mean gate rises); evaluation with a capacity stays first come,
+    first served, so a token's output never depends on later tokens."""
+    torch.manual_seed(5)
+    cfg = SwitchFFNConfig(8, 16, 4, capacity_factor=0.5, eval_capacity_factor=0.5)
+    plain, prioritized = SwitchFFN(cfg), SwitchFFN(dataclasses.replace(cfg, batch_prioritized_routing=True))
+    prioritized.load_state_dict(plain.state_dict())
+    x = torch.randn(64, 8)
+    logits = plain.router_logits(x)
+    for layer, expect in ((plain, False), (prioritized, True)):
+        y, _ = layer.train()(x)
+        routing = route_top1(logits, 0.5, batch_prioritized=expect)
+        gate = routing.gate * routing.keep
+        reference = torch.stack([gate[t] * manual_expert(layer, int(routing.expert[t]), x[t]) for t in range(64)])
+        torch.testing.assert_close(y, reference)
+    kept = [route_top1(logits, 0.5, batch_prioritized=b) for b in (False, True)]
+    assert kept[1].gate[kept[1].keep].mean() > kept[0].gate[kept[0].keep].mean()
+    torch.testing.assert_close(prioritized.eval()(x)[0], plain.eval()(x)[0])
+
+
 def test_inactive_slots_take_no_tokens():
     layer = SwitchFFN(SwitchFFNConfig(8, 16, 2, max_experts=6))
     with torch.no_grad():

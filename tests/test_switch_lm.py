@@ -68,6 +68,13 @@ def test_presets_and_explicit_flags_win():
     assert [layer.is_moe for layer in model.decoder.layers] == [True] * 4
 
 
+def test_batch_prioritized_routing_flag_reaches_every_switch_block():
+    plain = build("switch_transformer_lm_tiny", 100, moe_experts=2, decoder_layers=4)
+    assert [layer.cfg.batch_prioritized_routing for layer in plain.moe_layers()] == [False, False]
+    model = build("switch_transformer_lm_tiny", 100, moe_experts=2, decoder_layers=4, moe_batch_prioritized_routing=True)
+    assert [layer.cfg.batch_prioritized_routing for layer in model.moe_layers()] == [True, True]
+
+
 def test_active_parameters_count_only_active_slots():
     model = build("switch_transformer_lm_tiny", 100, moe_experts=2, moe_max_experts=6)
     counts = model.parameter_counts()

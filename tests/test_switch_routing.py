@@ -136,3 +136,25 @@ def test_router_is_float32_under_autocast_and_padding_never_reaches_the_losses(d
     assert torch.isfinite(aux_nan.balance_loss) and torch.equal(aux_nan.balance_loss, aux32.balance_loss)
     assert torch.equal(aux_nan.z_loss, aux32.z_loss)
     assert aux_nan.diagnostics["tokens"] == 20 and torch.isfinite(aux_nan.diagnostics["entropy_sum"])
+
+
+def test_batch_prioritized_routing_keeps_the_most_confident_tokens():
+    # 4 tokens, 2 experts, capacity 2; three want expert 0 with gates rising in token order.
+    logits = torch.tensor([[1.0, 0.0], [2.0, 0.0], [3.0, 0.0], [0.0, 1.0]])
+    first_come = route_top1(logits, capacity_factor=1.0)
+    assert first_come.keep.tolist() == [True, True, False, True]  # the most confident is dropped
+    prioritized = route_top1(logits, capacity_factor=1.0, batch_prioritized=True)
+    assert prioritized.slot.tolist() == [2, 1, 0, 0]
+    assert prioritized.keep.tolist() == [False, True, True, True]
+    # same experts, gates and losses: only who keeps a slot changes
+    assert torch.equal(prioritized.expert, first_come.expert)
+    assert torch.equal(balance_loss(prioritized), balance_loss(first_come))
+
+
+def test_batch_prioritized_routing_ignores_padding_and_ties_keep_token_order():
+    logits = torch.tensor([[2.0, 0.0], [2.0, 0.0], [9.0, 0.0], [2.0, 0.0], [0.0, 1.0]])
+    valid = torch.tensor([True, True, False, True, True])
+    routing = route_top1(logits, capacity_factor=1.0, valid=valid, batch_prioritized=True)
+    assert routing.capacity == 2  # 4 valid tokens over 2 experts
+    # the padding row's large logit gives it no slot; equal gates keep token order
+    assert routing.keep.tolist() == [True, True, False, False, True]

@@ -77,6 +77,9 @@ class SwitchTransformerLMConfig(FairseqDataclass):
         },
     )
     moe_jitter_eps: float = field(default=0.0, metadata={"help": "multiplicative router jitter noise in training (0 = off)"})
+    moe_batch_prioritized_routing: bool = field(default=False, metadata={"help": (
+        "in training, an overflowing expert keeps the tokens with the highest router probability "
+        "instead of the earliest (batch-prioritised routing); off in the paper")})
     checkpoint_activations: bool = field(default=False, metadata={"help": (
         "recompute each block's activations in the backward pass instead of keeping them "
         "(less memory, about a third more compute); non-reentrant torch.utils.checkpoint, so "
@@ -224,6 +227,7 @@ def switch_ffn_config(cfg: SwitchTransformerLMConfig) -> SwitchFFNConfig:
         activation_fn=str(cfg.activation_fn),
         activation_dropout=cfg.activation_dropout,
         jitter_eps=cfg.moe_jitter_eps,
+        batch_prioritized_routing=cfg.moe_batch_prioritized_routing,
         z_loss=True,
     )
 

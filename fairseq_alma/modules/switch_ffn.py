@@ -145,7 +145,8 @@ class SwitchFFN(nn.Module):
         valid = None if padding_mask is None else ~padding_mask.reshape(-1)
         logits = self.router_logits(tokens)  # (T, E) fp32
         capacity_factor = self.cfg.capacity_factor if self.training else self.cfg.eval_capacity_factor
-        routing = route_top1(logits, capacity_factor, valid)
+        prioritized = self.training and self.cfg.batch_prioritized_routing
+        routing = route_top1(logits, capacity_factor, valid, batch_prioritized=prioritized)
         y = self.dispatch(tokens, routing)
         aux = SwitchAux(
             balance_loss=balance_loss(routing, valid),

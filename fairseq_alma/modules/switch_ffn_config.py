@@ -47,6 +47,8 @@ class SwitchFFNConfig:
         activation_dropout: dropout after the activation inside each expert [--activation-dropout].
         jitter_eps: multiplicative router input noise U(1-eps, 1+eps) in training (Switch §2.4);
             0 disables it [--moe-jitter-eps].
+        batch_prioritized_routing: in training, an overflowing expert keeps its most confident
+            tokens, not its earliest [--moe-batch-prioritized-routing].
         z_loss: also return the ST-MoE router z-loss (the LM always asks for it).
         expert_kernel: "auto" (segments on CPU with ReLU, batched otherwise), "segments" (fused
             ReLU CPU kernel, expert_segments.py) or "batched" (one baddbmm over [E, C, d]).
@@ -61,6 +63,7 @@ class SwitchFFNConfig:
     activation_fn: str = "relu"
     activation_dropout: float = 0.0
     jitter_eps: float = 0.0
+    batch_prioritized_routing: bool = False
     z_loss: bool = False
     expert_kernel: str = "auto"
 

@@ -26,8 +26,9 @@ class Top1Routing:
     Attributes:
         expert: (T,) long, the chosen expert of each token (argmax of the router); for padding
             positions the value is ``num_experts`` (an id no expert has).
-        slot: (T,) long, 0-based arrival order of the token among the tokens choosing the same
-            expert (token order = the order of the flattened input).
+        slot: (T,) long, 0-based rank of the token among the tokens choosing the same expert:
+            in token order (the order of the flattened input), or by decreasing gate with
+            batch-prioritised routing.
         keep: (T,) bool, token is not padding and ``slot < capacity``.
         gate: (T,) float32, router probability of the chosen expert (0 for padding).
         probs: (T, E) float32 router probabilities (rows of padding are not used anywhere).
@@ -58,6 +59,7 @@ def route_top1(
     logits: Tensor,
     capacity_factor: Optional[float],
     valid: Optional[Tensor] = None,
+    batch_prioritized: bool = False,
 ) -> Top1Routing:
     """Top-1 routing with a hard capacity per expert; first come, first served in token order.
 
@@ -66,6 +68,11 @@ def route_top1(
         capacity_factor: multiplies the uniform share ``ceil(T_valid / E)``; None = no limit.
         valid: (T,) bool, False at padding positions.  Padding takes no part in routing,
             capacity or the balance loss.
+        batch_prioritized: slots go to the tokens with the highest gate first instead of the
+            earliest (batch-prioritised routing, Riquelme et al. 2021 §3.1): when an expert
+            overflows, the tokens it is least sure about are the ones dropped.  Ties keep token
+            order.  Which tokens are kept then depends on later tokens, so the layer uses it in
+            training only (evaluation stays causal).
     """
     num_tokens, num_experts = logits.shape
     probs = torch.softmax(logits.float(), dim=-1)  # (T, E) fp32
@@ -79,7 +86,12 @@ def route_top1(
     num_valid = int(valid.sum())
     capacity = expert_capacity(num_valid, num_experts, capacity_factor)
 
-    slot = arrival_slots(expert, num_experts + 1)
+    if batch_prioritized:
+        priority = torch.argsort(-gate, stable=True)  # (T,) most confident first; padding gate 0
+        slot = torch.empty_like(expert)
+        slot[priority] = arrival_slots(expert[priority], num_experts + 1)
+    else:
+        slot = arrival_slots(expert, num_experts + 1)
     keep = valid if capacity is None else valid & (slot < capacity)
     return Top1Routing(expert=expert, slot=slot, keep=keep, gate=gate, probs=probs, capacity=capacity)
 
