@@ -12,6 +12,10 @@ Devices: ``learner.to(device)`` works at any time, before or after growth.  Rand
 the learner's CPU ``generator`` on every device (CPU numbers never change and a CUDA run makes
 the same draws); whatever growth creates is placed on ``learner.device`` in ``learner.dtype``.
 Log-probabilities are computed in float32 when autocast hands back fp16/bf16 logits.
+
+Inputs arrive unnormalised; every learner applies its ``input_norm`` (the statistics of the
+mega-batches arrived by its latest stage, ``normalization``) before its backbone, so evaluation
+always uses the statistics the model was trained with.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from .devices import placement, upcast
 from .flops import count_forward_macs, count_parameters, inference_flops
 from .models import build_backbone
 from .models_moe import GATINGS
+from .normalization import InputNormalizer
 
 METHODS = ("sm", "ens", "umix", "gens", "gmoe", "ff")
 
@@ -92,6 +97,7 @@ class Learner(nn.Module):
         self.input_shape = tuple(input_shape)
         self.num_classes = num_classes
         self.generator = torch.Generator().manual_seed(spec.seed)
+        self.input_norm = InputNormalizer(self.input_shape)
         self.independent_members = 0  # > 0: the trainer gives each member its own data order
         self.selection_groups = 1  # G of train_logits: groups with their own loss and best epoch
 
@@ -113,6 +119,11 @@ class Learner(nn.Module):
 
     def predict_log_probs(self, x: Tensor) -> Tensor:
         raise NotImplementedError
+
+    def set_input_statistics(self, mean: Tensor, std: Tensor) -> None:
+        """Normalise inputs with the statistics of the data arrived by the coming stage; the
+        runner calls this before ``before_stage``."""
+        self.input_norm.set_statistics(mean, std)
 
     def before_stage(
         self, stage_index: int, train_x: Tensor, train_y: Tensor, valid_x: Tensor, valid_y: Tensor
@@ -205,11 +216,11 @@ class StackedLearner(Learner):
         return self.model
 
     def train_logits(self, x: Tensor, per_member: bool = False) -> Tensor:
-        logits = self.model(x, per_member=per_member)  # (N, B, C)
+        logits = self.model(self.input_norm(x), per_member=per_member)  # (N, B, C)
         return logits.mean(dim=0, keepdim=True) if self.spec.method == "umix" else logits
 
     def predict_log_probs(self, x: Tensor) -> Tensor:
-        logits = upcast(self.model(x))  # (N, B, C)
+        logits = upcast(self.model(self.input_norm(x)))  # (N, B, C)
         if self.spec.method == "ens":  # average of probabilities, in log space
             return torch.logsumexp(F.log_softmax(logits, dim=-1), dim=0) - math.log(logits.shape[0])
         return F.log_softmax(logits.mean(dim=0), dim=-1)
@@ -227,10 +238,10 @@ class SingleModelLearner(Learner):
         return self.model
 
     def train_logits(self, x: Tensor, per_member: bool = False) -> Tensor:
-        return self.model(x)
+        return self.model(self.input_norm(x))
 
     def predict_log_probs(self, x: Tensor) -> Tensor:
-        return F.log_softmax(upcast(self.model(x)[0]), dim=-1)
+        return F.log_softmax(upcast(self.model(self.input_norm(x))[0]), dim=-1)
 
 
 def build_learner(spec: LearnerSpec, input_shape: tuple[int, ...], num_classes: int) -> Learner:

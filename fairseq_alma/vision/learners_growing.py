@@ -11,6 +11,7 @@ device and dtype, so ``learner.to(device)`` may come before or after any growth.
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -25,16 +26,21 @@ from .flops import count_parameters, inference_flops
 from .learners import Learner, LearnerSpec, SingleModelLearner
 from .models import build_backbone
 from .models_moe import MoEBackbone
+from .normalization import InputNormalizer
 
 GROWTH_EVAL_BATCH = 512
 
 
 class GrowingEnsemble(Learner):
-    """gEns: one new member per stage (k = 1), trained alone; earlier members frozen."""
+    """gEns: one new member per stage (k = 1), trained alone; earlier members frozen.
+
+    Each member keeps the input statistics of the stage it was trained in (``member_norms``):
+    ``input_norm`` holds the latest ones, which the member trained next adopts."""
 
     def __init__(self, spec: LearnerSpec, input_shape: tuple[int, ...], num_classes: int) -> None:
         super().__init__(spec, input_shape, num_classes)
         self.members = nn.ModuleList([self._new_member()])
+        self.member_norms = nn.ModuleList([InputNormalizer(self.input_shape)])
 
     def _new_member(self) -> nn.Module:
         """A fresh member drawn on the CPU generator, placed like the members so far (the
@@ -49,12 +55,13 @@ class GrowingEnsemble(Learner):
         return self.members[-1]
 
     def train_logits(self, x: Tensor, per_member: bool = False) -> Tensor:
-        return self.members[-1](x)
+        return self.members[-1](self.member_norms[-1](x))
 
     def predict_log_probs(self, x: Tensor) -> Tensor:
-        log_probs = torch.stack(
-            [F.log_softmax(upcast(member(x)[0]), dim=-1) for member in self.members]
-        )
+        log_probs = torch.stack([
+            F.log_softmax(upcast(member(norm(x))[0]), dim=-1)
+            for member, norm in zip(self.members, self.member_norms)
+        ])
         return torch.logsumexp(log_probs, dim=0) - math.log(len(self.members))
 
     def before_stage(
@@ -65,6 +72,9 @@ class GrowingEnsemble(Learner):
                 member.requires_grad_(False)
                 member.eval()
             self.members.append(self._new_member())
+            self.member_norms.append(copy.deepcopy(self.input_norm))
+        else:
+            self.member_norms[-1].load_state_dict(self.input_norm.state_dict())
         return {"flops": 0.0, "members": len(self.members)}
 
     def train(self, mode: bool = True) -> GrowingEnsemble:
@@ -124,7 +134,8 @@ class GrowingMoE(SingleModelLearner):
                     block.routing_log = []
                 xb = valid_x[start : start + GROWTH_EVAL_BATCH].to(device)
                 yb = valid_y[start : start + GROWTH_EVAL_BATCH].to(device)
-                losses = F.cross_entropy(self.model(xb)[0], yb, reduction="none").double()  # (B,)
+                logits = self.model(self.input_norm(xb))[0]
+                losses = F.cross_entropy(logits, yb, reduction="none").double()  # (B,)
                 for total, block in zip(totals, blocks):
                     total += block.routing_log[0].double().t() @ losses
         for block in blocks:
@@ -167,7 +178,8 @@ class FireflyLearner(SingleModelLearner):
         count = min(self.spec.ff_score_examples, train_x.shape[0])
         pick = torch.randperm(train_x.shape[0], generator=self.generator)[:count]
         pick = to_device(pick, train_x.device)
-        x, y = train_x[pick].to(self.device), train_y[pick].to(self.device)
+        x = self.input_norm(train_x[pick].to(self.device))  # the backbone sees normalised inputs
+        y = train_y[pick].to(self.device)
         report = grow_width(self.model, x, y, units, self.spec.ff_epsilon, self.generator)
         return {
             "flops": report.flops,
