@@ -86,6 +86,7 @@ def run_stages(digits, variant: str, device, stages=(1, 2), move_every_stage=Fal
         if move_every_stage:
             learner.to(device)
         results.append(train_stage(learner, *data, settings, seed=stage))
+        learner.plan_growth(stage, data[2], data[3])  # the runner's order: plan, then grow
     x_test, y_test = digits.x_test.to(device), digits.y_test.to(device)
     error = evaluate(learner, x_test, y_test, 128, amp=settings.amp).error
     return learner, results, error
@@ -112,6 +113,7 @@ def test_moving_to_the_cpu_before_and_after_growth_changes_nothing(digits, varia
         data = stage_tensors(digits, stage)
         begin_stage(plain, digits, stage, data)
         plain_results.append(train_stage(plain, *data, CONFIG, seed=stage))
+        plain.plan_growth(stage, data[2], data[3])
     assert all(finite(result) for result in moved_results)
     assert [r.valid_losses for r in moved_results] == [r.valid_losses for r in plain_results]
     plain_state = state(plain)
@@ -130,6 +132,7 @@ def test_growth_creates_tensors_in_the_learners_dtype(digits, variant):
     ).double()
     data = [t.double() if t.is_floating_point() else t for t in stage_tensors(digits, 1)]
     for stage in (2, 3):
+        learner.plan_growth(stage - 1, data[2], data[3])
         learner.before_stage(stage, *data)
     tensors = list(learner.parameters()) + list(learner.buffers())
     assert all(t.dtype == torch.float64 for t in tensors if t.is_floating_point())
@@ -292,6 +295,7 @@ def test_cuda_vgg_with_augmentation_and_fp16():
         for stage in (1, 2):
             learner.before_stage(stage, x[:32], y[:32], x[32:], y[32:])
             assert finite(train_stage(learner, x[:32], y[:32], x[32:], y[32:], config, stage))
+            learner.plan_growth(stage, x[32:], y[32:])
         assert all(t.is_cuda for t in list(learner.parameters()) + list(learner.buffers()))
 
 

@@ -131,6 +131,12 @@ class Learner(nn.Module):
         """Grow before stage ``stage_index`` (1-based); returns what was done, with its FLOPs."""
         return {"flops": 0.0}
 
+    def plan_growth(self, stage_index: int, valid_x: Tensor, valid_y: Tensor) -> dict[str, Any]:
+        """After training stage ``stage_index`` when another stage follows: decide the next
+        growth on this stage's validation data, the data available then (Algorithm 2, line 11);
+        returns what was decided, with its FLOPs.  Growth itself waits for ``before_stage``."""
+        return {"flops": 0.0}
+
     def params_active(self) -> int:
         """|θ_t|: every parameter the predictor uses, frozen members included (§3.1 Mem)."""
         return count_parameters(self)

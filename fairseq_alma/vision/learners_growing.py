@@ -2,9 +2,11 @@
 
 Growth happens in ``before_stage`` for every stage after the first, before the stage's training
 (the Avalanche-style ``pre_adapt`` hook), and the stage trainer builds a fresh optimizer after it.
-gMoE scores its experts on the validation split of the data that just arrived, which the model
-has not fit yet (Algorithm 2 uses the validation split of the stage just trained); the split
-keeps the function exactly, so which side of the stage boundary it sits on changes no evaluation.
+gMoE chooses what to split in ``plan_growth``, right after training the previous stage, on that
+stage's validation data (Algorithm 2: "m.grow(D^VAL)" with the D^VAL just trained on), and keeps
+the choice (a buffer, so a resumed run has it) until ``before_stage`` splits: the experts are
+counted in |θ_t| from the stage that trains them.  Scoring the experts on the next stage's
+validation data instead would pick the split with data of a later arrival.
 Growth draws from the learner's CPU generator and places what it creates on the learner's
 device and dtype, so ``learner.to(device)`` may come before or after any growth.
 """
@@ -117,6 +119,8 @@ class GrowingMoE(SingleModelLearner):
         )
         for block in self.model.blocks:
             block.sampler = self.generator
+        # losing expert per growing layer, chosen by plan_growth; empty once split
+        self.register_buffer("split_plan", torch.empty(0, dtype=torch.long))
 
     def expert_losses(self, valid_x: Tensor, valid_y: Tensor) -> list[Tensor]:
         """Per growing layer, (experts,): summed validation loss of the examples routed through
@@ -143,16 +147,27 @@ class GrowingMoE(SingleModelLearner):
         self.model.train(was_training)
         return totals
 
+    def plan_growth(self, stage_index: int, valid_x: Tensor, valid_y: Tensor) -> dict[str, Any]:
+        flops = inference_flops(self.infer_macs_per_example(), valid_x.shape[0])
+        losers = [int(total.argmax()) for total in self.expert_losses(valid_x, valid_y)]
+        self.split_plan = torch.tensor(losers, dtype=torch.long, device=self.split_plan.device)
+        return {"flops": flops, "losers": losers}
+
     def before_stage(
         self, stage_index: int, train_x: Tensor, train_y: Tensor, valid_x: Tensor, valid_y: Tensor
     ) -> dict[str, Any]:
         if stage_index <= 1:
             return {"flops": 0.0, "experts": self.describe()["experts"]}
-        flops = inference_flops(self.infer_macs_per_example(), valid_x.shape[0])
-        losers = [int(total.argmax()) for total in self.expert_losses(valid_x, valid_y)]
+        if self.split_plan.numel() == 0:
+            raise RuntimeError(
+                f"gMoE stage {stage_index}: no split was planned; call plan_growth with stage "
+                f"{stage_index - 1}'s validation data after training it"
+            )
+        losers = self.split_plan.tolist()
         for block, loser in zip(self.model.growing_blocks(), losers):
             block.split_expert(loser, self.generator)
-        return {"flops": flops, "split": losers, "experts": self.describe()["experts"]}
+        self.split_plan = self.split_plan.new_empty(0)
+        return {"flops": 0.0, "split": losers, "experts": self.describe()["experts"]}
 
     def describe(self) -> dict[str, Any]:
         return {"experts": [block.num_experts for block in self.model.growing_blocks()]}

@@ -50,7 +50,8 @@ def moment_sums(x: Tensor, per_channel: bool) -> MomentSums:
     for start in range(0, x.shape[0], _SUM_CHUNK):
         chunk = x[start : start + _SUM_CHUNK].double()
         # (C, values): channel-major for images, one row for feature vectors
-        values = chunk.transpose(0, 1).reshape(channels, -1) if per_channel else chunk.reshape(1, -1)
+        values = chunk.transpose(0, 1) if per_channel else chunk
+        values = values.reshape(channels, -1)
         total += values.sum(dim=1)
         squares += values.square().sum(dim=1)
     count = x[:1].numel() // channels * x.shape[0]

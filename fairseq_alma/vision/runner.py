@@ -185,13 +185,16 @@ class _VisionStream:
 
         outcome = train_one_stage(self.learner, stage, self.data, self.partition,
                                   self.statistics, self.run.training, self.run.seed,
+                                  plans_growth=stage.index < self.run.plan.num_stages,
                                   progress=progress,
                                   should_stop=None if stop is None else lambda: stop.requested)
         result = outcome.result
         growth = {k: v for k, v in outcome.growth.items() if k != "flops"}
-        logger.info("stage %d (arrival %d, mega-batches %s): %s, best epoch %s, %.1fs",
+        plan = {k: v for k, v in outcome.plan.items() if k != "flops"}
+        logger.info("stage %d (arrival %d, mega-batches %s): %s, best epoch %s, %.1fs%s",
                     stage.index, stage.arrival, list(stage.train_megabatches),
-                    growth or "no growth", result.best_epoch, result.wall_time)
+                    growth or "no growth", result.best_epoch, result.wall_time,
+                    f", planned {plan}" if plan else "")
         self.stages[stage.index] = {"flops": float(outcome.flops),
                                     "best_epoch": list(result.best_epoch)}
 

@@ -3,8 +3,9 @@
 Split from ``runner`` (the whole stream, records and checkpoints) so that what one stage may
 see is in one place: the stage trains on ``stage.train_megabatches`` (the new mega-batches, or
 all arrived ones with replay), selects epochs on their validation parts, and normalises its
-inputs with the statistics of the mega-batches arrived by ``stage.arrival`` — nothing of a
-later arrival reaches it (§3: "the learner cannot have access to future mega-batches").
+inputs with the statistics of the mega-batches arrived by ``stage.arrival``, and plans the next
+growth on its own validation data — nothing of a later arrival reaches it (§3: "the learner
+cannot have access to future mega-batches").
 """
 
 from __future__ import annotations
@@ -29,14 +30,16 @@ from .stage_trainer import StageResult, StageTrainConfig, train_stage
 
 @dataclass
 class StageOutcome:
-    """``train_one_stage``'s result: the growth done before training, and the training."""
+    """``train_one_stage``'s result: the growth done before training, the training, and the
+    next growth planned after it (on this stage's validation data)."""
 
     growth: dict[str, Any]
     result: StageResult
+    plan: dict[str, Any]
 
     @property
     def flops(self) -> float:
-        return self.growth.get("flops", 0.0) + self.result.flops
+        return self.growth.get("flops", 0.0) + self.result.flops + self.plan.get("flops", 0.0)
 
 
 def make_partition(data: VisionData, plan: StreamPlan, seed: int,
@@ -67,15 +70,18 @@ def stage_data(data: VisionData, partition: list[Megabatch],
 
 def train_one_stage(learner: Learner, stage: Stage, data: VisionData, partition: list[Megabatch],
                     statistics: ArrivedStatistics, config: StageTrainConfig, seed: int,
+                    plans_growth: bool,
                     progress: Callable[[int, float, list[float]], None] | None = None,
                     should_stop: Callable[[], bool] | None = None) -> StageOutcome:
-    """Adopt the arrived data's statistics, grow (stages after the first), then train on
-    ``stage.train_megabatches``; ``should_stop`` is asked after every epoch (the stage then
-    raises ``Preempted``)."""
+    """Adopt the arrived data's statistics, grow (stages after the first), train on
+    ``stage.train_megabatches``, then, when ``plans_growth`` (another stage follows), let the
+    learner plan its next growth on this stage's validation data.  ``should_stop`` is asked
+    after every epoch (the stage then raises ``Preempted``)."""
     train_x, train_y, valid_x, valid_y = stage_data(data, partition, stage.train_megabatches)
     learner.set_input_statistics(*statistics.after(stage.arrival))
     growth = learner.before_stage(stage.index, train_x, train_y, valid_x, valid_y)
     result = train_stage(learner, train_x, train_y, valid_x, valid_y, config,
                          seed=seed * 1_000_003 + stage.index, progress=progress,
                          should_stop=should_stop, stage=stage.index)
-    return StageOutcome(growth=growth, result=result)
+    plan = learner.plan_growth(stage.index, valid_x, valid_y) if plans_growth else {"flops": 0.0}
+    return StageOutcome(growth=growth, result=result, plan=plan)
