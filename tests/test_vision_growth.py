@@ -1,8 +1,7 @@
-"""Growth keeps the function: gMoE splits exactly, Firefly to O(ε); both grow by the set amount."""
+"""gMoE splits keep the function exactly and are chosen on the right data; grown learners
+resume (Firefly: ``test_vision_firefly``)."""
 
 from __future__ import annotations
-
-import itertools
 
 import numpy as np
 import pytest
@@ -13,10 +12,8 @@ from test_vision_data import _one_thread  # noqa: F401  (autouse: one torch thre
 from fairseq_alma.stream.partition import Megabatch
 from fairseq_alma.stream.schedule import build_schedule
 from fairseq_alma.vision.data import VisionData
-from fairseq_alma.vision.firefly import grow_width, units_for_growth
 from fairseq_alma.vision.flops import count_parameters
 from fairseq_alma.vision.learners import LearnerSpec, build_learner
-from fairseq_alma.vision.models import StackedMLP, build_backbone
 from fairseq_alma.vision.models_moe import MoEBackbone
 from fairseq_alma.vision.moe_tree import TreeGating
 from fairseq_alma.vision.stage_trainer import OptimizerSpec, StageTrainConfig
@@ -131,62 +128,6 @@ def test_grown_gmoe_checkpoint_loads_into_a_fresh_learner():
     assert torch.equal(grown.predict_log_probs(x), fresh.predict_log_probs(x))
 
 
-def test_firefly_growth_amount_by_hand():
-    # MLP 64 -> h -> h -> 10 has h^2 + 76h + 10 parameters: 682 at h = 8.  Adding k units to both
-    # layers adds k^2 + 92k: 93 for k = 1, 188 for k = 2; a quarter of 682 (170.5) is nearer 188.
-    model = StackedMLP(64, [8, 8], 10)
-    assert count_parameters(model) == 682
-    assert units_for_growth(model, 0.25 * 682) == 2
-    x, y = torch.randn(50, 64), torch.randint(0, 10, (50,))
-    report = grow_width(
-        model, x, y, units=2, epsilon=0.0, generator=torch.Generator().manual_seed(0)
-    )
-    assert model.widths == [10, 10] and report.params_after == 870
-    assert [s + n for s, n in zip(report.splits, report.new_units)] == [2, 2]
-
-
-@pytest.mark.parametrize("arch", ["mlp", "vgg"])
-def test_firefly_keeps_outputs_at_zero_step_and_descends_as_scored(arch):
-    generator = torch.Generator().manual_seed(4)
-    model = build_backbone(arch, SHAPES[arch], 4, 10, 1, generator)
-    x = torch.randn(64, *SHAPES[arch], generator=generator)
-    y = torch.randint(0, 10, (64,), generator=generator)
-    model.eval()
-    before = model(x)
-    grow_width(model, x, y, units=2, epsilon=0.0, generator=generator)
-    model.eval()
-    torch.testing.assert_close(
-        model(x), before, rtol=0, atol=1e-5
-    )  # halving is exact up to rounding
-    assert model.widths == [6] * len(model.widths)
-    # The loss falls by what the first-order scores promised (ε × Σ chosen scores) up to O(ε²),
-    # checked in float64 with a small ε (the 16-layer batch-normed VGG is strongly curved).
-    model = model.double().train()
-    x = x.double()
-    with torch.no_grad():
-        loss_before = float(F.cross_entropy(model(x)[0], y))
-    report = grow_width(model, x, y, units=2, epsilon=1e-6, generator=generator)
-    with torch.no_grad():
-        decrease = loss_before - float(F.cross_entropy(model.train()(x)[0], y))
-    assert report.predicted_decrease > 0
-    assert abs(decrease - report.predicted_decrease) < 1e-3 * report.predicted_decrease, (
-        decrease,
-        report,
-    )
-
-
-def test_firefly_learner_grows_linearly():
-    learner = build_learner(LearnerSpec("ff", "mlp", 8, seed=1), (1, 8, 8), 10)
-    x, y = torch.randn(100, 1, 8, 8), torch.randint(0, 10, (100,))
-    counts = [learner.params_active()]
-    assert learner.before_stage(1, x, y, x, y)["widths"] == [8, 8]  # no growth before stage 1
-    for stage in (2, 3, 4):
-        learner.before_stage(stage, x, y, x, y)
-        counts.append(learner.params_active())
-    steps = [b - a for a, b in itertools.pairwise(counts)]
-    assert all(abs(step - 0.25 * counts[0]) < 0.3 * counts[0] for step in steps), steps
-
-
 @pytest.mark.parametrize("method", ["ff", "gens", "gmoe"])
 def test_grown_learner_checkpoint_resumes(method):
     spec = LearnerSpec(method, "mlp", 4, seed=5)
@@ -200,6 +141,7 @@ def test_grown_learner_checkpoint_resumes(method):
     grown.eval(), fresh.eval()
     assert torch.equal(grown.predict_log_probs(x), fresh.predict_log_probs(x))
     assert fresh.params_active() == grown.params_active()
+    assert fresh.describe() == grown.describe()  # FF: its inserted layers rebuilt
     assert [p.requires_grad for p in fresh.parameters()] == [
         p.requires_grad for p in grown.parameters()
     ]

@@ -6,7 +6,8 @@ logits are averaged in training and at test time).  All three are one stacked mo
 members (N = 1 for SM), so Ens/UMix run as one batched model, not N models.
 Growing architectures (§4.2): gEns (one new member per stage trained on the stage's data, older
 members frozen), gMoE (tree-gated experts, the losing expert split at every stage, App. A) and FF
-(Firefly width growth, linear in parameters, App. B.1); they live in ``learners_growing``.
+(Firefly growth in width and depth, linear in parameters, App. B.1); they live in
+``learners_growing``.
 
 Devices: ``learner.to(device)`` works at any time, before or after growth.  Randomness comes from
 the learner's CPU ``generator`` on every device (CPU numbers never change and a CUDA run makes
@@ -51,6 +52,9 @@ class LearnerSpec:
         mixture_layers: gMoE layers that grow; default the first two (paper, MNIST) for the
             MLP and every conv layer for the VGG.
         growth_rate: FF parameters added per step as a fraction of the initial count (0.25).
+        ff_new_layers: FF residual layers inserted per growth step (depth growth; 0: width
+            only).  Their parameters count towards the step's budget.
+        ff_new_candidates: FF random new units offered per layer (Firefly's code: 70).
         ff_epsilon: FF step size of the new units' weights (0: function kept exactly).
         ff_score_examples: training examples used for the FF first-order scores.
         ens_member_data_order: give every Ens member its own shuffling of the data.  Off by
@@ -67,6 +71,8 @@ class LearnerSpec:
     gating: str = "soft"
     mixture_layers: tuple[int, ...] | None = None
     growth_rate: float = 0.25
+    ff_new_layers: int = 1
+    ff_new_candidates: int = 70
     ff_epsilon: float = 1e-2
     ff_score_examples: int = 1024
     ens_member_data_order: bool = False
@@ -85,6 +91,11 @@ class LearnerSpec:
             raise UsageError(f"--moe-gating must be soft or hard, got {self.gating!r}")
         if not self.growth_rate > 0:
             raise UsageError(f"--ff-growth-rate must be > 0, got {self.growth_rate}")
+        if self.ff_new_layers < 0:
+            raise UsageError(f"--ff-new-layers must be >= 0 (0: width growth only), got "
+                             f"{self.ff_new_layers}")
+        if self.ff_new_candidates < 0:
+            raise UsageError(f"ff_new_candidates must be >= 0, got {self.ff_new_candidates}")
 
 
 class Learner(nn.Module):

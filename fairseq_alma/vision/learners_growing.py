@@ -23,7 +23,8 @@ from torch import Tensor, nn
 
 from ..errors import UsageError
 from .devices import placement, to_device, upcast
-from .firefly import grow_width, units_for_growth
+from .firefly import grow_width
+from .firefly_depth import grow_depth
 from .flops import count_parameters, inference_flops
 from .learners import Learner, LearnerSpec, SingleModelLearner
 from .models import build_backbone
@@ -174,7 +175,23 @@ class GrowingMoE(SingleModelLearner):
 
 
 class FireflyLearner(SingleModelLearner):
-    """FF: Firefly width growth of every hidden layer, ≈ growth_rate × initial |θ| per stage."""
+    """FF: Firefly growth in depth and width, linear in parameters (§4.2, App. B.1).
+
+    The paper: "Growth includes both a width expansion by adding new hidden units (or feature
+    maps) as well as a depth expansion by adding new layers" (§4.2); "For Firefly we use a
+    growth rate of 0.25, meaning that at every growth phase, we add approximately a quarter of
+    the initial number of parameters" (App. B.1); "we keep all the Firefly-specific
+    hyperparameters to the default values suggested in the author's public codebase. We make
+    one exception to this, namely we adapt the growth ratio to result in linear (rather than
+    exponential) growth" (App. B.1.2): ε = 1e-2 and 70 new-unit candidates per layer.
+
+    Every growth phase (every stage after the first) inserts ``ff_new_layers`` residual blocks
+    where they decrease the loss fastest (``firefly_depth``), then adds units across all hidden
+    layers (``firefly``) until |θ| reaches ``(1 + growth_rate · (stage - 1))`` × the initial
+    count: each phase adds about a quarter of the initial parameters, and rounding never
+    accumulates.  Both are scored on up to ``ff_score_examples`` of the stage's training data.
+    ``residual_after`` (a buffer, so in the checkpoint) lists where the blocks were inserted,
+    which is what a fresh learner needs to rebuild the grown network before loading it."""
 
     def __init__(self, spec: LearnerSpec, input_shape: tuple[int, ...], num_classes: int) -> None:
         super().__init__(spec, input_shape, num_classes)
@@ -183,25 +200,41 @@ class FireflyLearner(SingleModelLearner):
         )
         self.model.growable_layers()  # fails early on backbones FF cannot grow
         self.initial_params = count_parameters(self.model)
+        self.register_buffer("residual_after", torch.empty(0, dtype=torch.long))
 
     def before_stage(
         self, stage_index: int, train_x: Tensor, train_y: Tensor, valid_x: Tensor, valid_y: Tensor
     ) -> dict[str, Any]:
         if stage_index <= 1:
-            return {"flops": 0.0, "widths": self.model.widths}
-        units = units_for_growth(self.model, self.spec.growth_rate * self.initial_params)
+            return {"flops": 0.0, **self.describe()}
         count = min(self.spec.ff_score_examples, train_x.shape[0])
         pick = torch.randperm(train_x.shape[0], generator=self.generator)[:count]
         pick = to_device(pick, train_x.device)
         x = self.input_norm(train_x[pick].to(self.device))  # the backbone sees normalised inputs
         y = train_y[pick].to(self.device)
-        report = grow_width(self.model, x, y, units, self.spec.ff_epsilon, self.generator)
+        spec = self.spec
+        depth = grow_depth(self.model, x, y, spec.ff_new_layers, spec.ff_epsilon, self.generator)
+        self.residual_after = torch.tensor(
+            self.model.residuals.after, dtype=torch.long, device=self.residual_after.device
+        )
+        target = self.initial_params * (1 + spec.growth_rate * (stage_index - 1))
+        width = grow_width(self.model, x, y, target - count_parameters(self.model),
+                           spec.ff_epsilon, self.generator, spec.ff_new_candidates)
         return {
-            "flops": report.flops,
-            "widths": self.model.widths,
-            "splits": list(report.splits),
-            "new_units": list(report.new_units),
+            "flops": depth.flops + width.flops,
+            **self.describe(),
+            "inserted_after": list(depth.inserted_after),
+            "splits": list(width.splits),
+            "new_units": list(width.new_units),
         }
 
     def describe(self) -> dict[str, Any]:
-        return {"widths": self.model.widths}
+        return {"widths": self.model.widths, "depth": self.model.depth}
+
+    def _resize_like(self, state: dict[str, Tensor]) -> None:
+        """Rebuild the inserted blocks (placeholders of the saved widths follow from the
+        tensor resizing in ``load_checkpoint_state``)."""
+        device, dtype = placement(self)
+        for position in state["residual_after"].tolist()[len(self.model.residuals) :]:
+            block = self.model.new_residual(position, self.generator)
+            self.model.residuals.attach(position, block.to(device=device, dtype=dtype))
