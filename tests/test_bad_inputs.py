@@ -192,6 +192,7 @@ VISION_CASES = [
     Case("npz strings", lambda c: (vision(c, npz(c, "d", x_train=np.array([["a"] * 6] * 40)), c.tmp / "r", "--vision-dataset", "npz"), []), r"x_train has dtype <U1"),
     Case("vision B too large", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--num-megabatches", "5000"), []), r"--num-megabatches 5000 is larger than the training set"),
     Case("vision width 0", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--vision-width", "0"), []), r"--vision-width must be >= 1"),
+    Case("ff new layers negative", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--vision-method", "ff", "--ff-new-layers", "-1"), []), r"--ff-new-layers must be >= 0 \(0: width growth only\)"),
     Case("vision fp16 flag", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--fp16"), []), r"--fp16 does not apply to vision streams"),
     Case("vision amp fp16 on cpu", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--vision-amp", "fp16"), []), r"--vision-amp fp16 needs a CUDA device"),
 ]

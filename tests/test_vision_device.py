@@ -19,6 +19,7 @@ from fairseq_alma.errors import Preempted, UsageError
 from fairseq_alma.vision.data import load_vision_data
 from fairseq_alma.vision.learners import LearnerSpec, build_learner
 from fairseq_alma.vision.moe_tree import TreeGating
+from fairseq_alma.vision.normalization import mean_and_std, moment_sums
 from fairseq_alma.vision.stage_trainer import (
     OptimizerSpec,
     StageTrainConfig,
@@ -64,6 +65,14 @@ def stage_tensors(digits, stage: int, device=CPU):
     return tuple(t.to(device) for t in (x[:300], y[:300], x[300:], y[300:]))
 
 
+def begin_stage(learner, digits, stage: int, data) -> None:
+    """What the runner does before a stage: adopt the statistics of the digits arrived so far
+    (``stage`` blocks of 360), then grow."""
+    arrived = digits.x_train[: stage * 360]
+    learner.set_input_statistics(*mean_and_std(moment_sums(arrived, per_channel=True)))
+    learner.before_stage(stage, *data)
+
+
 def run_stages(digits, variant: str, device, stages=(1, 2), move_every_stage=False, **config):
     """Train ``variant`` on ``device`` stage by stage (growth before stages > 1, the runner's
     order); returns the learner, each stage's result and the final test error."""
@@ -73,10 +82,11 @@ def run_stages(digits, variant: str, device, stages=(1, 2), move_every_stage=Fal
     results = []
     for stage in stages:
         data = stage_tensors(digits, stage, device)
-        learner.before_stage(stage, *data)
+        begin_stage(learner, digits, stage, data)
         if move_every_stage:
             learner.to(device)
         results.append(train_stage(learner, *data, settings, seed=stage))
+        learner.plan_growth(stage, data[2], data[3])  # the runner's order: plan, then grow
     x_test, y_test = digits.x_test.to(device), digits.y_test.to(device)
     error = evaluate(learner, x_test, y_test, 128, amp=settings.amp).error
     return learner, results, error
@@ -101,8 +111,9 @@ def test_moving_to_the_cpu_before_and_after_growth_changes_nothing(digits, varia
     plain_results = []
     for stage in (1, 2):
         data = stage_tensors(digits, stage)
-        plain.before_stage(stage, *data)
+        begin_stage(plain, digits, stage, data)
         plain_results.append(train_stage(plain, *data, CONFIG, seed=stage))
+        plain.plan_growth(stage, data[2], data[3])
     assert all(finite(result) for result in moved_results)
     assert [r.valid_losses for r in moved_results] == [r.valid_losses for r in plain_results]
     plain_state = state(plain)
@@ -121,6 +132,7 @@ def test_growth_creates_tensors_in_the_learners_dtype(digits, variant):
     ).double()
     data = [t.double() if t.is_floating_point() else t for t in stage_tensors(digits, 1)]
     for stage in (2, 3):
+        learner.plan_growth(stage - 1, data[2], data[3])
         learner.before_stage(stage, *data)
     tensors = list(learner.parameters()) + list(learner.buffers())
     assert all(t.dtype == torch.float64 for t in tensors if t.is_floating_point())
@@ -283,6 +295,7 @@ def test_cuda_vgg_with_augmentation_and_fp16():
         for stage in (1, 2):
             learner.before_stage(stage, x[:32], y[:32], x[32:], y[32:])
             assert finite(train_stage(learner, x[:32], y[:32], x[32:], y[32:], config, stage))
+            learner.plan_growth(stage, x[32:], y[32:])
         assert all(t.is_cuda for t in list(learner.parameters()) + list(learner.buffers()))
 
 

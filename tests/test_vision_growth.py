@@ -1,20 +1,23 @@
-"""Growth keeps the function: gMoE splits exactly, Firefly to O(ε); both grow by the set amount."""
+"""gMoE splits keep the function exactly and are chosen on the right data; grown learners
+resume (Firefly: ``test_vision_firefly``)."""
 
 from __future__ import annotations
 
-import itertools
-
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from test_vision_data import _one_thread  # noqa: F401  (autouse: one torch thread)
 
-from fairseq_alma.vision.firefly import grow_width, units_for_growth
+from fairseq_alma.stream.partition import Megabatch
+from fairseq_alma.stream.schedule import build_schedule
+from fairseq_alma.vision.data import VisionData
 from fairseq_alma.vision.flops import count_parameters
 from fairseq_alma.vision.learners import LearnerSpec, build_learner
-from fairseq_alma.vision.models import StackedMLP, build_backbone
 from fairseq_alma.vision.models_moe import MoEBackbone
 from fairseq_alma.vision.moe_tree import TreeGating
+from fairseq_alma.vision.stage_trainer import OptimizerSpec, StageTrainConfig
+from fairseq_alma.vision.stream_stage import arrived_statistics, train_one_stage
 
 SHAPES = {"mlp": (1, 8, 8), "vgg": (3, 32, 32)}
 
@@ -85,9 +88,31 @@ def test_gmoe_splits_the_expert_with_largest_routed_validation_loss():
         rtol=1e-9,
     )
     torch.testing.assert_close(totals[1], routing.t() @ losses)
+    plan = learner.plan_growth(1, x, y)
+    assert plan["losers"] == [1, int(totals[1].argmax())] and plan["flops"] > 0
+    assert [block.num_experts for block in blocks] == [2, 2]  # planned, not split yet
     report = learner.before_stage(2, x, y, x, y)
-    assert report["split"][0] == 1 and report["split"][1] == int(totals[1].argmax())
-    assert report["experts"] == [3, 3] and report["flops"] > 0
+    assert report["split"] == plan["losers"] and report["experts"] == [3, 3]
+
+
+def test_gmoe_splits_what_the_previous_stage_validation_data_chose():
+    """Algorithm 2: the split is decided on the validation data of the stage just trained.
+    The next stage's validation data (here routed to the other expert) must not decide it,
+    and a stage without a plan refuses to guess."""
+    learner = build_learner(LearnerSpec("gmoe", "mlp", 4, seed=0), (2,), 2)
+    block = learner.model.growing_blocks()[0]
+    block.split_expert(0, learner.generator)
+    with torch.no_grad():  # left (expert 0) when x[0] > 0, right (expert 1) when x[0] < 0
+        block.gate.weight.zero_()
+        block.gate.weight[0, 0] = 50.0
+        block.gate.bias.zero_()
+    ones = torch.ones(20, 2)
+    y = torch.zeros(20, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="gMoE stage 2: no split was planned"):
+        learner.before_stage(2, -ones, y, -ones, y)
+    assert learner.plan_growth(1, ones, y)["losers"][0] == 0  # stage 1 saw x[0] > 0 only
+    report = learner.before_stage(2, -ones, y, -ones, y)  # stage 2's data: x[0] < 0
+    assert report["split"][0] == 0 and learner.split_plan.numel() == 0
 
 
 def test_grown_gmoe_checkpoint_loads_into_a_fresh_learner():
@@ -95,67 +120,12 @@ def test_grown_gmoe_checkpoint_loads_into_a_fresh_learner():
     grown = build_learner(spec, (1, 8, 8), 10)
     x, y = torch.randn(20, 1, 8, 8), torch.randint(0, 10, (20,))
     for stage in (2, 3):
+        grown.plan_growth(stage - 1, x, y)
         grown.before_stage(stage, x, y, x, y)
     fresh = build_learner(spec, (1, 8, 8), 10)
     fresh.load_state_dict(grown.state_dict())
     grown.eval(), fresh.eval()
     assert torch.equal(grown.predict_log_probs(x), fresh.predict_log_probs(x))
-
-
-def test_firefly_growth_amount_by_hand():
-    # MLP 64 -> h -> h -> 10 has h^2 + 76h + 10 parameters: 682 at h = 8.  Adding k units to both
-    # layers adds k^2 + 92k: 93 for k = 1, 188 for k = 2; a quarter of 682 (170.5) is nearer 188.
-    model = StackedMLP(64, [8, 8], 10)
-    assert count_parameters(model) == 682
-    assert units_for_growth(model, 0.25 * 682) == 2
-    x, y = torch.randn(50, 64), torch.randint(0, 10, (50,))
-    report = grow_width(
-        model, x, y, units=2, epsilon=0.0, generator=torch.Generator().manual_seed(0)
-    )
-    assert model.widths == [10, 10] and report.params_after == 870
-    assert [s + n for s, n in zip(report.splits, report.new_units)] == [2, 2]
-
-
-@pytest.mark.parametrize("arch", ["mlp", "vgg"])
-def test_firefly_keeps_outputs_at_zero_step_and_descends_as_scored(arch):
-    generator = torch.Generator().manual_seed(4)
-    model = build_backbone(arch, SHAPES[arch], 4, 10, 1, generator)
-    x = torch.randn(64, *SHAPES[arch], generator=generator)
-    y = torch.randint(0, 10, (64,), generator=generator)
-    model.eval()
-    before = model(x)
-    grow_width(model, x, y, units=2, epsilon=0.0, generator=generator)
-    model.eval()
-    torch.testing.assert_close(
-        model(x), before, rtol=0, atol=1e-5
-    )  # halving is exact up to rounding
-    assert model.widths == [6] * len(model.widths)
-    # The loss falls by what the first-order scores promised (ε × Σ chosen scores) up to O(ε²),
-    # checked in float64 with a small ε (the 16-layer batch-normed VGG is strongly curved).
-    model = model.double().train()
-    x = x.double()
-    with torch.no_grad():
-        loss_before = float(F.cross_entropy(model(x)[0], y))
-    report = grow_width(model, x, y, units=2, epsilon=1e-6, generator=generator)
-    with torch.no_grad():
-        decrease = loss_before - float(F.cross_entropy(model.train()(x)[0], y))
-    assert report.predicted_decrease > 0
-    assert abs(decrease - report.predicted_decrease) < 1e-3 * report.predicted_decrease, (
-        decrease,
-        report,
-    )
-
-
-def test_firefly_learner_grows_linearly():
-    learner = build_learner(LearnerSpec("ff", "mlp", 8, seed=1), (1, 8, 8), 10)
-    x, y = torch.randn(100, 1, 8, 8), torch.randint(0, 10, (100,))
-    counts = [learner.params_active()]
-    assert learner.before_stage(1, x, y, x, y)["widths"] == [8, 8]  # no growth before stage 1
-    for stage in (2, 3, 4):
-        learner.before_stage(stage, x, y, x, y)
-        counts.append(learner.params_active())
-    steps = [b - a for a, b in itertools.pairwise(counts)]
-    assert all(abs(step - 0.25 * counts[0]) < 0.3 * counts[0] for step in steps), steps
 
 
 @pytest.mark.parametrize("method", ["ff", "gens", "gmoe"])
@@ -165,14 +135,46 @@ def test_grown_learner_checkpoint_resumes(method):
     x, y = torch.randn(30, 1, 8, 8), torch.randint(0, 10, (30,))
     for stage in (1, 2, 3):
         grown.before_stage(stage, x, y, x, y)
+        grown.plan_growth(stage, x[:10], y[:10])  # the plan for stage 4 is in the checkpoint
     fresh = build_learner(spec, (1, 8, 8), 10)
     fresh.load_checkpoint_state(grown.checkpoint_state())
     grown.eval(), fresh.eval()
     assert torch.equal(grown.predict_log_probs(x), fresh.predict_log_probs(x))
     assert fresh.params_active() == grown.params_active()
+    assert fresh.describe() == grown.describe()  # FF: its inserted layers rebuilt
     assert [p.requires_grad for p in fresh.parameters()] == [
         p.requires_grad for p in grown.parameters()
     ]
     grown.before_stage(4, x, y, x, y), fresh.before_stage(4, x, y, x, y)  # same RNG: same growth
     grown.eval(), fresh.eval()
     assert torch.equal(grown.predict_log_probs(x), fresh.predict_log_probs(x))
+
+
+def test_stream_stage_plans_gmoe_growth_on_its_own_validation_data():
+    """Through the runner's stage function: mega-batch 1's examples go to expert 0, mega-batch
+    2's to expert 1.  The split at stage 2 is stage 1's choice (expert 0); the old order, which
+    scored the experts on stage 2's validation data, split expert 1."""
+    x = torch.zeros(40, 4)
+    x[:20, 0], x[20:, 0] = 5.0, -5.0  # stays > 0 / < 0 under the arrived statistics
+    x[:, 1:] = torch.randn(40, 3, generator=torch.Generator().manual_seed(0))
+    y = torch.arange(40) % 2
+    data = VisionData("signs", x, y, x[:4], y[:4], num_classes=2)
+    partition = [Megabatch(i, np.arange(20 * i, 20 * i + 15), np.arange(20 * i + 15, 20 * i + 20))
+                 for i in range(2)]
+    learner = build_learner(LearnerSpec("gmoe", "mlp", 4, seed=0), (4,), 2)
+    block = learner.model.growing_blocks()[0]
+    block.split_expert(0, learner.generator)
+    with torch.no_grad():
+        block.gate.weight.zero_()
+        block.gate.weight[0, 0] = 50.0
+        block.gate.bias.zero_()
+    config = StageTrainConfig(epochs=1, optimizer=OptimizerSpec("sgd", 1e-12))  # gates stay
+    statistics = arrived_statistics(data, partition)
+    first, second = (
+        train_one_stage(learner, stage, data, partition, statistics, config, seed=0,
+                        plans_growth=True)
+        for stage in build_schedule(2, 1, replay=False)
+    )
+    assert first.plan["losers"][0] == 0 and first.flops > first.result.flops
+    assert second.growth["split"][0] == 0
+    assert learner.describe()["experts"] == [3, 2]

@@ -49,6 +49,9 @@ class AlmaVisionConfig(FairseqDataclass):
         "MLP (paper §5), every conv layer of the VGG")})
     ff_growth_rate: float = field(default=0.25, metadata={"help": (
         "ff parameters added per stage, as a fraction of the initial count (App. B.1: 0.25)")})
+    ff_new_layers: int = field(default=1, metadata={"help": (
+        "ff residual layers inserted per growth phase (depth growth, §4.2; their parameters count "
+        "towards the phase's budget, width growth gets the rest); 0 = width only")})
     epochs_per_stage: int = field(default=100, metadata={"help": (
         "epochs per stage; the epoch with the best validation loss is kept (App. B.1: 100)")})
     vision_optimizer: ChoiceEnum(["paper", "adadelta", "sgd"]) = field(default="paper", metadata={"help": (

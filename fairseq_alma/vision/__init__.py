@@ -3,5 +3,6 @@ training with best-validation selection, FLOP counting and an in-process stream 
 
 Nothing is imported here (importing ``fairseq_alma`` must stay cheap); import the submodule:
 ``data`` (loaders), ``learners`` (``LearnerSpec``, ``build_learner``), ``stage_trainer``
-(``train_stage``, ``evaluate``), ``stream_runner`` (``run_stream``, ``train_one_stage``).
+(``train_stage``, ``evaluate``), ``stream_stage`` (``train_one_stage``), ``runner``
+(``run_vision_stream``), ``normalization`` (statistics of the arrived mega-batches).
 """

@@ -26,8 +26,8 @@ def random_crop_flip(
         generator: source of the crop offsets and flips (a CPU generator; the draws move to
             the images' device).
         padding: pixels added on every side before cropping (paper: 4).
-        fill: (C,) value of the padded border.  Pass the normalised value of a black pixel
-            (``-mean / std``) to pad like an unnormalised pipeline would; default 0 (the mean).
+        fill: (C,) value of the padded border; default 0 (black: the stream's images are not
+            normalised yet, the learner does that after augmentation).
     Returns:
         (B, C, H, W), a new tensor on the images' device.
     """

@@ -3,8 +3,9 @@
 The paper's vision streams (§5) cut a fixed training set into B mega-batches and evaluate every
 learner on one fixed test set after every arrival (Eq. 1).  Everything here therefore loads the
 whole data set into tensors once: MNIST is 47 MB as float32, CIFAR-10 600 MB, the embedded
-scikit-learn digits 0.5 MB.  Inputs are normalised with the training set's mean and standard
-deviation (App. B.1: "we apply data normalization for each dataset"), per channel for images.
+scikit-learn digits 0.5 MB.  Inputs stay as loaded (pixels in [0, 1]): the learner normalises
+them with the statistics of the mega-batches arrived by its stage (``normalization``), never with
+those of the whole training set, which would leak later mega-batches into early stages (§3).
 """
 
 from __future__ import annotations
@@ -33,8 +34,6 @@ class VisionData:
         x_train, x_test: float32, ``(N, C, H, W)`` images or ``(N, D)`` feature vectors.
         y_train, y_test: int64 labels in ``[0, num_classes)``.
         num_classes: number of classes.
-        mean, std: per-channel (images) or global (features) statistics used to normalise;
-            empty until ``normalize`` ran.
     """
 
     name: str
@@ -43,8 +42,6 @@ class VisionData:
     x_test: Tensor
     y_test: Tensor
     num_classes: int
-    mean: tuple[float, ...] = ()
-    std: tuple[float, ...] = ()
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -125,38 +122,6 @@ def from_arrays(
     )
 
 
-def normalize(data: VisionData) -> VisionData:
-    """Standardise with the *training* set's statistics (the test set is never looked at).
-
-    Images get one mean/std per channel (CIFAR's RGB channels differ); feature vectors one global
-    mean/std, which keeps constant pixels (MNIST borders) at a constant instead of dividing by 0.
-    """
-    x = data.x_train.double()
-    if data.is_image:
-        mean = x.mean(dim=(0, 2, 3))
-        std = x.std(dim=(0, 2, 3))
-        shape = (1, -1, 1, 1)
-    else:
-        mean = x.mean().reshape(1)
-        std = x.std().reshape(1)
-        shape = (1, -1)
-    std = torch.where(std > 0, std, torch.ones_like(std))
-
-    def apply(t: Tensor) -> Tensor:
-        return ((t.double() - mean.view(shape)) / std.view(shape)).float()
-
-    return VisionData(
-        name=data.name,
-        x_train=apply(data.x_train),
-        y_train=data.y_train,
-        x_test=apply(data.x_test),
-        y_test=data.y_test,
-        num_classes=data.num_classes,
-        mean=tuple(float(v) for v in mean),
-        std=tuple(float(v) for v in std),
-    )
-
-
 def load_digits_data() -> VisionData:
     """scikit-learn's bundled 8x8 handwritten digits (1,797 images; nothing is downloaded).
 
@@ -174,27 +139,26 @@ def load_digits_data() -> VisionData:
                        num_classes=10)
 
 
-def load_vision_data(kind: str, path: str | None = None, normalise: bool = True) -> VisionData:
+def load_vision_data(kind: str, path: str | None = None) -> VisionData:
     """Load a data set by kind: ``digits`` (embedded), ``mnist`` (IDX dir), ``cifar10``
-    (python pickle batches dir) or ``npz`` (file with x_train, y_train, x_test, y_test)."""
+    (python pickle batches dir) or ``npz`` (file with x_train, y_train, x_test, y_test).
+    Not normalised (module doc)."""
     if kind == "digits":
-        data = load_digits_data()
-    elif kind not in DATASET_KINDS:
+        return load_digits_data()
+    if kind not in DATASET_KINDS:
         raise UsageError(
             f"--vision-dataset {kind!r} is unknown; use one of {', '.join(DATASET_KINDS)}"
         )
-    elif not path:
+    if not path:
         raise UsageError(f"--vision-dataset {kind} needs a path (--vision-data-path)")
-    elif kind == "mnist":
+    if kind == "mnist":
         from .data_idx import load_mnist
 
-        data = load_mnist(path)
-    elif kind == "cifar10":
+        return load_mnist(path)
+    if kind == "cifar10":
         from .data_cifar import load_cifar10
 
-        data = load_cifar10(path)
-    else:
-        from .data_npz import load_npz
+        return load_cifar10(path)
+    from .data_npz import load_npz
 
-        data = load_npz(path)
-    return normalize(data) if normalise else data
+    return load_npz(path)

@@ -79,7 +79,8 @@ def vision_run(task_cfg: Any, model_cfg: Any) -> VisionRun:
         method=_text(model_cfg.vision_method), arch=_text(model_cfg.vision_arch),
         width=int(model_cfg.vision_width), members=int(model_cfg.ensemble_members),
         gating=_text(model_cfg.moe_gating), mixture_layers=_mixture_layers(model_cfg.moe_mixture_layers),
-        growth_rate=float(model_cfg.ff_growth_rate), seed=int(task_cfg.seed))
+        growth_rate=float(model_cfg.ff_growth_rate),
+        ff_new_layers=int(model_cfg.ff_new_layers), seed=int(task_cfg.seed))
     return VisionRun(
         dataset=dataset, data_path=data_path,
         plan=StreamPlan(int(model_cfg.num_megabatches), int(task_cfg.wait), bool(task_cfg.replay)),

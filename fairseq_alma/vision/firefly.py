@@ -1,4 +1,4 @@
-"""Firefly-style width growth (FF, §4.2; Wu et al. 2020), linear in parameters (App. B.1).
+"""Firefly width growth (FF, §4.2; Wu et al. 2020), linear in parameters (App. B.1).
 
 Firefly grows a network by looking, around the current network, at a neighbourhood of wider ones
 and keeping the candidates that decrease the loss fastest to first order:
@@ -11,10 +11,12 @@ and keeping the candidates that decrease the loss fastest to first order:
   for u_j = −G_j/|G_j|, so the score is |G_j|.
 
 One forward/backward pass over a network holding all new candidates with zero outgoing weights
-(the same function as the current one) gives every g_i and G_j at once.  Each layer keeps its
-``units`` best candidates.  App. B.1: "at every growth phase, we add approximately a quarter of
-the initial number of parameters" (linear, not Firefly's exponential growth), so ``units`` is
-chosen to add ≈ ``growth_rate`` × the initial parameter count at every step.
+(the same function as the current one) gives every g_i and G_j at once.  As in Firefly's public
+code, every layer offers its existing units as splits plus ``NEW_CANDIDATES`` (its ``K = 70``)
+new units, ε defaults to its 1e-2, and the candidates of all layers compete for one budget;
+App. B.1's linear growth turns Firefly's share of neurons into a parameter budget
+(``firefly_budget``).  Depth growth (new layers) is ``firefly_depth``; the residual blocks it
+inserts widen with the layer they sit behind (``residual``).
 
 New units' random weights are drawn on the CPU generator (the same draws on every device) and
 then placed on the device and in the dtype of the tensor they extend.
@@ -29,10 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .firefly_budget import choose_within_budget
 from .flops import count_forward_macs, count_parameters, training_flops
-from .models import UnitTensor
+from .growable import UnitTensor
 
 SCORE_CHUNK = 128
+NEW_CANDIDATES = 70  # Firefly's public code: K = 70 new-neuron candidates per layer
 
 
 @dataclass(frozen=True)
@@ -111,77 +115,90 @@ def _candidate_gradients(
             shape = list(unit.tensor.shape)
             shape[unit.dim] = count
             _append(unit, unit.tensor.new_zeros(shape))
-    wide.train()
-    wide.zero_grad(set_to_none=True)
+    macs = loss_gradients(wide, x, y)
+    return wide_layers, macs
+
+
+def loss_gradients(model: nn.Module, x: Tensor, y: Tensor) -> float:
+    """Gradients of the mean training-mode cross-entropy on (x, y) in ``model``'s ``.grad``
+    (in chunks: a 16-layer VGG on 1024 images at once would not fit); returns the model's
+    forward MACs per example, for the FLOPs of the pass."""
+    model.train()
+    model.zero_grad(set_to_none=True)
     for start in range(0, x.shape[0], SCORE_CHUNK):
         xb, yb = x[start : start + SCORE_CHUNK], y[start : start + SCORE_CHUNK]
-        loss = F.cross_entropy(wide(xb)[0], yb, reduction="sum") / x.shape[0]
+        loss = F.cross_entropy(model(xb)[0], yb, reduction="sum") / x.shape[0]
         loss.backward()
-    macs = count_forward_macs(wide, lambda: wide.eval()(x[:2]), 2)
-    return wide_layers, macs
+    return count_forward_macs(model, lambda: model.eval()(x[:2]), 2)
 
 
 def grow_width(
     model: nn.Module,
     x: Tensor,
     y: Tensor,
-    units: int,
+    budget: float,
     epsilon: float = 1e-2,
     generator: torch.Generator | None = None,
-    new_candidates: int | None = None,
+    new_candidates: int = NEW_CANDIDATES,
 ) -> FireflyReport:
-    """Add ``units`` units to every hidden layer of ``model`` (N = 1), chosen among splits of the
-    existing units and ``new_candidates`` (default: as many as existing units) random new ones
-    by their first-order score on (x, y).  ``epsilon`` = 0 leaves the function unchanged (up to
-    rounding), but then split copies stay identical forever; small ε breaks the symmetry."""
+    """Add about ``budget`` parameters of units to ``model``'s hidden layers (N = 1): splits of
+    the existing units and ``new_candidates`` random new ones per layer, kept in the order of
+    their first-order score on (x, y) across all layers (``choose_within_budget``).  ``epsilon``
+    = 0 leaves the function unchanged (up to rounding), but then split copies stay identical
+    forever; small ε breaks the symmetry.  A budget <= 0 grows nothing and costs nothing."""
     was_training = model.training
     params_before = count_parameters(model)
     layers = model.growable_layers()
+    if budget <= 0:
+        zeros = (0,) * len(layers)
+        return FireflyReport(zeros, zeros, params_before, params_before, 0.0, 0.0)
     widths = [layer.width for layer in layers]
-    candidates = [new_candidates or width for width in widths]
     shapes = [
         [tuple(u.tensor.shape) for u in layer.producers + layer.consumers] for layer in layers
     ]
+    candidates = [new_candidates] * len(layers)
     wide_layers, wide_macs = _candidate_gradients(model, shapes, x, y, candidates, generator)
 
-    splits, news, gain = [], [], 0.0
+    scored = []  # per layer: split gradients, new-unit gradients and the tensors they cover
     for index, (layer, wide) in enumerate(zip(layers, wide_layers)):
-        width, count = widths[index], candidates[index]
+        width = widths[index]
         producer_shapes = shapes[index][: len(layer.producers)]
         consumer_shapes = shapes[index][len(layer.producers) :]
         learnable = [i for i, u in enumerate(wide.producers) if isinstance(u.tensor, nn.Parameter)]
         grads = [
-            _prefix(
-                wide.producers[i].tensor.grad,
-                producer_shapes[i],
-                wide.producers[i].dim,
-                slice(0, width),
-            )
+            _prefix(wide.producers[i].tensor.grad, producer_shapes[i], wide.producers[i].dim,
+                    slice(0, width))
             for i in learnable
         ]
         g = _unit_rows(grads, [wide.producers[i].dim for i in learnable])  # (width, P)
-        g_norm = g.norm(dim=1)
         new_grads = [
-            _prefix(u.tensor.grad, s, u.dim, slice(width, width + count))
+            _prefix(u.tensor.grad, s, u.dim, slice(width, width + new_candidates))
             for u, s in zip(wide.consumers, consumer_shapes)
         ]
-        big_g = _unit_rows(new_grads, [u.dim for u in wide.consumers])  # (count, Q)
-        big_norm = big_g.norm(dim=1)
-        scores = torch.cat([0.5 * g_norm, big_norm])
-        chosen = torch.topk(scores, min(units, scores.numel())).indices.sort().values
-        gain += epsilon * float(scores[chosen].sum())
+        big_g = _unit_rows(new_grads, [u.dim for u in wide.consumers])  # (new_candidates, Q)
+        scored.append((learnable, grads, g, new_grads, big_g))
+    scores = [torch.cat([0.5 * g.norm(dim=1), big_g.norm(dim=1)]) for _, _, g, _, big_g in scored]
+    kept, _ = choose_within_budget(scores, layers, budget)
+
+    splits, news, gain = [], [], 0.0
+    for index, (layer, wide) in enumerate(zip(layers, wide_layers)):
+        width, count = widths[index], new_candidates
+        learnable, grads, g, new_grads, big_g = scored[index]
+        producer_shapes = shapes[index][: len(layer.producers)]
+        chosen = torch.tensor(sorted(kept[index]), dtype=torch.long, device=g.device)
+        gain += epsilon * float(scores[index][chosen].sum())
         split_ids = chosen[chosen < width]
         new_ids = chosen[chosen >= width] - width
         splits.append(len(split_ids))
         news.append(len(new_ids))
 
         # Split copies: incoming weights θ_i + ε δ_i (buffers copied), outgoing weights halved.
-        directions = -g / g_norm.clamp(min=1e-12)[:, None]
+        directions = -g / g.norm(dim=1).clamp(min=1e-12)[:, None]
         delta = _split_rows(
             directions[split_ids], grads, [wide.producers[i].dim for i in learnable]
         )
         delta_by_tensor = dict(zip(learnable, delta))
-        new_dirs = -big_g / big_norm.clamp(min=1e-12)[:, None]
+        new_dirs = -big_g / big_g.norm(dim=1).clamp(min=1e-12)[:, None]
         out_new = _split_rows(new_dirs[new_ids], new_grads, [u.dim for u in wide.consumers])
         for i, (unit, wide_unit) in enumerate(zip(layer.producers, wide.producers)):
             copies = unit.tensor.detach().index_select(unit.dim, split_ids)
@@ -211,26 +228,3 @@ def grow_width(
         flops=training_flops(wide_macs, x.shape[0]),
         predicted_decrease=gain,
     )
-
-
-def units_for_growth(model: nn.Module, target_params: float) -> int:
-    """Units to add to every hidden layer so the parameter count grows by ≈ ``target_params``.
-
-    Counted on a copy grown with zero-filled units (exact for any backbone that
-    ``growable_layers`` describes)."""
-    before = count_parameters(model)
-    best_units, best_gap = 1, float("inf")
-    units = 1
-    while True:
-        trial = copy.deepcopy(model)
-        for layer in trial.growable_layers():
-            for unit in layer.producers + layer.consumers:
-                shape = list(unit.tensor.shape)
-                shape[unit.dim] = units
-                _append(unit, unit.tensor.new_zeros(shape))
-        gap = count_parameters(trial) - before - target_params
-        if abs(gap) < best_gap:
-            best_units, best_gap = units, abs(gap)
-        if gap >= 0:
-            return best_units
-        units += 1

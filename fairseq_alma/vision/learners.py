@@ -6,12 +6,17 @@ logits are averaged in training and at test time).  All three are one stacked mo
 members (N = 1 for SM), so Ens/UMix run as one batched model, not N models.
 Growing architectures (§4.2): gEns (one new member per stage trained on the stage's data, older
 members frozen), gMoE (tree-gated experts, the losing expert split at every stage, App. A) and FF
-(Firefly width growth, linear in parameters, App. B.1); they live in ``learners_growing``.
+(Firefly growth in width and depth, linear in parameters, App. B.1); they live in
+``learners_growing``.
 
 Devices: ``learner.to(device)`` works at any time, before or after growth.  Randomness comes from
 the learner's CPU ``generator`` on every device (CPU numbers never change and a CUDA run makes
 the same draws); whatever growth creates is placed on ``learner.device`` in ``learner.dtype``.
 Log-probabilities are computed in float32 when autocast hands back fp16/bf16 logits.
+
+Inputs arrive unnormalised; every learner applies its ``input_norm`` (the statistics of the
+mega-batches arrived by its latest stage, ``normalization``) before its backbone, so evaluation
+always uses the statistics the model was trained with.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from .devices import placement, upcast
 from .flops import count_forward_macs, count_parameters, inference_flops
 from .models import build_backbone
 from .models_moe import GATINGS
+from .normalization import InputNormalizer
 
 METHODS = ("sm", "ens", "umix", "gens", "gmoe", "ff")
 
@@ -46,6 +52,9 @@ class LearnerSpec:
         mixture_layers: gMoE layers that grow; default the first two (paper, MNIST) for the
             MLP and every conv layer for the VGG.
         growth_rate: FF parameters added per step as a fraction of the initial count (0.25).
+        ff_new_layers: FF residual layers inserted per growth step (depth growth; 0: width
+            only).  Their parameters count towards the step's budget.
+        ff_new_candidates: FF random new units offered per layer (Firefly's code: 70).
         ff_epsilon: FF step size of the new units' weights (0: function kept exactly).
         ff_score_examples: training examples used for the FF first-order scores.
         ens_member_data_order: give every Ens member its own shuffling of the data.  Off by
@@ -62,6 +71,8 @@ class LearnerSpec:
     gating: str = "soft"
     mixture_layers: tuple[int, ...] | None = None
     growth_rate: float = 0.25
+    ff_new_layers: int = 1
+    ff_new_candidates: int = 70
     ff_epsilon: float = 1e-2
     ff_score_examples: int = 1024
     ens_member_data_order: bool = False
@@ -80,6 +91,11 @@ class LearnerSpec:
             raise UsageError(f"--moe-gating must be soft or hard, got {self.gating!r}")
         if not self.growth_rate > 0:
             raise UsageError(f"--ff-growth-rate must be > 0, got {self.growth_rate}")
+        if self.ff_new_layers < 0:
+            raise UsageError(f"--ff-new-layers must be >= 0 (0: width growth only), got "
+                             f"{self.ff_new_layers}")
+        if self.ff_new_candidates < 0:
+            raise UsageError(f"ff_new_candidates must be >= 0, got {self.ff_new_candidates}")
 
 
 class Learner(nn.Module):
@@ -92,6 +108,7 @@ class Learner(nn.Module):
         self.input_shape = tuple(input_shape)
         self.num_classes = num_classes
         self.generator = torch.Generator().manual_seed(spec.seed)
+        self.input_norm = InputNormalizer(self.input_shape)
         self.independent_members = 0  # > 0: the trainer gives each member its own data order
         self.selection_groups = 1  # G of train_logits: groups with their own loss and best epoch
 
@@ -114,10 +131,21 @@ class Learner(nn.Module):
     def predict_log_probs(self, x: Tensor) -> Tensor:
         raise NotImplementedError
 
+    def set_input_statistics(self, mean: Tensor, std: Tensor) -> None:
+        """Normalise inputs with the statistics of the data arrived by the coming stage; the
+        runner calls this before ``before_stage``."""
+        self.input_norm.set_statistics(mean, std)
+
     def before_stage(
         self, stage_index: int, train_x: Tensor, train_y: Tensor, valid_x: Tensor, valid_y: Tensor
     ) -> dict[str, Any]:
         """Grow before stage ``stage_index`` (1-based); returns what was done, with its FLOPs."""
+        return {"flops": 0.0}
+
+    def plan_growth(self, stage_index: int, valid_x: Tensor, valid_y: Tensor) -> dict[str, Any]:
+        """After training stage ``stage_index`` when another stage follows: decide the next
+        growth on this stage's validation data, the data available then (Algorithm 2, line 11);
+        returns what was decided, with its FLOPs.  Growth itself waits for ``before_stage``."""
         return {"flops": 0.0}
 
     def params_active(self) -> int:
@@ -205,11 +233,11 @@ class StackedLearner(Learner):
         return self.model
 
     def train_logits(self, x: Tensor, per_member: bool = False) -> Tensor:
-        logits = self.model(x, per_member=per_member)  # (N, B, C)
+        logits = self.model(self.input_norm(x), per_member=per_member)  # (N, B, C)
         return logits.mean(dim=0, keepdim=True) if self.spec.method == "umix" else logits
 
     def predict_log_probs(self, x: Tensor) -> Tensor:
-        logits = upcast(self.model(x))  # (N, B, C)
+        logits = upcast(self.model(self.input_norm(x)))  # (N, B, C)
         if self.spec.method == "ens":  # average of probabilities, in log space
             return torch.logsumexp(F.log_softmax(logits, dim=-1), dim=0) - math.log(logits.shape[0])
         return F.log_softmax(logits.mean(dim=0), dim=-1)
@@ -227,10 +255,10 @@ class SingleModelLearner(Learner):
         return self.model
 
     def train_logits(self, x: Tensor, per_member: bool = False) -> Tensor:
-        return self.model(x)
+        return self.model(self.input_norm(x))
 
     def predict_log_probs(self, x: Tensor) -> Tensor:
-        return F.log_softmax(upcast(self.model(x)[0]), dim=-1)
+        return F.log_softmax(upcast(self.model(self.input_norm(x))[0]), dim=-1)
 
 
 def build_learner(spec: LearnerSpec, input_shape: tuple[int, ...], num_classes: int) -> Learner:

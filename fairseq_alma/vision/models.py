@@ -9,64 +9,28 @@
 Both return logits ``(N, B, classes)`` for input ``(B, ...)`` shared by the members, or
 ``(N, B, ...)`` with one input per member (``per_member=True``; Ens members see their own data
 order).  Widths are per hidden layer so Firefly (FF) can grow them; ``growable_layers`` tells
-the grower which tensors hold each hidden unit's incoming and outgoing weights.
+the grower which tensors hold each hidden unit's incoming and outgoing weights.  FF also grows
+depth: ``residuals`` holds the residual blocks it inserted behind hidden layers (``residual``),
+empty for every other learner, whose computation it leaves untouched.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import UsageError
-from .stacked_layers import StackedBatchNorm2d, StackedConv2d, StackedLinear, uniform_init
+from .growable import GrowableLayer, UnitTensor, constant_fill, uniform_fill
+from .residual import ResidualChains, ResidualConv, ResidualLinear
+from .stacked_layers import StackedBatchNorm2d, StackedConv2d, StackedLinear
 
 VGG19_CONV_LAYERS = 16
 VGG19_POOL_AFTER = frozenset({1, 3, 7, 11, 15})  # cfg 64,64,M,128,128,M,256x4,M,512x4,M,512x4,M
-
-
-@dataclass(frozen=True)
-class UnitTensor:
-    """A tensor whose dimension ``dim`` indexes the hidden units of one layer.
-
-    ``init(shape, generator)`` returns fresh values of ``shape`` for new units (None for
-    outgoing weights, which the grower sets itself).
-    """
-
-    module: nn.Module
-    name: str
-    dim: int
-    init: Callable[[tuple[int, ...], torch.Generator | None], Tensor] | None = None
-
-    @property
-    def tensor(self) -> Tensor:
-        return getattr(self.module, self.name)
-
-
-@dataclass(frozen=True)
-class GrowableLayer:
-    """Incoming (``producers``) and outgoing (``consumers``) tensors of one hidden layer."""
-
-    producers: tuple[UnitTensor, ...]
-    consumers: tuple[UnitTensor, ...]
-
-    @property
-    def width(self) -> int:
-        first = self.producers[0]
-        return first.tensor.shape[first.dim]
-
-
-def _uniform(fan_in: int):
-    return lambda shape, generator: uniform_init(shape, fan_in, generator)
-
-
-def _constant(value: float):
-    return lambda shape, generator: torch.full(shape, value)
 
 
 class StackedMLP(nn.Module):
@@ -85,6 +49,7 @@ class StackedMLP(nn.Module):
         self.layers = nn.ModuleList(
             StackedLinear(members, a, b, generator) for a, b in itertools.pairwise(sizes)
         )
+        self.residuals = ResidualChains()
 
     @property
     def members(self) -> int:
@@ -94,23 +59,34 @@ class StackedMLP(nn.Module):
     def widths(self) -> list[int]:
         return [layer.weight.shape[2] for layer in self.layers[:-1]]
 
+    @property
+    def depth(self) -> int:
+        """Layers with weights: hidden layers, inserted residual blocks and the classifier."""
+        return len(self.layers) + len(self.residuals)
+
     def forward(self, x: Tensor, per_member: bool = False) -> Tensor:
         h = x.flatten(2) if per_member else x.flatten(1)  # (N, B, D) or (B, D)
-        for layer in self.layers[:-1]:
-            h = F.relu(layer(h))  # (N, B, width)
+        for index, layer in enumerate(self.layers[:-1]):
+            h = self.residuals.run(index, F.relu(layer(h)))  # (N, B, width)
         return self.layers[-1](h)  # (N, B, classes)
+
+    def new_residual(self, after: int, generator: torch.Generator | None) -> ResidualLinear:
+        """A residual block for the stream of hidden layer ``after`` (not attached)."""
+        return ResidualLinear(self.members, self.widths[after], generator)
 
     def growable_layers(self) -> list[GrowableLayer]:
         grown = []
         for index, layer in enumerate(self.layers[:-1]):
             fan_in = layer.weight.shape[1]
+            block_producers, block_consumers = self.residuals.unit_tensors(index)
             grown.append(
                 GrowableLayer(
                     producers=(
-                        UnitTensor(layer, "weight", 2, _uniform(fan_in)),
-                        UnitTensor(layer, "bias", 1, _uniform(fan_in)),
+                        UnitTensor(layer, "weight", 2, uniform_fill(fan_in)),
+                        UnitTensor(layer, "bias", 1, uniform_fill(fan_in)),
+                        *block_producers,
                     ),
-                    consumers=(UnitTensor(self.layers[index + 1], "weight", 1),),
+                    consumers=(*block_consumers, UnitTensor(self.layers[index + 1], "weight", 1)),
                 )
             )
         return grown
@@ -146,6 +122,7 @@ class StackedVGG(nn.Module):
         )
         self.norms = nn.ModuleList(StackedBatchNorm2d(members, c) for c in widths)
         self.classifier = StackedLinear(members, widths[-1] * self.spatial, num_classes, generator)
+        self.residuals = ResidualChains()
 
     @property
     def members(self) -> int:
@@ -155,6 +132,11 @@ class StackedVGG(nn.Module):
     def widths(self) -> list[int]:
         return [conv.weight.shape[1] for conv in self.convs]
 
+    @property
+    def depth(self) -> int:
+        """Layers with weights: conv layers, inserted residual blocks and the classifier."""
+        return len(self.convs) + len(self.residuals) + 1
+
     def forward(self, x: Tensor, per_member: bool = False) -> Tensor:
         if per_member:  # (N, B, C, H, W) -> (B, N*C, H, W): member-major channels, grouped conv
             x = x.transpose(0, 1).flatten(1, 2)
@@ -162,9 +144,15 @@ class StackedVGG(nn.Module):
             x = F.relu(norm(conv(x)))  # (B, N*c, H, W)
             if index in VGG19_POOL_AFTER:
                 x = F.max_pool2d(x, 2)
+            x = self.residuals.run(index, x)
         batch = x.shape[0]
         features = x.reshape(batch, self.members, -1).transpose(0, 1)  # (N, B, c*h*w)
         return self.classifier(features)  # (N, B, classes)
+
+    def new_residual(self, after: int, generator: torch.Generator | None) -> ResidualConv:
+        """A residual block for conv layer ``after``'s output, after its pooling (ties of the
+        max-pool, common among ReLU zeros, would break the block's first-order score)."""
+        return ResidualConv(self.members, self.widths[after], generator)
 
     def growable_layers(self) -> list[GrowableLayer]:
         if self.spatial != 1:
@@ -176,16 +164,18 @@ class StackedVGG(nn.Module):
             fan_in = conv.weight.shape[2] * 9
             consumer = self.convs[index + 1] if index + 1 < len(self.convs) else self.classifier
             consumer_dim = 2 if index + 1 < len(self.convs) else 1
+            block_producers, block_consumers = self.residuals.unit_tensors(index)
             grown.append(
                 GrowableLayer(
                     producers=(
-                        UnitTensor(conv, "weight", 1, _uniform(fan_in)),
-                        UnitTensor(norm, "weight", 1, _constant(1.0)),
-                        UnitTensor(norm, "bias", 1, _constant(0.0)),
-                        UnitTensor(norm, "running_mean", 1, _constant(0.0)),
-                        UnitTensor(norm, "running_var", 1, _constant(1.0)),
+                        UnitTensor(conv, "weight", 1, uniform_fill(fan_in)),
+                        UnitTensor(norm, "weight", 1, constant_fill(1.0)),
+                        UnitTensor(norm, "bias", 1, constant_fill(0.0)),
+                        UnitTensor(norm, "running_mean", 1, constant_fill(0.0)),
+                        UnitTensor(norm, "running_var", 1, constant_fill(1.0)),
+                        *block_producers,
                     ),
-                    consumers=(UnitTensor(consumer, "weight", consumer_dim),),
+                    consumers=(*block_consumers, UnitTensor(consumer, "weight", consumer_dim)),
                 )
             )
         return grown

@@ -5,8 +5,9 @@ The one way vision streams run.  ``fairseq-train --task alma_stream --vision-dat
 ``VisionRun`` and call ``run_vision_stream``:
 
     resume (checkpoint_last.pt)  ->  close_stage(0): the untrained model, arrival 0
-    for each stage s of the plan:    grow (learner.before_stage), train epochs with
-                                     best-validation selection (stage_trainer.train_stage),
+    for each stage s of the plan:    input statistics of the arrived mega-batches, grow
+                                     (learner.before_stage), train epochs with
+                                     best-validation selection (stream_stage.train_one_stage),
                                      close_stage(s): test error, one record per arrival,
                                      save checkpoint_last.pt (learner, RNG, progress)
 
@@ -21,16 +22,12 @@ import dataclasses
 import hashlib
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
-from torch import Tensor
 
 from ..errors import CheckpointError, Preempted, RunDirError, UsageError
-from ..stream.partition import Megabatch, partition_indices
 from ..stream.progress import StreamPlan, StreamProgress
 from ..stream.records import ArrivalRecord
 from ..stream.run_dir import RunDirectory, damaged_record
@@ -38,8 +35,9 @@ from ..stream.schedule import ArrivalInfo, Stage
 from ..stream.stop import StopSignal
 from .data import VisionData, load_vision_data
 from .devices import check_amp
-from .learners import Learner, LearnerSpec, build_learner
-from .stage_trainer import StageResult, StageTrainConfig, evaluate, train_stage
+from .learners import LearnerSpec, build_learner
+from .stage_trainer import StageTrainConfig, evaluate
+from .stream_stage import arrived_statistics, make_partition, train_one_stage
 
 logger = logging.getLogger(__name__)
 
@@ -83,51 +81,6 @@ class VisionRun:
         }
 
 
-@dataclass
-class StageOutcome:
-    """``train_one_stage``'s result: the growth done before training, and the training."""
-
-    growth: dict[str, Any]
-    result: StageResult
-
-    @property
-    def flops(self) -> float:
-        return self.growth.get("flops", 0.0) + self.result.flops
-
-
-def make_partition(data: VisionData, plan: StreamPlan, seed: int,
-                   valid_fraction: float) -> list[Megabatch]:
-    """Seeded split of the training set into mega-batches with their validation parts."""
-    if plan.num_megabatches > data.x_train.shape[0]:
-        raise UsageError(f"--num-megabatches {plan.num_megabatches} is larger than the training "
-                         f"set of {data.name} ({data.x_train.shape[0]} examples)")
-    return partition_indices(data.x_train.shape[0], plan.num_megabatches, seed, valid_fraction)
-
-
-def stage_data(data: VisionData, partition: list[Megabatch],
-               megabatch_ids: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(train_x, train_y, valid_x, valid_y) of the union of ``megabatch_ids``."""
-    train = torch.from_numpy(np.concatenate([partition[i].train for i in megabatch_ids]))
-    valid = torch.from_numpy(np.concatenate([partition[i].valid for i in megabatch_ids]))
-    device = data.x_train.device
-    train, valid = train.to(device), valid.to(device)
-    return data.x_train[train], data.y_train[train], data.x_train[valid], data.y_train[valid]
-
-
-def train_one_stage(learner: Learner, stage: Stage, data: VisionData, partition: list[Megabatch],
-                    config: StageTrainConfig, seed: int,
-                    progress: Callable[[int, float, list[float]], None] | None = None,
-                    should_stop: Callable[[], bool] | None = None) -> StageOutcome:
-    """Grow (stages after the first), then train on ``stage.train_megabatches``; ``should_stop``
-    is asked after every epoch (the stage then raises ``Preempted``)."""
-    train_x, train_y, valid_x, valid_y = stage_data(data, partition, stage.train_megabatches)
-    growth = learner.before_stage(stage.index, train_x, train_y, valid_x, valid_y)
-    result = train_stage(learner, train_x, train_y, valid_x, valid_y, config,
-                         seed=seed * 1_000_003 + stage.index, progress=progress,
-                         should_stop=should_stop, stage=stage.index)
-    return StageOutcome(growth=growth, result=result)
-
-
 class _VisionStream:
     """One run of ``run_vision_stream``: learner, data, progress and the checkpoint."""
 
@@ -135,14 +88,11 @@ class _VisionStream:
         if run.training.augment and not data.is_image:
             raise UsageError(f"--vision-augment crop-flip needs images, but {data.name} holds "
                              f"feature vectors; use --vision-augment none")
-        if run.training.augment and run.training.augment_fill is None:
-            # pad crops with the normalised black pixel, as an unnormalised pipeline would
-            fill = tuple(-m / s for m, s in zip(data.mean, data.std))
-            run = dataclasses.replace(run, training=dataclasses.replace(run.training, augment_fill=fill))
         self.run, self.run_dir = run, run_dir
         self.device = torch.device(run.device)
         self.data = _on_device(data, self.device)
         self.partition = make_partition(data, run.plan, run.seed, run.valid_fraction)
+        self.statistics = arrived_statistics(self.data, self.partition)
         self.learner = build_learner(run.learner, data.input_shape, data.num_classes).to(self.device)
         self.progress = StreamProgress(run.plan, run_dir)
         self.stages: dict[int, dict[str, Any]] = {}  # what each stage did (FLOPs, best epoch)
@@ -234,13 +184,17 @@ class _VisionStream:
                             epoch, epochs, train_loss, [round(v, 4) for v in valid_losses])
 
         outcome = train_one_stage(self.learner, stage, self.data, self.partition,
-                                  self.run.training, self.run.seed, progress=progress,
+                                  self.statistics, self.run.training, self.run.seed,
+                                  plans_growth=stage.index < self.run.plan.num_stages,
+                                  progress=progress,
                                   should_stop=None if stop is None else lambda: stop.requested)
         result = outcome.result
         growth = {k: v for k, v in outcome.growth.items() if k != "flops"}
-        logger.info("stage %d (arrival %d, mega-batches %s): %s, best epoch %s, %.1fs",
+        plan = {k: v for k, v in outcome.plan.items() if k != "flops"}
+        logger.info("stage %d (arrival %d, mega-batches %s): %s, best epoch %s, %.1fs%s",
                     stage.index, stage.arrival, list(stage.train_megabatches),
-                    growth or "no growth", result.best_epoch, result.wall_time)
+                    growth or "no growth", result.best_epoch, result.wall_time,
+                    f", planned {plan}" if plan else "")
         self.stages[stage.index] = {"flops": float(outcome.flops),
                                     "best_epoch": list(result.best_epoch)}
 

@@ -93,8 +93,9 @@ class OptimizerSpec:
 @dataclass(frozen=True)
 class StageTrainConfig:
     """How every stage trains.  ``augment_fill``: padded-border value per channel for the crop
-    augmentation (the normalised black pixel, ``-mean/std``); None pads with 0.  ``amp``:
-    mixed precision of the forward passes, off, fp16 (CUDA only) or bf16."""
+    augmentation; None pads with 0, a black pixel (the learner normalises its inputs itself,
+    after augmentation, as a torchvision pipeline would).  ``amp``: mixed precision of the
+    forward passes, off, fp16 (CUDA only) or bf16."""
 
     epochs: int = 100
     batch_size: int = 128
