@@ -68,7 +68,9 @@ class SwitchTransformerLMConfig(FairseqDataclass):
         metadata={"help": "expert slots allocated per MoE block for growth (--grow-experts); default --moe-experts"},
     )
     moe_freq: int = field(default=2, metadata={"help": "every N-th block is a Switch block (2 = every other, as in Switch)"})
-    capacity_factor: float = field(default=1.0, metadata={"help": "training capacity factor (paper: 1.0)"})
+    capacity_factor: float = field(default=1.0, metadata={"help": (
+        "training capacity factor (paper: 1.0): each expert takes at most int(cf * ceil(T / E)) of "
+        "a batch's T token positions, padding included (padding itself takes no slot)")})
     eval_capacity_factor: Optional[float] = field(
         default=None,
         metadata={
