@@ -182,8 +182,11 @@ class SwitchTransformerDecoder(FairseqIncrementalDecoder):
         x = nn.functional.dropout(x, p=self.dropout, training=self.training)
         x = x.transpose(0, 1)  # (T, B, C)
 
+        # Always a tensor, never ``mask if mask.any() else None``: that Python branch would read
+        # the mask back from the GPU (a stall before every forward).  An all-False mask changes
+        # no result; its price is that torch's attention then adds it to the causal mask as a
+        # (B*heads, T, T) tensor even for batches without padding.
         padding_mask = prev_output_tokens.eq(self.padding_idx)  # (B, T)
-        padding_mask = padding_mask if padding_mask.any() else None
         seq_len = x.size(0)
         attn_mask = None if incremental_state is not None else self.causal_mask(seq_len, x)
 
