@@ -96,7 +96,8 @@ def test_padding_is_excluded():
     pad[1, 5:] = True
     y, aux = layer(x, pad)
     assert torch.equal(y[pad], torch.zeros(int(pad.sum()), 8))
-    # same tokens without the padding give the same outputs and the same balance loss
+    # same tokens without the padding give the same outputs and the same balance loss (the
+    # capacity counts padding: int(ceil(12 / 4)) = 3 here, int(ceil(9 / 4)) = 3 unpadded)
     y_valid, aux_valid = layer(x[~pad])
     assert torch.allclose(y[~pad], y_valid, atol=1e-6)
     assert aux.balance_loss.item() == pytest.approx(aux_valid.balance_loss.item(), rel=1e-6)
@@ -221,7 +222,7 @@ def test_segment_fallback_equals_batched_path():
     logits[:, 3] = 5.0  # every token wants expert 3 -> C = 40, E*C = 320 > 2*40
     logits[:4, 1] = 9.0
     routing = route_top1(logits, None)
-    by_segment = layer._experts_by_segment(x, routing)
+    by_segment = layer._experts_by_segment(x, routing, layer._kept_counts(routing))
     row = routing.expert * 40 + routing.slot
     kept = routing.keep.nonzero().squeeze(1)
     slot_token = torch.zeros(8 * 40, dtype=torch.long).index_copy(0, row[kept], kept)

@@ -43,14 +43,18 @@ def test_first_come_first_served_and_dropping():
     assert torch.allclose(routing.gate, torch.full((6,), p))
 
 
-def test_padding_takes_no_slot_and_no_capacity():
-    valid = torch.tensor([True, False, True, True, False, True])
-    routing = route_top1(logits_for([0, 0, 0, 0, 0, 1], 2), capacity_factor=1.0, valid=valid)
-    # 4 valid tokens -> capacity int(ceil(4/2)) = 2; padding does not consume expert 0's slots
-    assert routing.capacity == 2
-    assert routing.keep.tolist() == [True, False, True, False, False, True]
-    assert routing.expert[~valid].tolist() == [2, 2]  # id no expert has
-    assert routing.gate[~valid].tolist() == [0.0, 0.0]
+def test_padding_counts_towards_capacity_but_takes_no_slot():
+    """Capacity comes from all positions (fairseq's top1gating; a Python int, no host read),
+    yet padding never occupies a slot: the real tokens keep the room it would have taken."""
+    valid = torch.tensor([True, False, True, False, True, True, True, False])
+    routing = route_top1(logits_for([0, 0, 0, 0, 0, 0, 0, 1], 2), capacity_factor=1.0, valid=valid)
+    assert routing.capacity == 4  # int(1.0 * ceil(8 / 2)): 8 positions, 3 of them padding
+    # expert 0's real tokens 0, 2, 4, 5, 6 take slots 0-3 and token 6 overflows; had padding
+    # taken slots, token 5 would have been dropped as well
+    assert routing.slot[valid].tolist() == [0, 1, 2, 3, 4]
+    assert routing.keep.tolist() == [True, False, True, False, True, True, False, False]
+    assert routing.expert[~valid].tolist() == [2, 2, 2]  # id no expert has
+    assert routing.gate[~valid].tolist() == [0.0, 0.0, 0.0]
 
 
 def test_balance_loss_hand_computed():
@@ -154,7 +158,7 @@ def test_batch_prioritized_routing_keeps_the_most_confident_tokens():
 def test_batch_prioritized_routing_ignores_padding_and_ties_keep_token_order():
     logits = torch.tensor([[2.0, 0.0], [2.0, 0.0], [9.0, 0.0], [2.0, 0.0], [0.0, 1.0]])
     valid = torch.tensor([True, True, False, True, True])
-    routing = route_top1(logits, capacity_factor=1.0, valid=valid, batch_prioritized=True)
-    assert routing.capacity == 2  # 4 valid tokens over 2 experts
+    routing = route_top1(logits, capacity_factor=0.8, valid=valid, batch_prioritized=True)
+    assert routing.capacity == 2  # int(0.8 * ceil(5 / 2)): all 5 positions count
     # the padding row's large logit gives it no slot; equal gates keep token order
     assert routing.keep.tolist() == [True, True, False, False, True]

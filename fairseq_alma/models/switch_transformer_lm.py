@@ -68,7 +68,9 @@ class SwitchTransformerLMConfig(FairseqDataclass):
         metadata={"help": "expert slots allocated per MoE block for growth (--grow-experts); default --moe-experts"},
     )
     moe_freq: int = field(default=2, metadata={"help": "every N-th block is a Switch block (2 = every other, as in Switch)"})
-    capacity_factor: float = field(default=1.0, metadata={"help": "training capacity factor (paper: 1.0)"})
+    capacity_factor: float = field(default=1.0, metadata={"help": (
+        "training capacity factor (paper: 1.0): each expert takes at most int(cf * ceil(T / E)) of "
+        "a batch's T token positions, padding included (padding itself takes no slot)")})
     eval_capacity_factor: Optional[float] = field(
         default=None,
         metadata={
@@ -180,8 +182,11 @@ class SwitchTransformerDecoder(FairseqIncrementalDecoder):
         x = nn.functional.dropout(x, p=self.dropout, training=self.training)
         x = x.transpose(0, 1)  # (T, B, C)
 
+        # Always a tensor, never ``mask if mask.any() else None``: that Python branch would read
+        # the mask back from the GPU (a stall before every forward).  An all-False mask changes
+        # no result; its price is that torch's attention then adds it to the causal mask as a
+        # (B*heads, T, T) tensor even for batches without padding.
         padding_mask = prev_output_tokens.eq(self.padding_idx)  # (B, T)
-        padding_mask = padding_mask if padding_mask.any() else None
         seq_len = x.size(0)
         attn_mask = None if incremental_state is not None else self.causal_mask(seq_len, x)
 

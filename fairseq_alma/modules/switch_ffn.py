@@ -8,6 +8,10 @@ Why this layout:
   ``moe`` branch's dense dispatch is 4x slower than a dense FFN on CPU): on CPU kept tokens are
   sorted by expert and each expert runs one matmul on its segment (expert_segments.py); on GPU
   all experts run as one batched matmul over an ``[E, C, d]`` buffer (see ``dispatch``).
+- The batched path never reads a tensor back to the host in training, so CUDA kernels queue
+  without stalls: the capacity comes from the token count in the shape (switch_routing.py) and
+  padding is masked with tensors.  Only unlimited-capacity evaluation reads the experts' loads
+  once; the CPU segment kernel reads its group sizes, which costs nothing on CPU.
 - Router logits and softmax are float32 even under --fp16/--amp (Switch §2.4: selective
   precision), and the balance loss is *returned*, never stored on the module.
 """
@@ -25,7 +29,14 @@ from torch import Tensor, nn
 from ..errors import UsageError
 from .expert_segments import GradientPool, relu_expert_segments
 from .switch_ffn_config import SwitchFFNConfig
-from .switch_routing import Top1Routing, balance_loss, route_top1, router_z_loss, routing_diagnostics
+from .switch_routing import (
+    Top1Routing,
+    balance_loss,
+    expert_counts,
+    route_top1,
+    router_z_loss,
+    routing_diagnostics,
+)
 
 
 @dataclass
@@ -164,15 +175,21 @@ class SwitchFFN(nn.Module):
 
         - ``segments`` (CPU with ReLU): kept tokens sorted by expert, one small matmul per
           expert in a fused autograd function (expert_segments.py).  On 2 CPU threads this is
-          as fast as the dense FFN at E <= 16 (benchmarks/switch_ffn.py); it needs the group
-          sizes on the host, free on CPU.
+          as fast as the dense FFN at E <= 16 (benchmarks/switch_ffn.py).  It reads the group
+          sizes back to the host once per call (``.tolist()``): free on CPU, which is the only
+          device "auto" picks it for; the no-synchronisation guarantee is the batched path's.
         - ``batched`` (GPU, or other activations): every expert runs as one ``baddbmm`` over an
-          ``[E, C, d]`` buffer in which kept token t sits at row ``expert * C + slot``.  No
-          host synchronisation, so CUDA kernels queue without stalls.  The buffer is gathered
-          straight from the tokens (empty slots repeat token 0: computed, never read) and the
-          outputs straight back to token order (dropped tokens read an arbitrary row times a
-          gate of 0).  With no capacity limit (evaluation) C is the busiest expert's load; if
-          that buffer would exceed 2x the tokens, experts run one by one instead.
+          ``[E, C, d]`` buffer in which kept token t sits at row ``expert * C + slot``.  The
+          buffer is gathered straight from the tokens (empty slots repeat token 0: computed,
+          never read) and the outputs straight back to token order (dropped tokens read an
+          arbitrary row times a gate of 0).  With a capacity factor (always in training) C is
+          known from the shape and nothing is read back to the host, forward or backward, so
+          CUDA kernels queue without stalls; the buffer is E*C ~ capacity_factor x T rows.
+        - Evaluation without a capacity limit (the default) reads the experts' loads back once:
+          C is the busiest expert's load, and if that buffer would exceed 2x the tokens,
+          experts run one by one over the same loads.  A sync-free bound would be C = T, i.e.
+          E times the dense FFN's FLOPs and activation memory (16x at E = 16) for every
+          evaluation batch; one read per layer of a forward-only pass costs far less.
         """
         keep = routing.keep
         gate = (routing.gate * keep).to(tokens.dtype)  # (T,): 0 if dropped/padding
@@ -183,15 +200,20 @@ class SwitchFFN(nn.Module):
         gate = gate.unsqueeze(-1)  # (T, 1)
         capacity = routing.capacity
         if capacity is None:  # evaluation without limit: the busiest expert sets the buffer depth
-            capacity = int(routing.slot[keep].max()) + 1 if bool(keep.any()) else 1
+            counts = self._kept_counts(routing)  # the one host read (see the docstring)
+            capacity = max(max(counts), 1)
+            if num_experts * capacity > 2 * num_tokens:
+                return self._experts_by_segment(tokens, routing, counts) * gate
         if capacity == 0:  # tiny batches with a small capacity factor: every token dropped
             return tokens * 0.0
-        if num_experts * capacity > 2 * num_tokens:
-            return self._experts_by_segment(tokens, routing) * gate
         row = routing.expert.clamp(max=num_experts - 1) * capacity + routing.slot.clamp(max=capacity - 1)  # (T,)
-        kept = keep.nonzero().squeeze(1)  # (K,)
-        slot_token = torch.zeros(num_experts * capacity, dtype=torch.long, device=tokens.device)
-        slot_token.index_copy_(0, row.index_select(0, kept), kept)  # (E*C,) token id of each slot
+        # Kept tokens write their id to their own slot; dropped and padding tokens all write to
+        # one spare row past the end (no ``nonzero()``: its output size would sync on CUDA).
+        spare = num_experts * capacity
+        target = torch.where(keep, row, spare)  # (T,)
+        token_ids = torch.arange(num_tokens, device=tokens.device)
+        slot_token = torch.zeros(spare + 1, dtype=torch.long, device=tokens.device)
+        slot_token = slot_token.index_copy_(0, target, token_ids)[:spare]  # (E*C,) token id of each slot
         y = self._experts_batched(tokens, slot_token, row, num_experts, capacity)  # (T, d)
         return y * gate
 
@@ -202,16 +224,25 @@ class SwitchFFN(nn.Module):
             return tokens.device.type == "cpu" and self.cfg.activation_fn == "relu"
         return self.cfg.expert_kernel == "segments"
 
-    def _group_by_expert(self, routing: Top1Routing) -> tuple[Tensor, list[int]]:
-        """Kept token ids grouped by expert (token order inside a group) and the group sizes."""
-        kept = routing.keep.nonzero().squeeze(1)  # (K,)
-        expert = routing.expert.index_select(0, kept)
-        index = kept.index_select(0, torch.argsort(expert, stable=True))
-        return index, torch.bincount(expert, minlength=self.num_experts).tolist()
+    def _kept_expert(self, routing: Top1Routing) -> Tensor:
+        """(T,) expert of each kept token; dropped and padding tokens get the spare id E."""
+        return torch.where(routing.keep, routing.expert, self.num_experts)
+
+    def _kept_counts(self, routing: Top1Routing) -> list[int]:
+        """Kept tokens per expert, read back to the host: the callers size Python-side loops
+        and buffers with them (the CPU segment kernel, unlimited-capacity evaluation)."""
+        return expert_counts(self._kept_expert(routing), self.num_experts + 1)[: self.num_experts].tolist()
+
+    def _group_by_expert(self, routing: Top1Routing, counts: list[int]) -> Tensor:
+        """(K,) kept token ids grouped by expert, token order inside a group.  One stable sort
+        puts dropped and padding tokens (spare id E) last; ``counts`` (``_kept_counts``) say
+        where the kept ones end."""
+        return torch.argsort(self._kept_expert(routing), stable=True)[: sum(counts)]
 
     def _dispatch_segments(self, tokens: Tensor, routing: Top1Routing, gate: Tensor) -> Tensor:
         """The ``segments`` kernel: (T, d) tokens -> gate x expert output in token order."""
-        index, counts = self._group_by_expert(routing)
+        counts = self._kept_counts(routing)
+        index = self._group_by_expert(routing, counts)
         out = self._run_experts(tokens.index_select(0, index), list(self._active_weights(self.num_experts)), counts)
         out = out * gate.index_select(0, index).unsqueeze(-1)  # (K, d)
         return tokens.new_zeros(tokens.shape).index_copy(0, index, out)
@@ -260,8 +291,9 @@ class SwitchFFN(nn.Module):
             return params
         return tuple(p[:num_experts] for p in params)  # type: ignore[return-value]
 
-    def _experts_by_segment(self, tokens: Tensor, routing: Top1Routing) -> Tensor:
-        """Experts one by one over kept tokens sorted by expert; (T, d) in token order, 0 elsewhere."""
-        index, counts = self._group_by_expert(routing)
+    def _experts_by_segment(self, tokens: Tensor, routing: Top1Routing, counts: list[int]) -> Tensor:
+        """Experts one by one over kept tokens sorted by expert (``counts`` per expert, from
+        ``_kept_counts``); (T, d) in token order, 0 elsewhere."""
+        index = self._group_by_expert(routing, counts)
         out = self._experts_autograd(tokens.index_select(0, index), list(self._active_weights(self.num_experts)), counts)
         return tokens.new_zeros(tokens.shape).index_copy(0, index, out)  # (T, d)

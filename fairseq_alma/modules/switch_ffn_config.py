@@ -38,7 +38,10 @@ class SwitchFFNConfig:
         num_experts: experts active at construction [--moe-experts]; growth switches on more.
         max_experts: allocated expert slots (>= num_experts) for growth [--moe-max-experts];
             None = num_experts (see ``slots``).
-        capacity_factor: training capacity factor (paper: 1.0) [--capacity-factor].
+        capacity_factor: training capacity factor (paper: 1.0) [--capacity-factor]: each expert
+            takes at most ``int(capacity_factor * ceil(T / E))`` of a batch's T token positions.
+            T includes padding (as in fairseq's MoE), so the capacity is known from the shape
+            without reading the padding mask back from the GPU; padding itself takes no slot.
         eval_capacity_factor: capacity factor when ``not layer.training`` [--eval-capacity-factor].
             None = no limit: every token reaches its expert, so perplexity does not depend on how
             evaluation batches are composed (alma-score and fairseq-eval-lm batch differently yet

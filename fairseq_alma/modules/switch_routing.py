@@ -7,6 +7,11 @@ testable on hand-made logits and lets the layer (``switch_ffn.py``) only gather 
 
 Nothing here builds a tokens x experts x capacity tensor: assignments are (expert, slot) index
 pairs computed with one stable sort, as in MegaBlocks / Tutel's "fast dispatch".
+
+Nothing here reads a tensor back to the host either (no ``.item()``, ``.tolist()``, ``int()``,
+boolean-mask indexing or ``torch.bincount``, which on CUDA reads its largest id to size the
+output): the capacity comes from the token count in the shape, padding is masked with tensors,
+so on a GPU routing and its losses queue behind the forward without a stall.
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ class Top1Routing:
         keep: (T,) bool, token is not padding and ``slot < capacity``.
         gate: (T,) float32, router probability of the chosen expert (0 for padding).
         probs: (T, E) float32 router probabilities (rows of padding are not used anywhere).
-        capacity: slots per expert, or None for "no limit" (evaluation default).
+        capacity: slots per expert from all T positions, padding included (see
+            ``expert_capacity``), or None for "no limit" (evaluation default).
     """
 
     expert: Tensor
@@ -46,7 +52,12 @@ class Top1Routing:
 def expert_capacity(num_tokens: int, num_experts: int, capacity_factor: Optional[float]) -> Optional[int]:
     """Slots per expert: ``C = int(capacity_factor * ceil(tokens / E))`` (Switch eq. 3).
 
-    ``num_tokens`` counts real (non-padding) tokens only.  ``None`` means unlimited capacity.
+    ``num_tokens`` is every token position handed to the router, padding included, as in
+    fairseq's own MoE gate (``top1gating`` on the ``moe`` branch sizes it from the gate's shape).
+    Why padding counts: the shape is a Python int, while the number of real tokens lives in the
+    (GPU) padding mask and would have to be read back to the host, stalling the GPU queue on
+    every MoE layer.  Padding still takes no slot, so a padded batch only gives its real tokens
+    more room than the same tokens unpadded would get.  ``None`` means unlimited capacity.
     """
     if capacity_factor is None:
         return None
@@ -65,9 +76,10 @@ def route_top1(
 
     Args:
         logits: (T, E) router logits; computed and kept in float32 by the caller.
-        capacity_factor: multiplies the uniform share ``ceil(T_valid / E)``; None = no limit.
-        valid: (T,) bool, False at padding positions.  Padding takes no part in routing,
-            capacity or the balance loss.
+        capacity_factor: multiplies the uniform share ``ceil(T / E)`` of all T positions,
+            padding included (``expert_capacity`` says why); None = no limit.
+        valid: (T,) bool, False at padding positions.  Padding takes no slot and no part in
+            the balance loss or the diagnostics; it only counts towards T in the capacity.
         batch_prioritized: slots go to the tokens with the highest gate first instead of the
             earliest (batch-prioritised routing, Riquelme et al. 2021 §3.1): when an expert
             overflows, the tokens it is least sure about are the ones dropped.  Ties keep token
@@ -83,8 +95,7 @@ def route_top1(
         probs = torch.where(valid.unsqueeze(-1), probs, torch.zeros_like(probs))
     gate, expert = probs.max(dim=-1)  # (T,), (T,)
     expert = torch.where(valid, expert, torch.full_like(expert, num_experts))
-    num_valid = int(valid.sum())
-    capacity = expert_capacity(num_valid, num_experts, capacity_factor)
+    capacity = expert_capacity(num_tokens, num_experts, capacity_factor)
 
     if batch_prioritized:
         priority = torch.argsort(-gate, stable=True)  # (T,) most confident first; padding gate 0
@@ -103,12 +114,31 @@ def arrival_slots(expert: Tensor, num_bins: int) -> Tensor:
     token's slot is its position in the sorted order minus the start of its group.
     """
     order = torch.argsort(expert, stable=True)  # (T,)
-    counts = torch.bincount(expert, minlength=num_bins)  # (bins,)
+    counts = expert_counts(expert, num_bins)  # (bins,)
     starts = torch.cumsum(counts, 0) - counts  # (bins,) first sorted position of each expert
     rank_sorted = torch.arange(expert.numel(), device=expert.device) - starts[expert[order]]
     slot = torch.empty_like(expert)
     slot[order] = rank_sorted
     return slot
+
+
+def expert_counts(expert: Tensor, num_bins: int) -> Tensor:
+    """(num_bins,) long: how many tokens carry each id in ``[0, num_bins)``.
+
+    ``scatter_add_`` into a fixed-size vector rather than ``torch.bincount``, which on CUDA reads
+    the largest id back to the host to size its output (a synchronisation per call)."""
+    counts = torch.zeros(num_bins, dtype=torch.long, device=expert.device)
+    return counts.scatter_add_(0, expert, torch.ones_like(expert))
+
+
+def _expert_loads(routing: Top1Routing, valid: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """(valid (T,) bool, counts (E,) long): the tokens whose argmax is each expert, padding
+    excluded by sending it to a spare bin (no boolean indexing: that would sync on CUDA)."""
+    num_experts = routing.probs.shape[-1]
+    if valid is None:
+        valid = routing.expert < num_experts
+    expert = torch.where(valid, routing.expert, num_experts)  # (T,) padding -> spare bin E
+    return valid, expert_counts(expert, num_experts + 1)[:num_experts]
 
 
 def balance_loss(routing: Top1Routing, valid: Optional[Tensor] = None) -> Tensor:
@@ -120,10 +150,9 @@ def balance_loss(routing: Top1Routing, valid: Optional[Tensor] = None) -> Tensor
     """
     probs = routing.probs
     num_experts = probs.shape[-1]
-    if valid is None:
-        valid = routing.expert < num_experts
+    valid, counts = _expert_loads(routing, valid)
     n = valid.sum().clamp(min=1).to(probs.dtype)
-    counts = torch.bincount(routing.expert[valid], minlength=num_experts).to(probs.dtype)
+    counts = counts.to(probs.dtype)
     f = counts / n  # (E,)
     p_mean = torch.where(valid.unsqueeze(-1), probs, torch.zeros_like(probs)).sum(0) / n  # (E,)
     return num_experts * torch.sum(f * p_mean)
@@ -148,10 +177,9 @@ def routing_diagnostics(routing: Top1Routing, valid: Optional[Tensor] = None) ->
     """
     probs = routing.probs.detach()
     num_experts = probs.shape[-1]
-    if valid is None:
-        valid = routing.expert < num_experts
+    valid, counts = _expert_loads(routing, valid)
     n = valid.sum()
-    counts = torch.bincount(routing.expert[valid], minlength=num_experts).float()
+    counts = counts.float()
     share = counts * num_experts / n.clamp(min=1).float()
     entropy = -(probs * torch.log(probs.clamp(min=1e-9))).sum(-1)  # (T,)
     return {
