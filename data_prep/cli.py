@@ -160,6 +160,10 @@ def _run(args: argparse.Namespace, command: str) -> None:
     print(format_summary(manifest))
 
 
+_SPM_FLAGS = {"vocab_size": "--vocab-size", "spm_sample_sentences": "--spm-sample-sentences",
+              "spm_threads": "--spm-threads", "byte_fallback": "--byte-fallback"}
+
+
 def _check_tokenizer_flags(args: argparse.Namespace) -> None:
     """GPT-2 files only with --bpe gpt2; no tokenizer at all with --from-binarized."""
     gpt2_files = [flag for flag, value in (("--gpt2-encoder-json", args.gpt2_encoder_json),
@@ -169,6 +173,13 @@ def _check_tokenizer_flags(args: argparse.Namespace) -> None:
                         f"{' and '.join(['--bpe'] * bool(args.bpe) + gpt2_files)}")
     if gpt2_files and args.bpe != "gpt2":
         raise DataError(f"{gpt2_files[0]} is for --bpe gpt2; add --bpe gpt2 or drop it")
+    if args.from_binarized or args.bpe == "gpt2":
+        # A sentencepiece flag that would silently do nothing is refused (its default passes).
+        d = PrepOptions(inputs=[], out="")
+        for field, flag in _SPM_FLAGS.items():
+            if getattr(args, field) != getattr(d, field):
+                route = "--from-binarized" if args.from_binarized else "--bpe gpt2"
+                raise DataError(f"{flag} trains sentencepiece, which {route} does not; drop it")
     args.bpe = args.bpe or "sentencepiece"
 
 

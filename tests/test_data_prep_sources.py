@@ -158,6 +158,9 @@ def test_gpt2_flags_fail_with_one_line(corpus, gpt2_files, tmp_path):
                                     missing, "--gpt2-vocab-bpe", vocab),
                            "--gpt2-encoder-json", missing)
     _assert_one_line_error(run_prep(corpus, *out, "--gpt2-vocab-bpe", vocab), "--bpe gpt2")
+    _assert_one_line_error(run_prep(corpus, *out, "--bpe", "gpt2", "--gpt2-encoder-json",
+                                    encoder, "--gpt2-vocab-bpe", vocab, "--vocab-size", "400"),
+                           "--vocab-size", "--bpe gpt2")
     partial = tmp_path / "partial.json"  # lacks the id of the last merge
     with open(encoder, encoding="utf-8") as f:
         partial.write_text(json.dumps(dict(list(json.load(f).items())[:-1])), encoding="utf-8")
@@ -239,6 +242,8 @@ def test_from_binarized_errors_name_the_path_and_the_next_step(gpt2_stream, corp
     _assert_one_line_error(run_prep("--from-binarized", str(data_bin), corpus, *out), "INPUT")
     _assert_one_line_error(run_prep("--from-binarized", str(data_bin), "--bpe", "gpt2", *out),
                            "--bpe")
+    _assert_one_line_error(run_prep("--from-binarized", str(data_bin), "--no-byte-fallback",
+                                    *out), "--byte-fallback", "--from-binarized")
     _assert_one_line_error(run_prep("--from-binarized", str(tmp_path / "none"), *out),
                            "--from-binarized", "fairseq-preprocess")
 
