@@ -261,3 +261,24 @@ def test_from_binarized_errors_name_the_path_and_the_next_step(gpt2_stream, corp
     (data_bin / "dict.txt").unlink()
     _assert_one_line_error(run_prep("--from-binarized", str(data_bin), *out),
                            str(data_bin / "dict.txt"))
+
+
+def test_from_binarized_reads_train1_after_train(gpt2_stream, tmp_path):
+    """fairseq's ``combine`` reads train, train1, ...: a data-bin split in two cuts as one."""
+    with open(os.path.join(gpt2_stream, "work", "encoded.txt"), encoding="utf-8") as f:
+        docs = f.read().split("\n\n")[:-1]
+    halves = [tmp_path / "first.txt", tmp_path / "second.txt"]
+    for half, part in zip(halves, (docs[:11], docs[11:])):
+        half.write_text("".join(doc + "\n\n" for doc in part), encoding="utf-8")
+    srcdict = ["--srcdict", os.path.join(gpt2_stream, "dict.txt")]
+    two = tmp_path / "two"
+    fairseq_preprocess(str(halves[0]), str(two), *srcdict)
+    fairseq_preprocess(str(halves[1]), str(tmp_path / "other"), *srcdict)
+    for ext in ("bin", "idx"):
+        os.replace(tmp_path / "other" / f"train.{ext}", two / f"train1.{ext}")
+    out = str(tmp_path / "cut")
+    result = run_prep("--from-binarized", str(two), "--out", out, *SPLIT_FLAGS)
+    assert result.returncode == 0, result.stderr
+    assert _load(out)["splits"] == _load(gpt2_stream)["splits"]
+    assert [os.path.basename(s["path"]) for s in _load(out)["sources"]] == \
+        ["train.bin", "train.idx", "train1.bin", "train1.idx"]
