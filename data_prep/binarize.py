@@ -2,9 +2,10 @@
 
 One dictionary serves every split (DESIGN.md: the task refuses data whose dictionary checksum
 disagrees with the manifest). Its symbols are every piece that occurs in the *training*
-mega-batches, with those counts, plus every other piece of the sentencepiece vocabulary with
-count 0: the counts come only from training data, yet any piece sentencepiece can produce has an
-id, so the evaluation mega-batch needs no ``<unk>``. ``Dictionary.finalize`` orders symbols by
+mega-batches, with those counts, plus every other piece of the tokenizer's vocabulary (the
+sentencepiece model's, or GPT-2's ids) with count 0: the counts come only from training data,
+yet any piece the tokenizer can produce has an id, so the evaluation mega-batch needs no
+``<unk>``. ``Dictionary.finalize`` orders symbols by
 frequency and pads the size to a multiple of 8, as ``fairseq-preprocess`` does.
 
 Binarization writes exactly what ``fairseq-preprocess --only-source --srcdict dict.txt``
@@ -24,7 +25,6 @@ from itertools import pairwise
 from multiprocessing import Pool
 
 import numpy as np
-import sentencepiece as spm
 import torch
 from fairseq.data import Dictionary, indexed_dataset
 
@@ -35,18 +35,15 @@ DATASET_IMPL = "mmap"
 PADDING_FACTOR = 8
 
 
-def build_dictionary(counts_path: str, spm_model_path: str, dict_path: str) -> dict:
-    """Write ``dict.txt``; return its sha256 and size (symbols, specials included)."""
+def build_dictionary(counts_path: str, vocabulary: list[str], dict_path: str) -> dict:
+    """Write ``dict.txt`` from the training pieces' counts plus, with count 0, every other
+    piece of the tokenizer's ``vocabulary``; return its sha256 and size (specials included)."""
     with open(counts_path, encoding="utf-8") as f:
         counts: dict[str, int] = json.load(f)
     dictionary = Dictionary()
     for piece, count in sorted(counts.items()):
         dictionary.add_symbol(piece, n=count)
-    model = spm.SentencePieceProcessor(model_file=spm_model_path)
-    for piece_id in range(model.get_piece_size()):
-        if model.is_control(piece_id) or model.is_unknown(piece_id):
-            continue  # <s>, </s>, <unk>: fairseq's Dictionary has its own
-        piece = model.id_to_piece(piece_id)
+    for piece in vocabulary:
         if piece not in dictionary:
             dictionary.add_symbol(piece, n=0)
     dictionary.finalize(threshold=-1, nwords=-1, padding_factor=PADDING_FACTOR)

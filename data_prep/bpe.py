@@ -6,7 +6,9 @@ GPT-2's byte-level BPE, no character is ever mapped to ``<unk>``. Encoding write
 space-separated pieces per input line and a blank line after each document (fairseq's language
 modeling format: ``--sample-break-mode complete_doc`` splits on those blank lines) and records
 each document's token count as fairseq will binarize it (pieces + one end-of-line per line +
-one for the blank separator), which is what the mega-batch split balances.
+one for the blank separator), which is what the mega-batch split balances. The encoding pool
+takes any ``LineEncoder`` (``SentencepieceLines`` here, ``gpt2_bpe.Gpt2Lines`` for ``--bpe
+gpt2``), so both tokenizers write the same format and the later steps cannot tell them apart.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import os
 import re
 import shutil
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from itertools import pairwise
 from multiprocessing import Pool
+from typing import Protocol
 
 import sentencepiece as spm
 
@@ -83,14 +87,41 @@ def _explain_spm_error(message: str, vocab_size: int) -> str:
     return f"sentencepiece training failed ({first_line}); check --vocab-size and the inputs"
 
 
-def _encode_batch(model: spm.SentencePieceProcessor,
-                  docs: list[list[str]]) -> tuple[bytes, list[int]]:
+EncodeLines = Callable[[list[str]], list[list[str]]]
+
+
+class LineEncoder(Protocol):
+    """What a worker process needs to tokenize: picklable, loaded once per byte range."""
+
+    def load(self) -> EncodeLines:
+        """Return a function mapping lines to their pieces (strings without whitespace)."""
+        ...
+
+
+@dataclass(frozen=True)
+class SentencepieceLines:
+    model_path: str
+
+    def load(self) -> EncodeLines:
+        model = spm.SentencePieceProcessor(model_file=self.model_path)
+        # One sentencepiece call per batch (not per document) keeps Python overhead small.
+        return lambda lines: model.encode(lines, out_type=str, num_threads=1)
+
+
+def sentencepiece_vocabulary(model_path: str) -> list[str]:
+    """Every piece the model can produce, in id order, except ``<s>``, ``</s>`` and ``<unk>``
+    (fairseq's Dictionary has its own)."""
+    model = spm.SentencePieceProcessor(model_file=model_path)
+    return [model.id_to_piece(i) for i in range(model.get_piece_size())
+            if not (model.is_control(i) or model.is_unknown(i))]
+
+
+def _encode_batch(encode: EncodeLines, docs: list[list[str]]) -> tuple[bytes, list[int]]:
     """Encode documents; return their text in the encoded format and their token counts.
 
-    One sentencepiece call per batch (not per document) keeps Python overhead small. A line
-    whose pieces are empty (sentencepiece dropped all its characters) is left out, and a
+    A line whose pieces are empty (the tokenizer dropped all its characters) is left out, and a
     document left without lines too: an empty line would read as a document separator."""
-    encoded = model.encode([line for doc in docs for line in doc], out_type=str, num_threads=1)
+    encoded = encode([line for doc in docs for line in doc])
     chunks, counts = [], []
     start = 0
     for doc in docs:
@@ -129,11 +160,11 @@ def _document_batches(docs_path: str, start: int, end: int) -> Iterator[list[lis
         yield batch
 
 
-def _encode_range(docs_path: str, start: int, end: int, model_path: str, text_path: str,
+def _encode_range(docs_path: str, start: int, end: int, encoder: LineEncoder, text_path: str,
                   tokens_path: str) -> tuple[int, int, int]:
     """Encode the documents in one byte range into their own text and token-count files;
     return (documents, tokens, bytes read)."""
-    model = spm.SentencePieceProcessor(model_file=model_path)
+    model = encoder.load()
     documents = tokens = 0
     with open(text_path, "wb") as text_out, open(tokens_path, "wb") as tokens_out:
         for batch in _document_batches(docs_path, start, end):
@@ -149,7 +180,7 @@ def _encode_range_star(task: tuple) -> tuple[int, int, int]:
     return _encode_range(*task)
 
 
-def encode_documents(docs_path: str, model_path: str, encoded_path: str, tokens_path: str,
+def encode_documents(docs_path: str, encoder: LineEncoder, encoded_path: str, tokens_path: str,
                      workers: int) -> dict:
     """Encode every document of ``docs_path`` with ``workers`` processes, in input order.
 
@@ -160,7 +191,7 @@ def encode_documents(docs_path: str, model_path: str, encoded_path: str, tokens_
     size = os.path.getsize(docs_path)
     chunks = max(-(-size // ENCODE_CHUNK_BYTES), 4 * workers if workers > 1 else 1)
     offsets = aligned_offsets(docs_path, chunks, at_blank_line=True)
-    parts = [(docs_path, a, b, model_path, f"{encoded_path}{PARTIAL_SUFFIX}.{k}",
+    parts = [(docs_path, a, b, encoder, f"{encoded_path}{PARTIAL_SUFFIX}.{k}",
               f"{tokens_path}{PARTIAL_SUFFIX}.{k}")
              for k, (a, b) in enumerate(pairwise(offsets))]
     progress = Progress("encode")

@@ -36,6 +36,13 @@ one end-of-line token per line and one blank-line separator per document include
 Output in --out: manifest.json, dict.txt, spm.model, spm.vocab, megabatch0..B-1.bin/.idx,
 eval.bin/.idx, valid.bin/.idx (fairseq mmap format); intermediate text under work/. Running
 the same command again reuses finished steps; changed flags redo only what depends on them.
+
+--bpe gpt2 encodes with GPT-2's byte-level BPE (the paper's) from your own encoder.json and
+vocab.bpe instead of training sentencepiece (no spm.* files): tokens are GPT-2 ids, as fairseq's
+multiprocessing_bpe_encoder.py writes them for the (whitespace-collapsed) lines.
+--from-binarized DATA_BIN skips text altogether: it cuts the train split of an existing
+fairseq-preprocess output (dict.txt, train.bin/.idx; empty lines separate documents) into the
+same seeded splits, keeping its dictionary and token ids. manifest.json records the tokenizer.
 """
 
 
@@ -66,6 +73,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("inputs", nargs="*", metavar="INPUT",
                    help="text file (.gz allowed) or directory of them")
     p.add_argument("--out", metavar="DIR", help="output directory (required to prepare)")
+    p.add_argument("--bpe", choices=["sentencepiece", "gpt2"], default=None,
+                   help="tokenizer: train a sentencepiece BPE on the corpus, or GPT-2's BPE "
+                   "from --gpt2-encoder-json and --gpt2-vocab-bpe (default: sentencepiece)")
+    p.add_argument("--gpt2-encoder-json", metavar="PATH",
+                   help="fairseq's GPT-2 encoder.json (with --bpe gpt2; nothing is downloaded)")
+    p.add_argument("--gpt2-vocab-bpe", metavar="PATH",
+                   help="fairseq's GPT-2 vocab.bpe (with --bpe gpt2)")
+    p.add_argument("--from-binarized", metavar="DATA_BIN",
+                   help="instead of INPUT text: a fairseq-preprocess --destdir whose dict.txt "
+                   "and train split (train.bin/.idx, then train1, train2, ... if present) are cut "
+                   "into the stream at its empty-line document boundaries; the dictionary and "
+                   "token ids are kept")
     p.add_argument("--verify", metavar="DIR", help="check a prepared stream instead: the "
                    "dictionary and every shard against the sha256 in DIR/manifest.json (reads "
                    "every shard once); prints what was checked, or one line naming the bad file")
@@ -117,7 +136,10 @@ def _run(args: argparse.Namespace, command: str) -> None:
         if args.inputs or args.out:
             raise DataError("--verify DIR checks a prepared stream: give no INPUT or --out with it")
         return _verify(args.verify)
-    if not args.inputs or not args.out:
+    _check_tokenizer_flags(args)
+    if args.from_binarized and args.inputs:
+        raise DataError("--from-binarized DATA_BIN replaces INPUT text: give one or the other")
+    if not (args.inputs or args.from_binarized) or not args.out:
         raise DataError("give INPUT files and --out DIR to prepare a stream (or --verify DIR to "
                         "check one)")
     del args.verify
@@ -129,8 +151,36 @@ def _run(args: argparse.Namespace, command: str) -> None:
         raise DataError(f"--valid-size {args.valid_size} and --eval-size {args.eval_size} "
                             "leave nothing for the training mega-batches; lower them")
     options = PrepOptions(**vars(args))
-    manifest = prepare(options, command)
+    if options.from_binarized:
+        from .from_binarized import prepare_from_binarized
+
+        manifest = prepare_from_binarized(options, command)
+    else:
+        manifest = prepare(options, command)
     print(format_summary(manifest))
+
+
+_SPM_FLAGS = {"vocab_size": "--vocab-size", "spm_sample_sentences": "--spm-sample-sentences",
+              "spm_threads": "--spm-threads", "byte_fallback": "--byte-fallback"}
+
+
+def _check_tokenizer_flags(args: argparse.Namespace) -> None:
+    """GPT-2 files only with --bpe gpt2; no tokenizer at all with --from-binarized."""
+    gpt2_files = [flag for flag, value in (("--gpt2-encoder-json", args.gpt2_encoder_json),
+                                           ("--gpt2-vocab-bpe", args.gpt2_vocab_bpe)) if value]
+    if args.from_binarized and (args.bpe or gpt2_files):
+        raise DataError(f"--from-binarized reads tokens already made: drop "
+                        f"{' and '.join(['--bpe'] * bool(args.bpe) + gpt2_files)}")
+    if gpt2_files and args.bpe != "gpt2":
+        raise DataError(f"{gpt2_files[0]} is for --bpe gpt2; add --bpe gpt2 or drop it")
+    if args.from_binarized or args.bpe == "gpt2":
+        # A sentencepiece flag that would silently do nothing is refused (its default passes).
+        d = PrepOptions(inputs=[], out="")
+        for field, flag in _SPM_FLAGS.items():
+            if getattr(args, field) != getattr(d, field):
+                route = "--from-binarized" if args.from_binarized else "--bpe gpt2"
+                raise DataError(f"{flag} trains sentencepiece, which {route} does not; drop it")
+    args.bpe = args.bpe or "sentencepiece"
 
 
 def format_summary(manifest: dict) -> str:
@@ -143,9 +193,17 @@ def format_summary(manifest: dict) -> str:
     rows.append(["total", f"{totals[0]:,}", f"{totals[1]:,}", f"{totals[2] / 1e6:.2f}"])
     lines = format_table(["split", "documents", "tokens", "MB"], rows).rstrip("\n").splitlines()
     dictionary = manifest["dictionary"]
-    lines.append(f"dictionary: {dictionary['size']:,} symbols; sentencepiece vocabulary: "
-                 f"{manifest['sentencepiece']['vocab_size']:,}")
+    lines.append(f"dictionary: {dictionary['size']:,} symbols; {_tokenizer_summary(manifest)}")
     return "\n".join(lines)
+
+
+def _tokenizer_summary(manifest: dict) -> str:
+    if "sentencepiece" in manifest:
+        return f"sentencepiece vocabulary: {manifest['sentencepiece']['vocab_size']:,}"
+    tokenizer = manifest["tokenizer"]
+    if tokenizer["kind"] == "gpt2":
+        return f"GPT-2 BPE vocabulary: {tokenizer['vocab_size']:,}"
+    return f"tokens and dictionary from {tokenizer['source']}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,7 +1,8 @@
 """``manifest.json``: what a prepared stream directory holds, and a cheap integrity check.
 
 The manifest is the contract between data preparation and training (DESIGN.md): the number of
-mega-batches B, tokens and documents per split, the dictionary and sentencepiece checksums, the
+mega-batches B, tokens and documents per split, the dictionary's checksum, the tokenizer (a
+``sentencepiece`` entry, or a ``tokenizer`` entry of kind ``gpt2`` or ``from-binarized``), the
 sources and the exact command. ``verify_stream_dir`` is what the ``alma_stream`` task calls
 before training: it checks only file sizes and the dictionary's sha256 -- enough to catch a
 missing or truncated shard or a swapped dictionary without reading gigabytes of binaries.
@@ -44,9 +45,14 @@ def load_manifest(data_dir: str) -> dict:
 
 def data_identity(manifest: dict) -> dict:
     """What the data of a stream is, without where it lives or when it was made: the fields of
-    the manifest that change the tokens (a run's fingerprint holds them)."""
-    return {key: manifest.get(key) for key in ("num_megabatches", "seed", "splits", "dictionary",
-                                               "sentencepiece")}
+    the manifest that change the tokens (a run's fingerprint holds them). ``tokenizer`` only
+    where present, so runs on sentencepiece streams keep the fingerprint they had."""
+    identity = {key: manifest.get(key) for key in ("num_megabatches", "seed", "splits",
+                                                   "dictionary", "sentencepiece")}
+    if "tokenizer" in manifest:  # its sha256s, not where the files were
+        identity["tokenizer"] = {key: value for key, value in manifest["tokenizer"].items()
+                                 if key not in ("encoder_json", "vocab_bpe", "source")}
+    return identity
 
 
 def expected_splits(num_megabatches: int) -> list[str]:

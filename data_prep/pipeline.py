@@ -1,5 +1,10 @@
 """The data_prep pipeline: extract -> sentencepiece -> encode -> split -> dictionary -> binarize.
 
+With ``--bpe gpt2`` the sentencepiece step is replaced by the user's GPT-2 files (checked up
+front, keyed by their sha256); every other step is the same code. ``--from-binarized`` takes
+another route (``from_binarized.py``) but shares this module's output-directory lock and
+manifest.
+
 Each step is keyed by exactly what its output depends on (see ``steps.py``), so re-running the
 same command reuses everything, and changing e.g. ``--seed`` redoes only the split, the
 dictionary and the binaries. ``--workers`` is in no key: it changes speed, never bytes.
@@ -13,14 +18,23 @@ import fcntl
 import glob
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from fairseq_alma.errors import DataError
 
-from .bpe import SPM_SAMPLE_SEED, encode_documents, train_sentencepiece
-from .corpus import discover_sources, extract_documents
+from .bpe import (
+    SPM_SAMPLE_SEED,
+    LineEncoder,
+    SentencepieceLines,
+    encode_documents,
+    sentencepiece_vocabulary,
+    train_sentencepiece,
+)
+from .corpus import SourceFile, discover_sources, extract_documents
+from .gpt2_bpe import Gpt2Lines, check_gpt2_files, gpt2_vocabulary
 from .fileio import PARTIAL_SUFFIX, sha256_file, write_json_atomic
 from .manifest import MANIFEST_FORMAT, MANIFEST_NAME
 from .split import assign_documents, check_document_count, parse_size, split_names, write_splits
@@ -43,24 +57,25 @@ class PrepOptions:
     eval_size: str = "megabatch"
     valid_size: str = "0.5M"
     clean: bool = False
+    bpe: str = "sentencepiece"
+    gpt2_encoder_json: str | None = None
+    gpt2_vocab_bpe: str | None = None
+    from_binarized: str | None = None
 
 
 class Pipeline:
     def __init__(self, options: PrepOptions) -> None:
         self.o = options
         self.work = os.path.join(options.out, "work")
-        self.runner = StepRunner(options.out, self._withdraw_manifest)
+        self.runner = StepRunner(options.out, lambda: withdraw_manifest(options.out))
         self.sources = discover_sources(options.inputs)
         self.names = split_names(options.num_megabatches)
+        # Checked before any step runs: a bad GPT-2 file must not cost an extraction first.
+        self.gpt2 = check_gpt2_files(options.gpt2_encoder_json, options.gpt2_vocab_bpe) \
+            if options.bpe == "gpt2" else None
 
     def path(self, rel: str) -> str:
         return os.path.join(self.o.out, rel)
-
-    def _withdraw_manifest(self) -> None:
-        """Outputs are about to change: until the new manifest is written, readers see none
-        (verify_stream_dir fails naming manifest.json) rather than one that is out of date."""
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(self.path(MANIFEST_NAME))
 
     def extract(self, need_outputs: bool = False) -> dict:
         key = {"version": PIPELINE_VERSION,
@@ -85,13 +100,29 @@ class Pipeline:
         return self.runner.ensure("sentencepiece", key, ["spm.model", "spm.vocab"], build)
 
     def _encode_key(self) -> dict:
-        return {"version": PIPELINE_VERSION, "docs": self.extract()["sha256"],
-                "spm": self.sentencepiece()["sha256"]}
+        if self.gpt2 is None:
+            tokenizer = {"spm": self.sentencepiece()["sha256"]}
+        else:
+            check_document_count(self.extract()["documents"], self.o.num_megabatches)
+            tokenizer = {"gpt2": [self.gpt2["encoder_json_sha256"],
+                                  self.gpt2["vocab_bpe_sha256"]]}
+        return {"version": PIPELINE_VERSION, "docs": self.extract()["sha256"], **tokenizer}
+
+    def _line_encoder(self) -> LineEncoder:
+        if self.gpt2 is None:
+            return SentencepieceLines(self.path("spm.model"))
+        return Gpt2Lines(self.gpt2["encoder_json"], self.gpt2["vocab_bpe"])
+
+    def vocabulary(self) -> list[str]:
+        """Every piece the tokenizer can produce: the dictionary gives each an id."""
+        if self.gpt2 is None:
+            return sentencepiece_vocabulary(self.path("spm.model"))
+        return gpt2_vocabulary(self.gpt2["encoder_json"])
 
     def encode(self, need_outputs: bool = False) -> dict:
         def build() -> dict:
             self.extract(need_outputs=True)
-            return encode_documents(self.path("work/docs.txt"), self.path("spm.model"),
+            return encode_documents(self.path("work/docs.txt"), self._line_encoder(),
                                     self.path("work/encoded.txt"),
                                     self.path("work/encoded.tokens"), self.o.workers)
         return self.runner.ensure("encode", self._encode_key(),
@@ -124,7 +155,7 @@ class Pipeline:
             from .binarize import build_dictionary  # imports fairseq+torch (~5 s): only if needed
             self.split(need_outputs=True)
             return build_dictionary(self.path("work/train_piece_counts.json"),
-                                    self.path("spm.model"), self.path("dict.txt"))
+                                    self.vocabulary(), self.path("dict.txt"))
         return self.runner.ensure("dictionary", self._split_key(), ["dict.txt"], build)
 
     def binarize(self) -> dict[str, dict]:
@@ -145,22 +176,22 @@ class Pipeline:
         outputs = [f"{name}.{ext}" for name in self.names for ext in ("bin", "idx")]
         return self.runner.ensure("binarize", key, outputs, build)
 
-    def remove_stale_megabatches(self) -> None:
-        """Shards of a previous run with a larger B would look like part of this stream."""
-        keep = set(self.names)
-        for path in glob.glob(self.path("megabatch*.*")) + glob.glob(self.path("work/megabatch*")):
-            if os.path.basename(path).split(".")[0] not in keep:
-                os.remove(path)
+
+def withdraw_manifest(out_dir: str) -> None:
+    """Outputs are about to change: until the new manifest is written, readers see none
+    (verify_stream_dir fails naming manifest.json) rather than one that is out of date."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(out_dir, MANIFEST_NAME))
 
 
-def _check_output_dir(options: PrepOptions) -> None:
-    out = os.path.realpath(options.out)
+def _check_output_dir(out_dir: str, inputs: list[str]) -> None:
+    out = os.path.realpath(out_dir)
     if os.path.exists(out) and not os.path.isdir(out):
-        raise DataError(f"--out {options.out}: exists and is not a directory")
-    for given in options.inputs:
+        raise DataError(f"--out {out_dir}: exists and is not a directory")
+    for given in inputs:
         real = os.path.realpath(given)
         if os.path.isdir(real) and os.path.commonpath([real, out]) == real:
-            raise DataError(f"--out {options.out} lies inside input directory {given}; "
+            raise DataError(f"--out {out_dir} lies inside input directory {given}; "
                                 "a re-run would read its own outputs -- choose another --out")
 
 
@@ -175,61 +206,98 @@ def _lock(out_dir: str) -> int:
     return fd
 
 
+@contextlib.contextmanager
+def output_dir(out_dir: str, inputs: list[str]) -> Iterator[None]:
+    """Create, lock and tidy ``out_dir`` for one run of either route (text or binarized)."""
+    _check_output_dir(out_dir, inputs)
+    os.makedirs(os.path.join(out_dir, "work"), exist_ok=True)
+    lock = _lock(out_dir)
+    try:
+        for leftover in (glob.glob(os.path.join(out_dir, f"*{PARTIAL_SUFFIX}*"))
+                         + glob.glob(os.path.join(out_dir, "work", f"*{PARTIAL_SUFFIX}*"))):
+            os.remove(leftover)  # from a killed run; its step has no stamp and will rerun
+        yield
+    finally:
+        os.close(lock)
+
+
+def remove_stale_megabatches(out_dir: str, names: list[str]) -> None:
+    """Shards of a previous run with a larger B would look like part of this stream."""
+    keep = set(names)
+    for path in (glob.glob(os.path.join(out_dir, "megabatch*.*"))
+                 + glob.glob(os.path.join(out_dir, "work", "megabatch*"))):
+        if os.path.basename(path).split(".")[0] not in keep:
+            os.remove(path)
+
+
+def remove_files(out_dir: str, names: list[str]) -> None:
+    """Outputs of another tokenizer used before in this directory, which the manifest would
+    not describe."""
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(out_dir, name))
+
+
 def prepare(options: PrepOptions, command: str) -> dict:
     """Run (or resume) the whole pipeline into ``options.out``; return the manifest."""
-    _check_output_dir(options)
-    os.makedirs(os.path.join(options.out, "work"), exist_ok=True)
-    lock = _lock(options.out)
-    try:
-        for leftover in (glob.glob(os.path.join(options.out, f"*{PARTIAL_SUFFIX}*"))
-                         + glob.glob(os.path.join(options.out, "work", f"*{PARTIAL_SUFFIX}*"))):
-            os.remove(leftover)  # from a killed run; its step has no stamp and will rerun
+    with output_dir(options.out, options.inputs):
         pipeline = Pipeline(options)
-        spm_info = pipeline.sentencepiece()
+        if pipeline.gpt2 is None:
+            tokenizer = {"sentencepiece": _sentencepiece_entry(pipeline.sentencepiece(), options)}
+        else:
+            tokenizer = {"tokenizer": {"kind": "gpt2", **pipeline.gpt2}}
         pipeline.encode()  # in pipeline order, for readable progress; each builds only if stale
         pipeline.split()
         dict_info = pipeline.dictionary()
         binarized = pipeline.binarize()
         splits = {name: binarized[name] for name in [*pipeline.names[2:], "eval", "valid"]}
-        pipeline.remove_stale_megabatches()
-        manifest = _manifest(pipeline, spm_info, dict_info, splits, command)
+        remove_stale_megabatches(options.out, pipeline.names)
+        if pipeline.gpt2 is not None:
+            remove_files(options.out, ["spm.model", "spm.vocab"])
+        manifest = stream_manifest(options, splits, dict_info, tokenizer, pipeline.sources,
+                                   pipeline.runner.seconds, command)
         write_json_atomic(os.path.join(options.out, MANIFEST_NAME), manifest)
         if options.clean:
             shutil.rmtree(pipeline.work)
         return manifest
-    finally:
-        os.close(lock)
 
 
-def _shard_facts(pipeline: Pipeline, name: str, info: dict) -> dict:
+def _sentencepiece_entry(spm_info: dict, options: PrepOptions) -> dict:
+    return {"model": "spm.model", "vocab": "spm.vocab", "sha256": spm_info["sha256"],
+            "vocab_size": spm_info["vocab_size"], "model_type": "bpe",
+            "byte_fallback": options.byte_fallback}
+
+
+def _shard_facts(out_dir: str, name: str, info: dict) -> dict:
     """Size and sha256 of a split's .bin/.idx (the binarize step hashes what it writes; shards
     binarized before it did are hashed here)."""
     facts = {}
     for ext in ("bin", "idx"):
-        path = pipeline.path(f"{name}.{ext}")
+        path = os.path.join(out_dir, f"{name}.{ext}")
         facts[f"{ext}_bytes"] = os.path.getsize(path)
         facts[f"{ext}_sha256"] = info.get(f"{ext}_sha256") or sha256_file(path)
     return facts
 
 
-def _manifest(pipeline: Pipeline, spm_info: dict, dict_info: dict, splits: dict,
-              command: str) -> dict:
-    o = pipeline.o
+def stream_manifest(options: PrepOptions, splits: dict, dict_info: dict, tokenizer: dict,
+                    sources: list[SourceFile], step_seconds: dict[str, float],
+                    command: str) -> dict:
+    """The manifest of either route; ``tokenizer`` is ``{"sentencepiece": ...}`` (the entry
+    manifests have always had) or ``{"tokenizer": {"kind": ...}}``."""
+    o = options
     return {
         "format": MANIFEST_FORMAT, "kind": "lm",
         "num_megabatches": o.num_megabatches, "seed": o.seed,
         "splits": {name: {"tokens": info["tokens"], "documents": info["documents"],
                           "lines": info["lines"], "unk_tokens": info["unk_tokens"],
-                          **_shard_facts(pipeline, name, info)}
+                          **_shard_facts(o.out, name, info)}
                    for name, info in splits.items()},
         "dictionary": {"file": "dict.txt", "sha256": dict_info["sha256"],
                        "size": dict_info["size"]},
-        "sentencepiece": {"model": "spm.model", "vocab": "spm.vocab",
-                          "sha256": spm_info["sha256"], "vocab_size": spm_info["vocab_size"],
-                          "model_type": "bpe", "byte_fallback": o.byte_fallback},
-        "sources": [{"path": s.path, "bytes": s.bytes} for s in pipeline.sources],
+        **tokenizer,
+        "sources": [{"path": s.path, "bytes": s.bytes} for s in sources],
         "options": asdict(o),
-        "step_seconds": {k: round(v, 3) for k, v in pipeline.runner.seconds.items()},
+        "step_seconds": {k: round(v, 3) for k, v in step_seconds.items()},
         "command": command,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }

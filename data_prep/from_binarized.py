@@ -1,0 +1,268 @@
+"""``--from-binarized DATA_BIN``: cut an existing fairseq data-bin into an ALMA stream.
+
+Users often have a corpus already tokenized and binarized by ``fairseq-preprocess`` (e.g. GPT-2
+BPE ids, paper §5). Decoding it back to text would be slow and could change the tokens, so we
+read the binaries directly. ``fairseq-preprocess`` stores one item per text line, each ending in
+end-of-sentence, and a blank line as an item holding only end-of-sentence: a *document* is a
+maximal run of other items, as ``corpus.py`` reads blank-line-separated text (extra blank lines
+are dropped, a file's end also ends its document; ``train``, ``train1``, ... are files read in
+that order, as fairseq's ``combine`` does). Each document is written back as its items plus one
+separator, and its token count is the text path's (items with their end-of-sentence, plus one),
+so ``split.assign_documents`` makes the same seeded split as the text path on the same tokens.
+
+The data-bin's ``dict.txt`` is kept as it is: token ids stay the user's, and a data-bin that
+``fairseq-preprocess --srcdict`` made with our dictionary gives our text path's bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from fairseq_alma.errors import DataError
+
+from .corpus import SourceFile
+from .fileio import PARTIAL_SUFFIX, atomic_output, sha256_file, write_json_atomic
+from .manifest import MANIFEST_NAME
+from .pipeline import (
+    PIPELINE_VERSION,
+    PrepOptions,
+    output_dir,
+    remove_files,
+    remove_stale_megabatches,
+    stream_manifest,
+    withdraw_manifest,
+)
+from .progress import Progress
+from .split import assign_documents, parse_size, split_names
+from .steps import StepRunner
+
+if TYPE_CHECKING:  # fairseq (and torch) are imported only where a step needs them
+    from fairseq.data import Dictionary
+
+SPLIT = "train"  # what fairseq-preprocess --trainpref writes
+
+
+@dataclass
+class Documents:
+    """Every document of the train split: where its items lie in which shard, and counts."""
+
+    shard: np.ndarray  # (D,) index into the shard list
+    first: np.ndarray  # (D,) first item of the document in its shard
+    last: np.ndarray  # (D,) last item (inclusive)
+    tokens: np.ndarray  # (D,) int64: item tokens + 1 for the separator, as the text path counts
+    unk: np.ndarray  # (D,) <unk> tokens
+
+
+def _prefix(data_bin: str, k: int) -> str:
+    return os.path.join(data_bin, SPLIT if k == 0 else f"{SPLIT}{k}")
+
+
+def find_shards(data_bin: str) -> list[str]:
+    """``DATA_BIN/train``, then ``train1``, ``train2``, ... while they exist (path prefixes)."""
+    from fairseq.data import indexed_dataset
+
+    prefixes = []
+    while os.path.exists(indexed_dataset.index_file_path(_prefix(data_bin, len(prefixes)))):
+        prefixes.append(_prefix(data_bin, len(prefixes)))
+    for name in ("idx", "bin"):
+        path = f"{_prefix(data_bin, 0)}.{name}"
+        if not os.path.isfile(path):
+            raise DataError(f"{path}: missing; --from-binarized reads the train split: run "
+                            f"fairseq-preprocess --only-source --trainpref TEXT --destdir "
+                            f"{data_bin}")
+    for prefix in prefixes:
+        impl = indexed_dataset.infer_dataset_impl(prefix)
+        if impl != "mmap":
+            raise DataError(f"{prefix}.idx: dataset-impl {impl or 'unknown'}, not mmap; re-run "
+                            "fairseq-preprocess with --dataset-impl mmap (its default)")
+    return prefixes
+
+
+def load_source_dictionary(data_bin: str) -> Dictionary:
+    """fairseq's Dictionary of ``DATA_BIN/dict.txt``; a missing or malformed file is named."""
+    from fairseq.data import Dictionary
+
+    path = os.path.join(data_bin, "dict.txt")
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: missing; --from-binarized needs the dictionary the binaries "
+                        "were made with (fairseq-preprocess writes it to --destdir)")
+    try:
+        return Dictionary.load(path)
+    except (ValueError, RuntimeError, UnicodeDecodeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DataError(f"{path}: not a fairseq dictionary ({first}); pass the dict.txt "
+                        "fairseq-preprocess wrote") from None
+
+
+def _shard_tokens(prefix: str) -> tuple[np.ndarray, np.ndarray]:
+    """(sizes, tokens) of one mmap shard; tokens is the flat memory map of the .bin."""
+    from fairseq.data.indexed_dataset import MMapIndexedDataset, data_file_path, index_file_path
+
+    index = MMapIndexedDataset.Index(index_file_path(prefix))
+    sizes = np.array(index.sizes, dtype=np.int64)
+    dtype = index.dtype
+    del index  # closes its memory map
+    path = data_file_path(prefix)
+    if os.path.getsize(path) != int(sizes.sum()) * np.dtype(dtype).itemsize:
+        raise DataError(f"{path}: {os.path.getsize(path)} bytes, its .idx lists "
+                        f"{int(sizes.sum())} tokens; re-run fairseq-preprocess")
+    tokens = np.memmap(path, dtype=dtype, mode="r") if sizes.sum() else np.zeros(0, dtype)
+    return sizes, tokens
+
+
+def _shard_documents(prefix: str, dictionary: Dictionary) -> tuple[np.ndarray, ...]:
+    """(first, last, tokens, unk) per document of one shard, checking that it is language
+    modeling data binarized with ``dictionary``."""
+    sizes, tokens = _shard_tokens(prefix)
+    eos, unk = dictionary.eos(), dictionary.unk()
+    ends = np.cumsum(sizes)  # (N,) one past each item's last token
+    starts = ends - sizes
+    if len(sizes) and (sizes.min() < 1 or np.any(tokens[ends - 1] != eos)):
+        raise DataError(f"{prefix}.bin: some lines do not end in end-of-sentence, so documents "
+                        "cannot be found; binarize with fairseq-preprocess --only-source")
+    if len(tokens) and int(tokens.max()) >= len(dictionary):
+        raise DataError(f"{prefix}.bin: token id {int(tokens.max())} is beyond the "
+                        f"{len(dictionary)} symbols of dict.txt; the binaries were made with "
+                        "another dictionary: put that one in the data-bin")
+    separator = sizes == 1  # an item of only end-of-sentence: a blank line
+    content = np.flatnonzero(~separator)
+    if len(content) == 0:
+        return tuple(np.zeros(0, dtype=np.int64) for _ in range(4))
+    new_doc = np.ones(len(content), dtype=bool)
+    new_doc[1:] = np.diff(content) > 1  # a separator lies between two content items
+    first = content[new_doc]
+    last = content[np.append(new_doc[1:], True)]
+    doc_tokens = ends[last] - starts[first] + 1
+    unk_at = np.flatnonzero(tokens == unk)
+    unk_docs = np.bincount(np.searchsorted(starts[first], unk_at, side="right") - 1,
+                           minlength=len(first))
+    return first, last, doc_tokens, unk_docs
+
+
+def read_documents(prefixes: list[str], dictionary: Dictionary) -> Documents:
+    """Every document of the shards, in order: only sizes and token arrays, no per-line loop,
+    so the ~2.2B-token corpus of paper §5 is scanned at numpy speed."""
+    parts = [_shard_documents(prefix, dictionary) for prefix in prefixes]
+    return Documents(
+        shard=np.concatenate([np.full(len(p[0]), k) for k, p in enumerate(parts)]),
+        first=np.concatenate([p[0] for p in parts]), last=np.concatenate([p[1] for p in parts]),
+        tokens=np.concatenate([p[2] for p in parts]).astype(np.int64),
+        unk=np.concatenate([p[3] for p in parts]))
+
+
+def write_shards(prefixes: list[str], docs: Documents, labels: np.ndarray, names: list[str],
+                 vocab_size: int, eos: int, out_dir: str) -> dict[str, dict]:
+    """Write each split's documents (corpus order), each followed by one separator, as fairseq
+    mmap shards -- the bytes fairseq's builder writes for ``vocab_size`` symbols -- and return
+    per-split facts. Whole documents are copied as slices of the source: no per-line loop."""
+    from fairseq.data.indexed_dataset import MMapIndexedDataset, best_fitting_int_dtype
+
+    dtype = best_fitting_int_dtype(vocab_size)  # as make_builder("mmap", vocab_size) picks
+    separator = np.array([eos], dtype=dtype).tobytes()
+    sizes: dict[str, list[np.ndarray]] = {name: [] for name in names}
+    progress = Progress("cut")
+    with ExitStack() as stack:
+        files = {name: stack.enter_context(atomic_output(os.path.join(out_dir, f"{name}.bin"),
+                                                         "wb")) for name in names}
+        for k, prefix in enumerate(prefixes):
+            shard_sizes, tokens = _shard_tokens(prefix)
+            ends = np.cumsum(shard_sizes)
+            for d in np.flatnonzero(docs.shard == k):
+                name = names[labels[d]]
+                a, b = int(docs.first[d]), int(docs.last[d])
+                files[name].write(np.asarray(tokens[ends[a] - shard_sizes[a]:ends[b]],
+                                             dtype=dtype).tobytes() + separator)
+                sizes[name] += [shard_sizes[a:b + 1], np.ones(1, dtype=np.int64)]
+                progress.update(1, int(docs.tokens[d]) * np.dtype(dtype).itemsize)
+    progress.finish()
+    info = {}
+    for index_of_split, name in enumerate(names):
+        split_sizes = np.concatenate(sizes[name]) if sizes[name] else np.zeros(0, np.int64)
+        idx_path = os.path.join(out_dir, f"{name}.idx")
+        with MMapIndexedDataset.Index.writer(idx_path + PARTIAL_SUFFIX, dtype) as index:
+            index.write(split_sizes.tolist())
+        os.replace(idx_path + PARTIAL_SUFFIX, idx_path)
+        chosen = labels == index_of_split
+        info[name] = {"lines": len(split_sizes), "tokens": int(split_sizes.sum()),
+                      "unk_tokens": int(docs.unk[chosen].sum()), "documents": int(chosen.sum()),
+                      "bin_sha256": sha256_file(os.path.join(out_dir, f"{name}.bin")),
+                      "idx_sha256": sha256_file(idx_path)}
+    return info
+
+
+def _copy_dictionary(source: str, out_dir: str) -> dict:
+    target = os.path.join(out_dir, "dict.txt")
+    with open(source, "rb") as f, atomic_output(target, "wb") as out:
+        shutil.copyfileobj(f, out)
+    return {"sha256": sha256_file(target)}
+
+
+def _sources(prefixes: list[str]) -> list[SourceFile]:
+    found = []
+    for prefix in prefixes:
+        for ext in ("bin", "idx"):
+            st = os.stat(f"{prefix}.{ext}")
+            found.append(SourceFile(os.path.abspath(f"{prefix}.{ext}"), st.st_size,
+                                    st.st_mtime_ns))
+    return found
+
+
+def prepare_from_binarized(options: PrepOptions, command: str) -> dict:
+    """Cut ``options.from_binarized`` into ``options.out``; return the manifest."""
+    o = options
+    data_bin = o.from_binarized
+    assert data_bin is not None
+    if not os.path.isdir(data_bin):
+        raise DataError(f"--from-binarized {data_bin}: not a directory; give the --destdir of "
+                        "fairseq-preprocess")
+    with output_dir(o.out, [data_bin]):
+        dictionary = load_source_dictionary(data_bin)
+        prefixes = find_shards(data_bin)
+        dict_source = os.path.join(data_bin, "dict.txt")
+        dict_sha = sha256_file(dict_source)
+        sources = _sources(prefixes)
+        names = split_names(o.num_megabatches)
+        runner = StepRunner(o.out, lambda: withdraw_manifest(o.out))
+        dict_info = runner.ensure("dictionary", {"version": PIPELINE_VERSION, "dict": dict_sha},
+                                  ["dict.txt"], lambda: _copy_dictionary(dict_source, o.out))
+        key = {"version": PIPELINE_VERSION, "dict": dict_sha,
+               "sources": [[s.path, s.bytes, s.mtime_ns] for s in sources], "seed": o.seed,
+               "num_megabatches": o.num_megabatches, "eval_size": o.eval_size,
+               "valid_size": o.valid_size}
+
+        def build() -> dict:
+            docs = read_documents(prefixes, dictionary)
+            if len(docs.tokens) < o.num_megabatches + 2:
+                raise DataError(
+                    f"{data_bin}: the train split has {len(docs.tokens)} documents (empty lines "
+                    f"separate them) but --num-megabatches {o.num_megabatches} needs at least "
+                    f"{o.num_megabatches + 2}; binarize text with blank lines between documents "
+                    "or lower it")
+            labels, stats = assign_documents(docs.tokens, o.seed, o.num_megabatches,
+                                             parse_size(o.valid_size), parse_size(o.eval_size))
+            info = write_shards(prefixes, docs, labels, names, len(dictionary),
+                                dictionary.eos(), o.out)
+            for name, split in info.items():
+                if split["tokens"] != stats[name]["tokens"]:  # written vs counted
+                    raise RuntimeError(f"{name}: wrote {split['tokens']} tokens, the split "
+                                       f"counted {stats[name]['tokens']}")
+            return info
+        outputs = [f"{name}.{ext}" for name in names for ext in ("bin", "idx")]
+        info = runner.ensure("cut", key, outputs, build)
+        splits = {name: info[name] for name in [*names[2:], "eval", "valid"]}
+        remove_stale_megabatches(o.out, names)
+        remove_files(o.out, ["spm.model", "spm.vocab"])
+        tokenizer = {"kind": "from-binarized", "source": os.path.abspath(data_bin),
+                     "dict_sha256": dict_sha}
+        manifest = stream_manifest(o, splits, {**dict_info, "size": len(dictionary)},
+                                   {"tokenizer": tokenizer}, sources, runner.seconds, command)
+        write_json_atomic(os.path.join(o.out, MANIFEST_NAME), manifest)
+        if o.clean:
+            shutil.rmtree(os.path.join(o.out, "work"))
+        return manifest

@@ -1,0 +1,284 @@
+"""``alma-data-prep --bpe gpt2`` and ``--from-binarized``, end to end on a tiny corpus.
+
+The GPT-2 BPE is one we build here (every byte symbol plus a few merges), so nothing is
+downloaded; ids are checked against fairseq's own encoder. The binarized route is checked
+against the text route: ``fairseq-preprocess`` of our encoded text, cut with the same seed,
+must give the same shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from data_prep.manifest import data_identity, verify_stream_dir
+
+pytestmark = pytest.mark.slow
+
+NUM_DOCS = 30
+SPLIT_FLAGS = ["--valid-size", "0.1", "--seed", "5"]
+MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("a", "n"), ("Ġ", "s"), ("o", "r"), ("Ġs", "t"),
+          ("e", "r"), ("Ġ", "a"), ("Ġa", "n")]
+
+
+def run_prep(*args: str) -> subprocess.CompletedProcess:
+    """The CLI of the code under test (``python -m``: the checkout on PYTHONPATH, whatever
+    the installed console script points to)."""
+    return subprocess.run([sys.executable, "-m", "data_prep.cli", *args], capture_output=True,
+                          text=True, timeout=300, check=False)
+
+
+def fairseq_preprocess(text: str, dest: str, *extra: str) -> None:
+    command = [sys.executable, "-m", "fairseq_cli.preprocess", "--only-source", "--trainpref",
+               text, "--destdir", dest, "--workers", "1", *extra]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr
+
+
+def _assert_one_line_error(result: subprocess.CompletedProcess, *named: str) -> None:
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert "Traceback" not in result.stderr and "error:" in lines[-1], result.stderr
+    assert sum("error:" in line for line in lines) == 1, result.stderr
+    for text in named:
+        assert text in lines[-1], lines[-1]
+
+
+def _load(out: str) -> dict:
+    with open(os.path.join(out, "manifest.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _sha(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def gpt2_files(tmp_path_factory):
+    """A tiny GPT-2 BPE in fairseq's file formats: ids 0-255 for the byte symbols, then one
+    per merge, and ``vocab.bpe`` with its ``#version`` header."""
+    from fairseq.data.encoders.gpt2_bpe_utils import bytes_to_unicode
+
+    root = tmp_path_factory.mktemp("gpt2")
+    encoder = {symbol: i for i, symbol in enumerate(bytes_to_unicode().values())}
+    for a, b in MERGES:
+        encoder[a + b] = len(encoder)
+    (root / "encoder.json").write_text(json.dumps(encoder), encoding="utf-8")
+    (root / "vocab.bpe").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in MERGES),
+                                    encoding="utf-8")
+    return str(root / "encoder.json"), str(root / "vocab.bpe")
+
+
+def _documents() -> list[list[str]]:
+    rng = random.Random(1)
+    words = ["the", "stream", "and", "a", "storm", "ant", "sea", "order", "über", "naïve", "x"]
+    return [[f"doc {i} starts"] + [" ".join(rng.choice(words) for _ in range(rng.randint(3, 9)))
+                                   for _ in range(rng.randint(1, 3))] for i in range(NUM_DOCS)]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text("\n\n".join("\n".join(doc) for doc in _documents()) + "\n", encoding="utf-8")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def gpt2_stream(corpus, gpt2_files, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("gpt2_stream") / "out")
+    result = run_prep(corpus, "--out", out, "--bpe", "gpt2", "--gpt2-encoder-json",
+                      gpt2_files[0], "--gpt2-vocab-bpe", gpt2_files[1], *SPLIT_FLAGS)
+    assert result.returncode == 0, result.stderr
+    assert "GPT-2 BPE vocabulary: 266" in result.stdout
+    return out
+
+
+def test_gpt2_tokens_are_fairseqs_gpt2_ids(gpt2_stream, gpt2_files):
+    from fairseq.data import Dictionary, data_utils
+    from fairseq.data.encoders.gpt2_bpe_utils import get_encoder
+
+    encoder = get_encoder(*gpt2_files)
+    expected = ["\n".join(" ".join(map(str, encoder.encode(line))) for line in doc)
+                for doc in _documents()]
+    with open(os.path.join(gpt2_stream, "work", "encoded.txt"), encoding="utf-8") as f:
+        assert f.read().split("\n\n")[:-1] == expected  # what multiprocessing_bpe_encoder writes
+    assert any(len(encoder.encode(" " + w)) == 1 for w in ("the", "storm", "an"))  # merges used
+    # The binaries hold those ids, and decode back to the text.
+    dictionary = Dictionary.load(os.path.join(gpt2_stream, "dict.txt"))
+    assert all(str(i) in dictionary.indices for i in range(266))  # every GPT-2 id has a symbol
+    originals, seen = {"\n".join(doc) for doc in _documents()}, []
+    for name in _load(gpt2_stream)["splits"]:
+        dataset = data_utils.load_indexed_dataset(os.path.join(gpt2_stream, name), dictionary)
+        lines = []
+        for i in range(len(dataset)):
+            ids = dataset[i].tolist()[:-1]
+            if not ids:
+                seen.append("\n".join(lines))
+                lines = []
+            else:
+                lines.append(encoder.decode([int(dictionary[t]) for t in ids]))
+    assert sorted(seen) == sorted(originals)
+
+
+def test_gpt2_manifest_records_the_tokenizer(gpt2_stream, gpt2_files):
+    manifest = _load(gpt2_stream)
+    tokenizer = manifest["tokenizer"]
+    assert tokenizer["kind"] == "gpt2" and "sentencepiece" not in manifest
+    assert tokenizer["encoder_json_sha256"] == _sha(gpt2_files[0])
+    assert tokenizer["vocab_bpe_sha256"] == _sha(gpt2_files[1])
+    assert tokenizer["vocab_size"] == 266 and tokenizer["merges"] == len(MERGES)
+    assert not os.path.exists(os.path.join(gpt2_stream, "spm.model"))
+    assert verify_stream_dir(gpt2_stream, hashes=True) == manifest
+    assert "encoder_json" not in data_identity(manifest)["tokenizer"]  # where is not what
+
+
+def test_gpt2_rerun_reuses_every_step(gpt2_stream, corpus, gpt2_files):
+    result = run_prep(corpus, "--out", gpt2_stream, "--bpe", "gpt2", "--gpt2-encoder-json",
+                      gpt2_files[0], "--gpt2-vocab-bpe", gpt2_files[1], *SPLIT_FLAGS)
+    assert result.returncode == 0 and "building" not in result.stderr, result.stderr
+
+
+def test_gpt2_flags_fail_with_one_line(corpus, gpt2_files, tmp_path):
+    out = ["--out", str(tmp_path / "o")]
+    encoder, vocab = gpt2_files
+    _assert_one_line_error(run_prep(corpus, *out, "--bpe", "gpt2", "--gpt2-encoder-json",
+                                    encoder), "--gpt2-vocab-bpe")
+    _assert_one_line_error(run_prep(corpus, *out, "--bpe", "gpt2", "--gpt2-vocab-bpe", vocab),
+                           "--gpt2-encoder-json")
+    missing = str(tmp_path / "nope.json")
+    _assert_one_line_error(run_prep(corpus, *out, "--bpe", "gpt2", "--gpt2-encoder-json",
+                                    missing, "--gpt2-vocab-bpe", vocab),
+                           "--gpt2-encoder-json", missing)
+    _assert_one_line_error(run_prep(corpus, *out, "--gpt2-vocab-bpe", vocab), "--bpe gpt2")
+    _assert_one_line_error(run_prep(corpus, *out, "--bpe", "gpt2", "--gpt2-encoder-json",
+                                    encoder, "--gpt2-vocab-bpe", vocab, "--vocab-size", "400"),
+                           "--vocab-size", "--bpe gpt2")
+    partial = tmp_path / "partial.json"  # lacks the id of the last merge
+    with open(encoder, encoding="utf-8") as f:
+        partial.write_text(json.dumps(dict(list(json.load(f).items())[:-1])), encoding="utf-8")
+    _assert_one_line_error(run_prep(corpus, *out, "--bpe", "gpt2", "--gpt2-encoder-json",
+                                    str(partial), "--gpt2-vocab-bpe", vocab),
+                           str(partial), "'Ġan'")
+    assert not os.path.exists(tmp_path / "o" / "work" / "docs.txt")  # checked before extracting
+
+
+def _reseparated(encoded: str, target) -> str:
+    """Our encoded text with two blank lines between documents and none after the last: the
+    same documents, as a user's file might separate them."""
+    with open(encoded, encoding="utf-8") as f:
+        docs = f.read().split("\n\n")[:-1]
+    target.write_text("\n\n\n".join(docs) + "\n", encoding="utf-8")
+    return str(target)
+
+
+@pytest.mark.parametrize("reseparate", [False, True])
+def test_from_binarized_gives_the_text_paths_shards(gpt2_stream, tmp_path, reseparate):
+    encoded = os.path.join(gpt2_stream, "work", "encoded.txt")
+    if reseparate:
+        encoded = _reseparated(encoded, tmp_path / "encoded.txt")
+    data_bin = str(tmp_path / "bin")
+    fairseq_preprocess(encoded, data_bin, "--srcdict", os.path.join(gpt2_stream, "dict.txt"))
+    out = str(tmp_path / "cut")
+    result = run_prep("--from-binarized", data_bin, "--out", out, *SPLIT_FLAGS)
+    assert result.returncode == 0, result.stderr
+    manifest, text_manifest = _load(out), _load(gpt2_stream)
+    assert manifest["splits"] == text_manifest["splits"]  # sizes, counts and sha256 of shards
+    assert manifest["dictionary"] == text_manifest["dictionary"]
+    assert manifest["tokenizer"] == {"kind": "from-binarized", "source": data_bin,
+                                     "dict_sha256": _sha(os.path.join(data_bin, "dict.txt"))}
+    assert verify_stream_dir(out, hashes=True) == manifest
+    again = run_prep("--from-binarized", data_bin, "--out", out, *SPLIT_FLAGS)
+    assert again.returncode == 0 and "building" not in again.stderr, again.stderr
+
+
+def _split_documents(out: str, name: str) -> list[tuple[str, ...]]:
+    """A split's documents as tuples of lines of symbols (dictionary-independent)."""
+    from fairseq.data import Dictionary, data_utils
+
+    dictionary = Dictionary.load(os.path.join(out, "dict.txt"))
+    dataset = data_utils.load_indexed_dataset(os.path.join(out, name), dictionary)
+    docs, lines = [], []
+    for i in range(len(dataset)):
+        ids = dataset[i].tolist()[:-1]
+        if ids:
+            lines.append(dictionary.string(np.array(ids)))
+        else:
+            docs.append(tuple(lines))
+            lines = []
+    return docs
+
+
+def test_from_binarized_keeps_the_data_bins_own_dictionary(gpt2_stream, tmp_path):
+    data_bin = str(tmp_path / "bin")
+    fairseq_preprocess(os.path.join(gpt2_stream, "work", "encoded.txt"), data_bin)
+    out = str(tmp_path / "cut")
+    result = run_prep("--from-binarized", data_bin, "--out", out, *SPLIT_FLAGS, "-B", "2")
+    assert result.returncode == 0, result.stderr
+    assert _sha(os.path.join(out, "dict.txt")) == _sha(os.path.join(data_bin, "dict.txt"))
+    # Other ids, same documents: compare with the cut of a data-bin made with our dictionary.
+    reference = str(tmp_path / "ref")
+    fairseq_preprocess(os.path.join(gpt2_stream, "work", "encoded.txt"), reference, "--srcdict",
+                       os.path.join(gpt2_stream, "dict.txt"))
+    cut_ref = str(tmp_path / "cut_ref")
+    assert run_prep("--from-binarized", reference, "--out", cut_ref, *SPLIT_FLAGS,
+                    "-B", "2").returncode == 0
+    for name in _load(out)["splits"]:
+        assert _split_documents(out, name) == _split_documents(cut_ref, name), name
+        assert _load(out)["splits"][name]["tokens"] == _load(cut_ref)["splits"][name]["tokens"]
+
+
+def test_from_binarized_errors_name_the_path_and_the_next_step(gpt2_stream, corpus, tmp_path):
+    data_bin = tmp_path / "bin"
+    fairseq_preprocess(os.path.join(gpt2_stream, "work", "encoded.txt"), str(data_bin))
+    out = ["--out", str(tmp_path / "o")]
+    _assert_one_line_error(run_prep("--from-binarized", str(data_bin), corpus, *out), "INPUT")
+    _assert_one_line_error(run_prep("--from-binarized", str(data_bin), "--bpe", "gpt2", *out),
+                           "--bpe")
+    _assert_one_line_error(run_prep("--from-binarized", str(data_bin), "--no-byte-fallback",
+                                    *out), "--byte-fallback", "--from-binarized")
+    _assert_one_line_error(run_prep("--from-binarized", str(tmp_path / "none"), *out),
+                           "--from-binarized", "fairseq-preprocess")
+
+    small = tmp_path / "small"  # a dictionary with fewer symbols than the binaries use
+    small.mkdir()
+    for name in ("train.bin", "train.idx"):
+        (small / name).write_bytes((data_bin / name).read_bytes())
+    (small / "dict.txt").write_text("5 1\n", encoding="utf-8")
+    _assert_one_line_error(run_prep("--from-binarized", str(small), *out),
+                           str(small / "train.bin"), "dict.txt")
+
+    (data_bin / "train.bin").unlink()
+    _assert_one_line_error(run_prep("--from-binarized", str(data_bin), *out),
+                           str(data_bin / "train.bin"), "fairseq-preprocess")
+    (data_bin / "dict.txt").unlink()
+    _assert_one_line_error(run_prep("--from-binarized", str(data_bin), *out),
+                           str(data_bin / "dict.txt"))
+
+
+def test_from_binarized_reads_train1_after_train(gpt2_stream, tmp_path):
+    """fairseq's ``combine`` reads train, train1, ...: a data-bin split in two cuts as one."""
+    with open(os.path.join(gpt2_stream, "work", "encoded.txt"), encoding="utf-8") as f:
+        docs = f.read().split("\n\n")[:-1]
+    halves = [tmp_path / "first.txt", tmp_path / "second.txt"]
+    for half, part in zip(halves, (docs[:11], docs[11:])):
+        half.write_text("".join(doc + "\n\n" for doc in part), encoding="utf-8")
+    srcdict = ["--srcdict", os.path.join(gpt2_stream, "dict.txt")]
+    two = tmp_path / "two"
+    fairseq_preprocess(str(halves[0]), str(two), *srcdict)
+    fairseq_preprocess(str(halves[1]), str(tmp_path / "other"), *srcdict)
+    for ext in ("bin", "idx"):
+        os.replace(tmp_path / "other" / f"train.{ext}", two / f"train1.{ext}")
+    out = str(tmp_path / "cut")
+    result = run_prep("--from-binarized", str(two), "--out", out, *SPLIT_FLAGS)
+    assert result.returncode == 0, result.stderr
+    assert _load(out)["splits"] == _load(gpt2_stream)["splits"]
+    assert [os.path.basename(s["path"]) for s in _load(out)["sources"]] == \
+        ["train.bin", "train.idx", "train1.bin", "train1.idx"]
