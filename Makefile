@@ -7,6 +7,7 @@
 # Offline, on a GPU machine (README "Installing on a GPU machine (offline)"):
 #   here:  make wheelhouse WHEELHOUSE=dir          every wheel except torch, fairseq built once
 #   there: make install WHEELHOUSE=dir TORCH_FROM=system PYTHON_BASE=/path/to/python3.11
+#          make gpu-check
 
 PYTHON_BASE ?= python3.11
 VENV        ?= .venv
@@ -28,7 +29,7 @@ SYSTEM_TORCH := $(filter system,$(TORCH_FROM))
 PIP_INSTALL  := $(PIP) install -q $(if $(WHEELHOUSE),--no-index --find-links $(abspath $(WHEELHOUSE))) $(if $(SYSTEM_TORCH),--ignore-installed)
 FAIRSEQ_SPEC := fairseq-fixed==0.12.3.1
 
-.PHONY: install demo test test-deps bench check-torch wheelhouse
+.PHONY: install demo test test-deps bench check-torch gpu-check wheelhouse
 
 install: $(STAMP)
 
@@ -87,6 +88,16 @@ test-deps:
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 	      slurmctld slurmd slurm-client >/dev/null) || echo "Slurm could not be installed: its tests will skip"; \
 	  else echo "Slurm missing and not installable here (needs root + apt-get): its tests will skip"; fi; }
+
+# The tests marked `cuda` (SwitchFFN against a float64 reference in fp32/fp16/AMP, fp16/AMP/FSDP
+# streams, the vision learners, expert parallelism over NCCL with 2+ GPUs) on this machine.
+# Fails if one fails, or if nvidia-smi lists a GPU that torch cannot use (a CPU build of torch);
+# without any GPU each test skips with its reason and the summary says how many did.
+gpu-check: install
+	@$(MAKE) --no-print-directory check-torch
+	@if nvidia-smi -L >/dev/null 2>&1 && ! $(PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
+	  echo "gpu-check: nvidia-smi lists a GPU but torch cannot use it (a CPU build of torch? README: Installing on a GPU machine)"; exit 1; fi
+	$(PY) -m pytest -m cuda -rs -q $(PYTEST_ARGS) tests
 
 bench: install
 	$(PY) benchmarks/switch_ffn.py
