@@ -14,6 +14,30 @@ REPO = Path(__file__).resolve().parent.parent
 from lm_fixtures import RESUMABLE, prepare_stream, preprocess_lm, run, stream_cmd  # noqa: E402
 
 
+NO_CUDA = "needs a CUDA GPU; none is visible to torch here"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test marked ``cuda`` skips, saying why, wherever torch sees no GPU (``make gpu-check``)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        for item in items:
+            if item.get_closest_marker("cuda"):
+                item.add_marker(pytest.mark.skip(reason=NO_CUDA))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # noqa: ANN001
+    """One visible line when the GPU tests did not run here, so a skip is never read as a pass."""
+    import torch
+
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if "cuda" in r.keywords]
+    if skipped and not torch.cuda.is_available():
+        count = len(skipped)
+        line = f"no CUDA device: {count} tests marked cuda skipped (`make gpu-check` on a GPU)"
+        terminalreporter.write_line(line, yellow=True, bold=True)
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO

@@ -1,27 +1,37 @@
-"""The GPU paths (issue: the paper's cluster path): fp16 streams, fairscale's FSDP, AMP routing.
+"""The GPU paths (issue: the paper's cluster path): SwitchFFN in fp32/fp16/AMP against a float64
+reference, fp16 streams, fairscale's FSDP, AMP routing, expert parallelism over NCCL.
 
-These need a CUDA GPU and skip with the reason elsewhere (CI and the development machines have
-none); run them with ``pytest -m cuda tests/test_cuda.py`` on a GPU node.
+These need a CUDA GPU (NCCL: two) and skip with the reason elsewhere (CI and the development
+machines have none); ``make gpu-check`` runs them with the other ``cuda`` tests on a GPU node.
 """
 
 from __future__ import annotations
 
 import json
 
+import math
+
 import pytest
 import torch
 from lm_fixtures import run, stream_cmd
+from test_expert_parallel_train import train_cmd, train_losses, train_two_ranks
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is visible to torch here"),
-]
+from fairseq_alma.modules import SwitchFFN, SwitchFFNConfig
+
+pytestmark = pytest.mark.cuda  # conftest skips these, saying why, when torch sees no GPU
+GPUS = torch.cuda.device_count()
+two_gpus = pytest.mark.skipif(
+    GPUS < 2, reason=f"needs 2 CUDA GPUs for expert parallelism over NCCL; {GPUS} visible"
+)
+
+
+def on_gpu(cmd: list[str]) -> list[str]:
+    cmd.remove("--cpu")
+    return cmd
 
 
 def gpu_cmd(stream_dir, save, *extra):
-    cmd = stream_cmd(stream_dir, save, *extra)
-    cmd.remove("--cpu")
-    return cmd
+    return on_gpu(stream_cmd(stream_dir, save, *extra))
 
 
 def _records(save):
@@ -75,8 +85,6 @@ def test_fully_sharded_wraps_each_block(stream_dir, tmp_path):
 
 
 def test_router_logits_float32_under_cuda_autocast():
-    from fairseq_alma.modules import SwitchFFN, SwitchFFNConfig
-
     layer = SwitchFFN(SwitchFFNConfig(16, 32, 4)).cuda().eval()
     x = torch.randn(64, 16, device="cuda")
     reference = layer.router_logits(x)
@@ -84,3 +92,84 @@ def test_router_logits_float32_under_cuda_autocast():
         with torch.autocast("cuda", dtype=dtype):
             logits = layer.router_logits(x)
         assert logits.dtype == torch.float32 and torch.equal(logits, reference)
+
+
+# ---- SwitchFFN on the GPU against a float64 CPU reference ------------------------------------
+# name: (dtype of the layer and its input, autocast dtype or None, bound on the relative error)
+PRECISIONS = {
+    "fp32": (torch.float32, None, 1e-5),
+    "fp16": (torch.float16, None, 1e-2),  # --fp16: model.half()
+    "amp": (torch.float32, torch.float16, 1e-2),  # --amp: torch.autocast
+}
+
+
+def _forward_backward(layer: SwitchFFN, x: torch.Tensor, padding: torch.Tensor,
+                      weight: torch.Tensor, autocast: torch.dtype | None) -> tuple[dict, dict]:
+    x = x.clone().requires_grad_()
+    enabled = autocast is not None
+    with torch.autocast(x.device.type, dtype=autocast or torch.float16, enabled=enabled):
+        y, aux = layer(x, padding)
+    loss = (y.to(weight.dtype) * weight).sum() + aux.balance_loss + 0.1 * aux.z_loss
+    loss.backward()
+    results = {"y": y.detach(), "balance": aux.balance_loss.detach(), "z": aux.z_loss.detach(),
+               "dx": x.grad}
+    results.update({name: p.grad for name, p in layer.named_parameters()})
+    return results, {name: aux.diagnostics[name].cpu() for name in ("expert_ids", "dropped")}
+
+
+def relative_errors_against_float64(precision: str, device: str) -> dict[str, float]:
+    """Training mode, capacity factor 1.0 (tokens dropped) and padding. The reference gets the
+    very values the tested layer holds (fp16-rounded under --fp16) and its experts run in float64
+    (its router, like every SwitchFFN router, in float32), so both route every token to the same
+    expert and only the experts' arithmetic precision differs."""
+    dtype, autocast, _ = PRECISIONS[precision]
+    torch.manual_seed(0)
+    cfg = SwitchFFNConfig(32, 64, 4, capacity_factor=1.0, z_loss=True)
+    layer = SwitchFFN(cfg).to(device, dtype).train()
+    x = torch.randn(4, 16, 32).to(dtype)
+    padding = torch.zeros(4, 16, dtype=torch.bool)
+    padding[1, 10:] = True
+    weight = torch.randn(4, 16, 32, dtype=torch.float64)
+    reference = SwitchFFN(cfg).double().train()
+    reference.load_state_dict({k: v.cpu().double() if v.is_floating_point() else v.cpu()
+                               for k, v in layer.state_dict().items()})
+    layer.record_expert_ids = reference.record_expert_ids = True
+
+    got, got_routing = _forward_backward(layer, x.to(device), padding.to(device),
+                                         weight.to(device).float(), autocast)
+    want, want_routing = _forward_backward(reference, x.double(), padding, weight, None)
+    assert torch.equal(got_routing["expert_ids"], want_routing["expert_ids"])
+    assert torch.equal(got_routing["dropped"], want_routing["dropped"])
+    assert want_routing["dropped"] > 0
+    assert not got["dx"][1, 10:].any() and not want["dx"][1, 10:].any()  # padding: no gradient
+    assert all(p.grad.dtype == dtype for p in layer.parameters())
+    return {name: ((got[name].cpu().double() - want[name]).norm() / want[name].norm()).item()
+            for name in want}
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_switch_ffn_forward_and_backward_match_a_float64_cpu_reference(precision):
+    errors = relative_errors_against_float64(precision, "cuda")
+    bound = PRECISIONS[precision][2]
+    assert all(math.isfinite(e) and e < bound for e in errors.values()), errors
+
+
+# ---- expert parallelism over NCCL: one process per GPU ---------------------------------------
+@two_gpus
+def test_expert_parallel_over_nccl_trains_like_one_gpu_holding_all_experts(tiny_lm_bin, tmp_path):
+    """The CPU test's comparison (test_expert_parallel_train.py) with NCCL all_to_all on two
+    GPUs: one GPU with --update-freq 2 sees the same two batches per update as the two ranks."""
+    reference = run(on_gpu(train_cmd(tiny_lm_bin, tmp_path / "one", 4, "--update-freq", "2")))
+    sharded = train_two_ranks(tiny_lm_bin, tmp_path / "two", 4, gpus=True)
+    expected = train_losses(reference.stdout + reference.stderr)
+    assert len(expected) == 4 and train_losses(sharded[0]) == pytest.approx(expected, abs=1e-3)
+
+
+@two_gpus
+def test_expert_parallel_over_nccl_with_fp16_and_torch_ddp(tiny_lm_bin, tmp_path):
+    """The cluster setting: --memory-efficient-fp16 (plain --fp16 is refused with expert
+    parallelism) and torch DDP, which skips the expert shards."""
+    logs = train_two_ranks(tiny_lm_bin, tmp_path / "fp16", 4, "--memory-efficient-fp16",
+                           "--ddp-backend", "pytorch_ddp", gpus=True)
+    losses = train_losses(logs[0])
+    assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses), logs[0][-2000:]

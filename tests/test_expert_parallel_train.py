@@ -41,20 +41,24 @@ def train_cmd(data: Path, save_dir: Path, updates: int, *extra: str) -> list[str
     ]
 
 
-def train_two_ranks(data: Path, save_dir: Path, updates: int) -> list[str]:
-    """Both ranks of an expert-parallel run; returns each rank's log."""
+def train_two_ranks(data: Path, save_dir: Path, updates: int, *extra: str, gpus: bool = False) -> list[str]:
+    """Both ranks of an expert-parallel run (gloo on the CPU, or NCCL with one GPU per rank);
+    returns each rank's log.  ``extra`` flags come last, so they override the defaults here."""
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     procs = []
     for rank in range(2):
+        backend = ("nccl", "--device-id", str(rank)) if gpus else ("gloo",)
         cmd = train_cmd(
-            data, save_dir, updates, "--moe-expert-parallel-size", "2", "--distributed-backend", "gloo",
+            data, save_dir, updates, "--moe-expert-parallel-size", "2", "--distributed-backend", *backend,
             "--ddp-backend", "legacy_ddp", "--distributed-init-method", f"tcp://127.0.0.1:{port}",
             "--distributed-world-size", "2", "--distributed-rank", str(rank), "--distributed-no-spawn",
             # fairseq 0.12 broadcasts a loaded checkpoint with torch.load(weights_only=True) on torch
             # >= 2.6, which rejects its DictConfig: every rank reads the file itself instead
-            "--load-checkpoint-on-all-dp-ranks",
+            "--load-checkpoint-on-all-dp-ranks", *extra,
         )
+        if gpus:
+            cmd.remove("--cpu")
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
     logs = []
     try:
