@@ -47,9 +47,8 @@ def _parallel(cmds: list[list[str]]) -> list[tuple[int, str, str]]:
     return [(p.wait(timeout=600), *p.communicate()) for p in procs]
 
 
-@pytest.fixture(scope="module")
-def stream(tmp_path_factory):
-    root = tmp_path_factory.mktemp("score")
+def train_runs(root: Path) -> Path:
+    """The module's stream and its three runs (module doc), under ``root``."""
     prepare_stream(root, root / "data", num_megabatches=3)
     runs = {"ens1": "--wait 2 --seed 1", "ens2": "--wait 2 --seed 2",
             "scratch": "--stage-init scratch --seed 3"}
@@ -58,6 +57,11 @@ def stream(tmp_path_factory):
     for cmd, (code, out, err) in zip(cmds, _parallel(cmds), strict=True):
         assert code == 0, f"{' '.join(cmd)} failed:\n{(out + err)[-3000:]}"
     return root
+
+
+@pytest.fixture(scope="module")
+def stream(tmp_path_factory):
+    return train_runs(tmp_path_factory.mktemp("score"))
 
 
 def _score(capsys, *argv: str) -> tuple[int, str, str]:
@@ -73,10 +77,10 @@ def _ppls(json_path: Path, index: int = 0) -> list[float | None]:
 _MODELS: dict[str, tuple] = {}
 
 
-def _reference_ppl(checkpoints: list[Path], data: Path) -> float:
+def _reference_ppl(checkpoints: list[Path], data: Path, blocks: int | None = None) -> float:
     """exp(mean NLL) of the members' averaged probabilities, in probability space (float64), over
-    the eval blocks collated in index order — independent of alma-score's batching and log-space
-    averaging."""
+    the eval blocks (the first ``blocks`` of them) collated in index order — independent of
+    alma-score's batching and log-space averaging."""
     from fairseq import checkpoint_utils
 
     members = []
@@ -89,10 +93,11 @@ def _reference_ppl(checkpoints: list[Path], data: Path) -> float:
             _MODELS[str(path)] = (models[0].eval(), task.dataset("eval"), pad)
         members.append(_MODELS[str(path)])
     dataset, pad = members[0][1], members[0][2]
+    end = len(dataset) if blocks is None else blocks
     nll, count = 0.0, 0
     with torch.no_grad():
-        for start in range(0, len(dataset), 8):
-            indices = range(start, min(start + 8, len(dataset)))
+        for start in range(0, end, 8):
+            indices = range(start, min(start + 8, end))
             batch = dataset.collater([dataset[i] for i in indices])
             probs = [torch.softmax(model(**batch["net_input"])[0].double(), dim=-1)  # (B, T, V)
                      for model, _, _ in members]

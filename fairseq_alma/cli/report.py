@@ -57,10 +57,11 @@ def _file_tag(label: str) -> str:
 def write_report(args: argparse.Namespace) -> list[str]:
     """Read, group, render; returns what was written, in order.  Bad input: ``UsageError``."""
     from ..report import figures, tables
-    from ..report.inputs import read_inputs
+    from ..report.inputs import common_eval_slice, read_inputs
     from ..report.seeds import SeedGroup, group_by_seed, replay_pairs
 
     runs = read_inputs(args.inputs)
+    sliced = common_eval_slice(runs)
     try:
         groups = [SeedGroup([run]) for run in runs] if args.no_seed_groups else group_by_seed(runs)
         metric, _ = tables.same_shape(groups)
@@ -81,8 +82,10 @@ def write_report(args: argparse.Namespace) -> list[str]:
             raise UsageError(f"{out / name}: cannot write ({err.strerror or err})") from None
         written.append(str(out / name))
 
-    print(tables.format_table(groups), end="", flush=True)
-    emit(f"{stem}.md", lambda path: path.write_text(tables.format_markdown(groups), "utf-8"))
+    note = f"{sliced}\n" if sliced else ""  # under the table, and in the Markdown copy
+    print(tables.format_table(groups) + note, end="", flush=True)
+    emit(f"{stem}.md", lambda path: path.write_text(
+        tables.format_markdown(groups) + (f"\n{note}" if note else ""), "utf-8"))
     emit(f"{stem}.csv", lambda path: tables.write_csv(groups, path))
     emit(f"{stem}.json", lambda path: tables.write_json(groups, path))
     if metric == "ppl":

@@ -39,7 +39,8 @@ def settings_for(run: StreamRun, args: argparse.Namespace) -> Any:
 
     return EvalSettings.from_config(run.cfg, data=args.data, subset=args.subset,
                                     tokens_per_sample=args.tokens_per_sample,
-                                    batch_size=args.batch_size)
+                                    batch_size=args.batch_size,
+                                    max_eval_tokens=args.max_eval_tokens)
 
 
 def _ppl(nll: float, ntokens: int, what: str) -> float:
@@ -80,19 +81,20 @@ def initial_predictor(members: list[StreamRun], mode: str) -> list[str]:
 
 
 def _charge_untrained(values: list[float | None], members: list[StreamRun], mode: str,
-                      settings: Any, evaluated: bool) -> str:
+                      settings: Any, evaluated: bool, whole_split: bool) -> str:
     """How the arrivals before the first training were scored, filling ``values`` in place.
 
     Runs written before fairseq-alma 0.3 have no ``checkpoint_stage0.pt``; for a single model
-    scored with the run's own evaluation (data, split, block length) stream.jsonl's arrival-0
-    perplexity is that same number.  Otherwise the anytime metric is left undefined (never
-    guessed), and a warning says why."""
+    scored with the run's own evaluation (data, whole split, block length) stream.jsonl's
+    arrival-0 perplexity is that same number.  Otherwise (a --max-eval-tokens slice included) the
+    anytime metric is left undefined (never guessed), and a warning says why."""
     first = members[0]
     if evaluated:
         return "evaluated: checkpoint_stage0.pt (the initialised model)"
     own = settings_for(first, argparse.Namespace(data=None, subset=None, tokens_per_sample=None,
-                                                 batch_size=settings.batch_size))
-    same = (os.path.realpath(own.data) == os.path.realpath(settings.data)
+                                                 batch_size=settings.batch_size,
+                                                 max_eval_tokens=None))
+    same = whole_split and (os.path.realpath(own.data) == os.path.realpath(settings.data)
             and (own.subset, own.tokens_per_sample) == (settings.subset, settings.tokens_per_sample))
     if mode == "single" and same:
         for record in first.records:
@@ -132,11 +134,15 @@ def build_series(runs: list[StreamRun], args: argparse.Namespace,
             nll = score_predictors(scorer, predictors, settings)
             stage_ppl = {s: _ppl(*nll[s], f"stage {s} of {first.path}") for s in nll}
             values = [stage_ppl.get(r.stage) for r in records]
+            scored = scorer.eval_slice(settings)
             extra |= {"source": "evaluated", "settings": vars(settings),
+                      "precision": "fp16" if scorer.fp16 else "fp32", **scored.as_json(),
                       "nll_tokens_by_stage": {str(s): list(v) for s, v in nll.items()}}
+            if args.max_eval_tokens:
+                extra["eval_slice_note"] = scored.describe(settings.subset)
             if first.waits:
-                extra["untrained_arrivals"] = _charge_untrained(values, members, args.mode,
-                                                                settings, bool(untrained))
+                extra["untrained_arrivals"] = _charge_untrained(
+                    values, members, args.mode, settings, bool(untrained), scored.whole)
         extra["members_by_arrival"] = [predictors.get(r.stage, []) for r in records]
         flops, params, label = _costs(members, args.mode)
         prefix = {"ens": "Ens", "gens": "gEns"}.get(args.mode)
@@ -162,6 +168,17 @@ _FLAGS: list[tuple[str, dict]] = [
                       "own evaluation batching: --batch-size-valid, --batch-size, else 8)"}),
     ("--tokens-per-sample", {"type": int, "help": "block length scored, as given to "
                              "fairseq-eval-lm (default: the run's)"}),
+    ("--max-eval-tokens", {"type": int, "metavar": "N",
+                           "help": "score a fixed slice of the split: its first blocks in index "
+                                   "order (the order of its text), as many whole blocks as hold "
+                                   "at most N tokens together; the same blocks for every "
+                                   "checkpoint and member; N at least the split's size scores "
+                                   "all of it. Recorded in --json (eval_tokens, "
+                                   "eval_tokens_total, max_eval_tokens) and under the table "
+                                   "(default: the whole split)"}),
+    ("--fp16", {"action": "store_true",
+                "help": "score in half precision on CUDA (weights in fp16; log-probabilities "
+                        "in fp32, sums in fp64); refused on CPU"}),
     ("--setting", {"help": "series name in the table (default from the run's flags, e.g. "
                            "'SM_w1', 'Ens_w4 (4x steps)', 'gEns_w1')"}),
     ("--json", {"metavar": "FILE", "help": "write every number per arrival as JSON"}),
@@ -184,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_flags(args: argparse.Namespace) -> None:
-    for flag in ("batch_size", "tokens_per_sample"):
+    for flag in ("batch_size", "tokens_per_sample", "max_eval_tokens"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1 (got {getattr(args, flag)})")
     if len({os.path.realpath(d) for d in args.run_dirs}) != len(args.run_dirs):
@@ -193,7 +210,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         if args.mode != "single":
             raise UsageError(f"--from-log works with --mode single only: --mode {args.mode} "
                              f"averages the members' token probabilities, which needs evaluation")
-        given = [f for f in ("batch_size", "tokens_per_sample", "subset") if getattr(args, f)]
+        given = [f for f in ("batch_size", "tokens_per_sample", "subset", "max_eval_tokens",
+                             "fp16") if getattr(args, f)]
         if given:
             raise UsageError(f"--from-log reuses the run's own evaluation; drop "
                              f"--{given[0].replace('_', '-')} or --from-log")
@@ -212,6 +230,10 @@ def _write_outputs(results: list[tuple[ReportSeries, dict]], args: argparse.Name
     series = [s for s, _ in results]
     try:
         print(tables.format_table(series), end="", flush=True)
+        notes = dict.fromkeys(extra["eval_slice_note"] for _, extra in results
+                              if "eval_slice_note" in extra)
+        for note in notes:  # one line per distinct slice (runs may differ in block length)
+            print(note, flush=True)
         if args.json:  # the report's dict, plus how each number was obtained
             payload = tables.report_dict(series)
             for entry, (_, extra) in zip(payload["series"], results, strict=True):
@@ -247,6 +269,11 @@ def run(args: argparse.Namespace) -> int:
     """Check the runs, score them, render; every user mistake raises ``UsageError``."""
     args.run_dirs = expand_run_dirs(args.run_dirs)
     _check_flags(args)
+    if args.fp16:
+        import torch
+
+        if args.cpu or not torch.cuda.is_available():
+            raise UsageError("--fp16 needs a CUDA device; drop it to score in fp32 on CPU")
     runs = [load_run(path, args) for path in args.run_dirs]
     if args.mode != "single":
         check_members(runs, args.mode)
@@ -260,7 +287,7 @@ def run(args: argparse.Namespace) -> int:
         total = sum(len(initial_predictor(group, args.mode)) for group in groups)
         total += len(runs[0].stages) if args.mode == "gens" else sum(len(r.stages) for r in runs)
         use_cuda = torch.cuda.is_available() and not args.cpu
-        scorer = CheckpointScorer(use_cuda=use_cuda, total=total)
+        scorer = CheckpointScorer(use_cuda=use_cuda, total=total, fp16=args.fp16)
         logger.info("scoring %d checkpoint(s) on %s", total, scorer.device)
     results = build_series(runs, args, scorer)
     if scorer is not None and scorer.seconds > 0:

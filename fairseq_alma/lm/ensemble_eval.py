@@ -2,11 +2,13 @@
 
 Ens and gEns predict with the *average of their members' probabilities* (paper §4.1; DESIGN.md:
 log-space, logsumexp − log N).  The averaged distribution's probability of a target token needs
-only each member's probability of that same token, so every member is scored once into a vector
-of target log-probabilities (one float per scored token, in the evaluation set's fixed order) and
-the ensemble's NLL per token is −(logsumexp_i log p_i − log N).  ``ProbabilityAverage`` keeps a
-running logsumexp, so gEns's nested predictors (members 1..s for s = 1..S, Table 2) cost one
-evaluation per member and O(tokens) memory, never all members' models at once.
+only each member's probability of that same token, so the members of a predictor are loaded
+together and run on each batch in turn; their target log-probabilities are combined in float64
+(−(logsumexp_i log p_i − log N) per token) and summed before the next batch.  Memory is O(batch)
+in the evaluation set (the paper's is 440M words: per-token vectors would not fit a job's host
+memory) and O(members) in models.  gEns's nested predictors (members 1..s for s = 1..S, Table 2)
+are prefixes of one chain, so one pass over the data with its S members answers all of them and
+each checkpoint is evaluated once.
 
 Every model is scored by ``lm/nll.py``'s loop, the one the ``alma_stream`` task logs
 ``eval_ppl`` with: the tokens ``fairseq-eval-lm`` scores with the same --tokens-per-sample and no
@@ -19,14 +21,16 @@ import logging
 import math
 import os
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from fairseq import checkpoint_utils
+from fairseq import checkpoint_utils, utils
 
 from ..errors import AlmaError, CheckpointError, UsageError
-from .nll import Batching, scored_batches
+from .eval_slice import EvalSlice, slice_dataset
+from .nll import Batching, eval_batches, target_log_probs
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +44,7 @@ class EvalSettings:
     tokens_per_sample: int  # block length: the same value fairseq-eval-lm is given
     batch_size: int  # sequences per batch (the stream's evaluation batching by default)
     max_tokens: int | None = None  # tokens per batch cap, as the task's --max-tokens-valid
+    max_eval_tokens: int | None = None  # score the split's first blocks only (eval_slice.py)
 
     @classmethod
     def from_config(
@@ -49,6 +54,7 @@ class EvalSettings:
         subset: str | None = None,
         tokens_per_sample: int | None = None,
         batch_size: int | None = None,
+        max_eval_tokens: int | None = None,
     ) -> EvalSettings:
         """The evaluation ``alma_stream`` ran after each arrival (a checkpoint's fairseq config),
         with any value given here overriding it."""
@@ -62,105 +68,87 @@ class EvalSettings:
             or dataset.get("batch_size")
             or 8,
             max_tokens=dataset.get("max_tokens_valid"),
+            max_eval_tokens=max_eval_tokens,
         )
 
 
 @dataclass
-class TokenLogProbs:
-    """One member's log p(target) for every scored token, and those targets (for alignment)."""
+class JointScore:
+    """Members 1..M scored on the same batches: every prefix's averaged prediction, and each
+    member alone (for the log)."""
 
-    log_probs: torch.Tensor  # (N,) float32, on CPU
-    targets: torch.Tensor  # (N,) int32, on CPU
-
-
-@dataclass
-class Scored:
-    """One model's score on a dataset."""
-
-    nll: float  # summed NLL in nats over the scored tokens
+    prefix_nll: list[float]  # [k - 1]: summed NLL in nats of averaging members 1..k
+    member_nll: list[float]  # [i]: summed NLL in nats of member i alone
     ntokens: int
     seconds: float  # first batch to last; iterator set-up excluded, as fairseq-eval-lm times it
-    tokens: TokenLogProbs | None = None  # per-token scores, when asked for (ensemble members)
 
 
-def score_dataset(
-    model: Any, task: Any, dataset: Any, settings: EvalSettings, keep_tokens: bool = False
-) -> Scored:
-    """NLL of every non-padding target of ``dataset``, batched and ordered as the task's
-    ``eval_ppl`` (``lm/nll.py``); batches are prefetched by a background thread (as
-    ``fairseq-eval-lm``) so collation overlaps the forward passes."""
-    device = next(model.parameters()).device
-    batches = scored_batches(model, task, dataset, Batching(settings.batch_size,
-                                                            settings.max_tokens), prefetch=10)
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    ntokens, scores, targets = 0, [], []
+@torch.no_grad()
+def score_jointly(models: Sequence[Any], batches: Iterable[dict[str, Any]], pad: int) -> JointScore:
+    """Score ``batches`` with every model, batch by batch, keeping only running sums.
+
+    For each batch each member gives log p_i(target) (B, T); a float64 running logsumexp over
+    members 1..k, minus log k, is the log-probability of the k-member average (paper §4.1), and
+    its negated sum over non-padding targets is added to prefix k's NLL.  Nothing outlives its
+    batch, so memory is O(batch), whatever the size of the evaluation set.  With one model this
+    is the task's ``eval_ppl`` sum exactly (log 1 = 0; padding contributes 0).
+    """
+    device = next(models[0].parameters()).device
+    for model in models:
+        model.eval()
+    log_k = [math.log(k) for k in range(1, len(models) + 1)]
+    prefix = torch.zeros(len(models), dtype=torch.float64, device=device)  # running NLL sums
+    alone = torch.zeros(len(models), dtype=torch.float64, device=device)
+    ntokens = torch.zeros((), dtype=torch.int64, device=device)
     start = time.perf_counter()
-    for batch in batches:
-        total -= batch.token_log_probs.double().sum()
-        ntokens += int(batch.mask.sum())
-        if keep_tokens:
-            scores.append(batch.token_log_probs[batch.mask].cpu())
-            targets.append(batch.sample["target"][batch.mask].to(torch.int32).cpu())
-    nll = float(total)  # synchronises a CUDA device before the clock stops
+    for sample in batches:
+        if not sample or "net_input" not in sample:
+            continue
+        if device.type == "cuda":
+            sample = utils.move_to_cuda(sample, device=device)
+        log_sum = None  # (B, T) float64: log sum_{i<=k} p_i(target)
+        for i, model in enumerate(models):
+            token, mask = target_log_probs(model, sample, pad)  # (B, T) float32, 0 at padding
+            token = token.double()
+            alone[i] -= token.sum()
+            log_sum = token if log_sum is None else torch.logaddexp(log_sum, token)
+            prefix[i] -= (log_sum - log_k[i]).masked_fill(~mask, 0.0).sum()
+        ntokens += mask.sum()
+    totals = prefix.tolist()  # synchronises a CUDA device before the clock stops
     seconds = time.perf_counter() - start
-    kept = None
-    if keep_tokens:
-        kept = TokenLogProbs(
-            torch.cat(scores) if scores else torch.zeros(0),
-            torch.cat(targets) if targets else torch.zeros(0, dtype=torch.int32),
-        )
-    return Scored(nll, ntokens, seconds, kept)
-
-
-class ProbabilityAverage:
-    """Running average of members' probabilities of the target tokens (in log space)."""
-
-    def __init__(self) -> None:
-        self._log_sum: torch.Tensor | None = None  # (N,) float64: log Σ_i p_i(target)
-        self._targets: torch.Tensor | None = None
-        self.members: list[str] = []
-
-    def add(self, member: TokenLogProbs, name: str) -> None:
-        """Add one member; it must have scored the very same tokens as the first one."""
-        if self._targets is None:
-            self._targets = member.targets
-            self._log_sum = member.log_probs.double()
-        else:
-            if not torch.equal(member.targets, self._targets):
-                raise UsageError(
-                    f"{name} scored {member.targets.numel()} tokens that differ from "
-                    f"{self.members[0]}'s {self._targets.numel()}; ensemble members must be "
-                    f"scored on one --data, --subset and --tokens-per-sample"
-                )
-            self._log_sum = torch.logaddexp(self._log_sum, member.log_probs.double())
-        self.members.append(name)
-
-    def nll(self) -> tuple[float, int]:
-        """Summed NLL in nats of the averaged prediction, and the number of scored tokens."""
-        if self._log_sum is None:
-            raise ValueError("no members added; add at least one before asking for the NLL")
-        log_mean = self._log_sum - math.log(len(self.members))  # log (1/N Σ_i p_i)
-        return float(-log_mean.sum()), int(log_mean.numel())
+    return JointScore(totals, alone.tolist(), int(ntokens), seconds)
 
 
 class CheckpointScorer:
     """Loads checkpoints onto one device and scores them; counts progress over ``total`` loads.
 
-    A fairseq task (dictionary, manifest check, dataset) is set up once per ``EvalSettings`` and
-    shared by every checkpoint scored with them, as ``fairseq-eval-lm`` does for an ensemble.
+    A fairseq task (dictionary, manifest check, dataset, its ``--max-eval-tokens`` slice) is set
+    up once per ``EvalSettings`` and shared by every checkpoint scored with them, as
+    ``fairseq-eval-lm`` does for an ensemble.  ``fp16`` halves each model's weights (CUDA only:
+    the caller refuses it on CPU); log-probabilities are still taken in float32 and summed in
+    float64 (``score_jointly``).
     """
 
-    def __init__(self, use_cuda: bool, total: int) -> None:
+    def __init__(self, use_cuda: bool, total: int, fp16: bool = False) -> None:
         self.device = torch.device("cuda" if use_cuda else "cpu")
+        self.fp16 = fp16
         self.total = total
         self.done = 0
         self.tokens = 0
         self.seconds = 0.0
-        self._tasks: dict[tuple[str, str, int], tuple[Any, Any]] = {}
+        self._tasks: dict[tuple, tuple[Any, Any, EvalSlice]] = {}
+
+    @staticmethod
+    def _key(settings: EvalSettings) -> tuple:
+        return (settings.data, settings.subset, settings.tokens_per_sample,
+                settings.max_eval_tokens)
+
+    def eval_slice(self, settings: EvalSettings) -> EvalSlice:
+        """Which blocks of the split checkpoints were scored on with ``settings``."""
+        return self._tasks[self._key(settings)][2]
 
     def _load(self, path: str, settings: EvalSettings) -> tuple[Any, Any, Any]:
-        key = (settings.data, settings.subset, settings.tokens_per_sample)
-        task, dataset = self._tasks.get(key, (None, None))
+        task, dataset, _ = self._tasks.get(self._key(settings), (None, None, None))
         overrides = {"data": settings.data, "tokens_per_sample": settings.tokens_per_sample}
         try:
             models, _, task = checkpoint_utils.load_model_ensemble_and_task(
@@ -172,7 +160,7 @@ class CheckpointScorer:
             raise type(err)(f"{path} with data {settings.data}: {err} (--data)") from None
         except (OSError, RuntimeError, KeyError) as err:
             raise UsageError(f"{path}: cannot load ({str(err).splitlines()[0]})") from None
-        model = models[0].to(self.device)
+        model = (models[0].half() if self.fp16 else models[0]).to(self.device)
         if dataset is None:
             try:
                 task.load_dataset(settings.subset)
@@ -181,8 +169,9 @@ class CheckpointScorer:
                     f"--subset {settings.subset}: no such split in {settings.data} "
                     f"(the stream's evaluation mega-batch is 'eval')"
                 ) from None
-            dataset = task.dataset(settings.subset)
-            self._tasks[key] = (task, dataset)
+            dataset, chosen = slice_dataset(task.dataset(settings.subset),
+                                            settings.max_eval_tokens)
+            self._tasks[self._key(settings)] = (task, dataset, chosen)
         if settings.tokens_per_sample > model.max_positions():
             raise UsageError(
                 f"--tokens-per-sample {settings.tokens_per_sample} exceeds {path}'s "
@@ -190,56 +179,58 @@ class CheckpointScorer:
             )
         return model, task, dataset
 
-    def _score(self, path: str, settings: EvalSettings, keep_tokens: bool) -> Scored:
-        model, task, dataset = self._load(path, settings)
-        scored = score_dataset(model, task, dataset, settings, keep_tokens)
-        self.done += 1
-        self.tokens += scored.ntokens
+    def score_members(self, paths: list[str], settings: EvalSettings) -> JointScore:
+        """Load ``paths`` together and score them on the same batches (``score_jointly``)."""
+        loaded = [self._load(path, settings) for path in paths]
+        models, (_, task, dataset) = [model for model, _, _ in loaded], loaded[0]
+        batching = Batching(settings.batch_size, settings.max_tokens)
+        batches = eval_batches(models, task, dataset, batching, prefetch=10)
+        scored = score_jointly(models, batches, task.target_dictionary.pad())
+        del models, loaded  # free the members before the next predictor is loaded
+        self.tokens += scored.ntokens * len(paths)
         self.seconds += scored.seconds
-        ppl = math.exp(min(scored.nll / max(scored.ntokens, 1), 700.0))
-        logger.info(
-            "checkpoint %d/%d %s: %s tokens in %.2fs (%s tokens/s), ppl %.2f",
-            self.done,
-            self.total,
-            os.path.relpath(path),
-            f"{scored.ntokens:,}",
-            scored.seconds,
-            f"{scored.ntokens / max(scored.seconds, 1e-9):,.0f}",
-            ppl,
-        )
+        rate = f"{scored.ntokens * len(paths) / max(scored.seconds, 1e-9):,.0f}"
+        timing = f"{scored.ntokens:,} tokens in {scored.seconds:.2f}s ({rate} tokens/s)"
+        for i, path in enumerate(paths):
+            self.done += 1
+            logger.info("checkpoint %d/%d %s: %s, ppl %.2f", self.done, self.total,
+                        os.path.relpath(path), timing if len(paths) == 1 else
+                        f"{scored.ntokens:,} tokens", _ppl(scored.member_nll[i], scored.ntokens))
+        if len(paths) > 1:
+            logger.info("%d members scored together: %s, ppl %.2f of their average", len(paths),
+                        timing, _ppl(scored.prefix_nll[-1], scored.ntokens))
         return scored
 
-    def nll(self, path: str, settings: EvalSettings) -> tuple[float, int]:
-        """Summed NLL (nats) and token count of one model (the task's ``eval_ppl`` numbers)."""
-        scored = self._score(path, settings, keep_tokens=False)
-        return scored.nll, scored.ntokens
 
-    def token_log_probs(self, path: str, settings: EvalSettings) -> TokenLogProbs:
-        """Per-token target log-probabilities of one ensemble member."""
-        return self._score(path, settings, keep_tokens=True).tokens
+def _ppl(nll: float, ntokens: int) -> float:
+    """For the log only (alma-score's tables use stream/metrics.py's checked version)."""
+    return math.exp(min(nll / max(ntokens, 1), 700.0))
+
+
+def predictor_chains(predictors: dict[int, list[str]]) -> list[tuple[list[str], list[int]]]:
+    """Stages grouped so that each checkpoint is loaded once: a predictor that extends the
+    previous one (gEns: members 1..s, then 1..s+1) joins its chain; any other (Ens: every
+    member's stage-s checkpoint; single models) starts a new one.  Each chain is
+    (its longest member list, the stages it answers)."""
+    chains: list[tuple[list[str], list[int]]] = []
+    for stage in sorted(predictors):
+        members = predictors[stage]
+        if chains and members[: len(chains[-1][0])] == chains[-1][0]:
+            chains[-1] = (members, chains[-1][1] + [stage])
+        else:
+            chains.append((members, [stage]))
+    return chains
 
 
 def score_predictors(
     scorer: CheckpointScorer, predictors: dict[int, list[str]], settings: EvalSettings
 ) -> dict[int, tuple[float, int]]:
-    """Summed NLL and tokens of each stage's predictor (a list of member checkpoints).
-
-    Single models (every predictor has one member) keep only sums.  Otherwise, when
-    a predictor extends the previous one (gEns: members 1..s, then 1..s+1) the running average
-    continues, so each checkpoint is evaluated once; else (Ens: every member's stage-s
-    checkpoint) it restarts.
-    """
+    """Summed NLL and tokens of each stage's predictor (a list of member checkpoints): each
+    chain's members are scored together, batch by batch, and stage s reads the running sum of
+    its own prefix of them."""
     out: dict[int, tuple[float, int]] = {}
-    if all(len(members) == 1 for members in predictors.values()):
-        for stage in sorted(predictors):
-            out[stage] = scorer.nll(predictors[stage][0], settings)
-        return out
-    average = ProbabilityAverage()
-    for stage in sorted(predictors):
-        members = predictors[stage]
-        if average.members != members[: len(average.members)]:
-            average = ProbabilityAverage()
-        for path in members[len(average.members) :]:
-            average.add(scorer.token_log_probs(path, settings), path)
-        out[stage] = average.nll()
+    for members, stages in predictor_chains(predictors):
+        scored = scorer.score_members(members, settings)
+        for stage in stages:
+            out[stage] = scored.prefix_nll[len(predictors[stage]) - 1], scored.ntokens
     return out

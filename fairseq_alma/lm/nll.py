@@ -55,13 +55,32 @@ def scored_batches(model: Any, task: Any, dataset: Any, batching: Batching, num_
     ``fairseq-eval-lm``).  The batch iterator is built here, before the first ``next``, so a
     caller that times the loop times scoring only.
     """
-    batches = task.get_batch_iterator(
-        dataset=dataset, max_tokens=batching.max_tokens, max_sentences=batching.batch_size,
-        max_positions=utils.resolve_max_positions(task.max_positions(), model.max_positions()),
-        ignore_invalid_inputs=True, num_shards=num_shards, shard_id=shard_id, num_workers=0,
-        seed=1, data_buffer_size=prefetch,
-    ).next_epoch_itr(shuffle=False)
+    batches = eval_batches([model], task, dataset, batching, num_shards, shard_id, prefetch)
     return _score(model, batches, task.target_dictionary.pad())
+
+
+def eval_batches(models: list[Any], task: Any, dataset: Any, batching: Batching,
+                 num_shards: int = 1, shard_id: int = 0, prefetch: int = 0) -> Iterator[dict]:
+    """The evaluation samples of ``dataset`` in their fixed order (no shuffling, seed 1), for
+    blocks every one of ``models`` can take: the same batches whichever model scores them."""
+    positions = utils.resolve_max_positions(task.max_positions(),
+                                            *(model.max_positions() for model in models))
+    return task.get_batch_iterator(
+        dataset=dataset, max_tokens=batching.max_tokens, max_sentences=batching.batch_size,
+        max_positions=positions, ignore_invalid_inputs=True, num_shards=num_shards,
+        shard_id=shard_id, num_workers=0, seed=1, data_buffer_size=prefetch,
+    ).next_epoch_itr(shuffle=False)
+
+
+def target_log_probs(model: Any, sample: dict[str, Any], pad: int) -> tuple[Tensor, Tensor]:
+    """log p(target) of every target of ``sample`` (0 at padding) and the non-padding mask,
+    both (B, T); float32 whatever the model's precision (fairseq's log_softmax upcasts)."""
+    output = model(**sample["net_input"])
+    lprobs = model.get_normalized_probs(output, log_probs=True).float()  # (B, T, V)
+    target = sample["target"]  # (B, T)
+    mask = target.ne(pad)
+    token = lprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1).masked_fill(~mask, 0.0)
+    return token, mask
 
 
 @torch.no_grad()
@@ -80,12 +99,7 @@ def _score(model: Any, batches: Any, pad: int) -> Iterator[ScoredBatch]:
             if device.type == "cuda":
                 sample = utils.move_to_cuda(sample, device=device)
             last = sample
-            output = model(**sample["net_input"])
-            lprobs = model.get_normalized_probs(output, log_probs=True).float()  # (B, T, V)
-            target = sample["target"]  # (B, T)
-            mask = target.ne(pad)
-            token = lprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1).masked_fill(~mask, 0.0)
-            yield ScoredBatch(sample, token, mask)
+            yield ScoredBatch(sample, *target_log_probs(model, sample, pad))
     finally:
         model.train(was_training)
 

@@ -6,7 +6,9 @@
 * A sweep directory (``alma-sweep``/``alma-vision-sweep`` --sweep-dir: run directories inside)
   stands for its runs.
 * An ``alma-score --json`` file gives its series as scored, Ens and gEns included; the run
-  directories it names lend it their fingerprints, so seeds of an ensemble group too.
+  directories it names lend it their fingerprints, so seeds of an ensemble group too.  A series
+  scored with ``--max-eval-tokens`` on part of the split keeps that slice: perplexities on
+  different tokens are not comparable, so ``common_eval_slice`` refuses to mix slices.
 
 Nothing here imports fairseq or torch: reports are drawn on machines without them.  Every bad
 input is a one-line ``UsageError`` naming the path and what to pass instead.
@@ -128,8 +130,33 @@ def read_score_json(path: Path) -> list[ReportedRun]:
         fingerprint = {"mode": scoring.get("mode"), "members": fingerprints} if known else None
         seeds = [_seed(fp) for fp in fingerprints] if known else []
         seed = tuple(s[0] for s in seeds) if seeds and None not in seeds else None
-        out.append(ReportedRun(s, f"{path}:{s.setting}", fingerprint, seed))
+        out.append(ReportedRun(s, f"{path}:{s.setting}", fingerprint, seed, _eval_slice(scoring)))
     return out
+
+
+def _eval_slice(scoring: Mapping[str, Any]) -> tuple[int, int] | None:
+    """(scored, available) tokens of a series scored on part of its split; None for all of it
+    (and for files written before --max-eval-tokens existed, which scored every token)."""
+    scored, total = scoring.get("eval_tokens"), scoring.get("eval_tokens_total")
+    return None if scored is None or scored == total else (int(scored), int(total))
+
+
+def common_eval_slice(runs: list[ReportedRun]) -> str | None:
+    """The line that labels a table whose series were all scored on one slice (None: on every
+    token); a ``UsageError`` naming two series when they were scored on different slices."""
+    def name(part: tuple[int, int] | None) -> str:
+        return "every token" if part is None else f"the first {part[0]:,} of {part[1]:,} tokens"
+
+    first = runs[0]
+    for run in runs[1:]:
+        if run.eval_slice != first.eval_slice:
+            raise UsageError(f"{first.source} was scored on {name(first.eval_slice)} of its "
+                             f"evaluation split, {run.source} on {name(run.eval_slice)}; score "
+                             f"them with the same alma-score --max-eval-tokens to compare them")
+    if first.eval_slice is None:
+        return None
+    return (f"perplexity on {name(first.eval_slice)} of the evaluation split "
+            f"(alma-score --max-eval-tokens)")
 
 
 def read_inputs(paths: list[str]) -> list[ReportedRun]:

@@ -98,6 +98,7 @@ class ReportedRun:
     source: str  # run dir or alma-score JSON it was read from
     fingerprint: dict[str, Any] | None = None  # run.json's (Ens: its members', in order)
     seed: tuple[int, ...] | None = None  # the run's seed; an ensemble's members' seeds
+    eval_slice: tuple[int, int] | None = None  # (scored, available) tokens; None: every token
 
     @property
     def group_key(self) -> str | None:
