@@ -12,6 +12,11 @@ Modes (§4.1, Table 2):
           averages the members' probabilities; |θ| and FLOPs are summed over members ("4@N").
   gens    one run trained with --stage-init scratch and no --replay: its stage checkpoints are the
           members; after s stages the predictor averages members 1..s ("4@s", |θ| = s members).
+
+Data-parallel: under ``torchrun --nproc_per_node N -m fairseq_alma.cli.score ...`` or ``srun``
+(with MASTER_ADDR/MASTER_PORT exported) the N processes share every checkpoint's evaluation
+batches and add their sums (lm/score_distributed.py); rank 0 alone prints and writes, and the
+numbers equal a single process's.  ``--from-log`` evaluates nothing and is refused there.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import warnings
 from typing import Any
 
 from ..errors import UsageError
+from ..lm.score_distributed import ScoreWorld, choose_backend, scoring_group, world_from_env
 from ..report.inputs import expand_run_dirs
 from ..stream.metrics import perplexity_from_nll
 from ..stream.series import ReportSeries, flops_convention
@@ -186,6 +192,9 @@ _FLAGS: list[tuple[str, dict]] = [
     ("--plot", {"metavar": "FILE.png",
                 "help": "Fig. 5: average perplexity vs cumulative compute and vs parameters"}),
     ("--cpu", {"action": "store_true", "help": "score on CPU even if CUDA is available"}),
+    ("--distributed-backend", {"choices": ("gloo", "nccl"),
+                               "help": "under torchrun/srun with several processes: how they add "
+                                       "their sums (default: nccl on CUDA, gloo on CPU)"}),
 ]
 
 
@@ -254,39 +263,51 @@ def _write_outputs(results: list[tuple[ReportSeries, dict]], args: argparse.Name
         raise UsageError(f"cannot write {err.filename}: {err.strerror}") from None
 
 
-def _configure_logging() -> None:
-    """fairseq's wav2vec2 module sets the root logger to DEBUG at import: pin levels here."""
+def _configure_logging(main_rank: bool = True) -> None:
+    """fairseq's wav2vec2 module sets the root logger to DEBUG at import: pin levels here.
+    Ranks other than 0 of a data-parallel scoring keep warnings only (rank 0 logs progress)."""
     logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s",
                         datefmt="%H:%M:%S", level=logging.WARNING, stream=sys.stderr, force=True)
     for name in ("fairseq_alma.cli.score", "fairseq_alma.lm.ensemble_eval"):
-        logging.getLogger(name).setLevel(logging.INFO)
+        logging.getLogger(name).setLevel(logging.INFO if main_rank else logging.WARNING)
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=".*'pin_memory' argument is set as true")
     warnings.filterwarnings("ignore", message="Support for mismatched key_padding_mask")
 
 
-def run(args: argparse.Namespace) -> int:
-    """Check the runs, score them, render; every user mistake raises ``UsageError``."""
+def run(args: argparse.Namespace, world: ScoreWorld | None = None) -> int:
+    """Check the runs, score them (sharing the batches among ``world``'s processes), render on
+    rank 0; every user mistake raises ``UsageError``."""
+    import torch
+
+    world = world or ScoreWorld()
     args.run_dirs = expand_run_dirs(args.run_dirs)
     _check_flags(args)
-    if args.fp16:
-        import torch
+    use_cuda = torch.cuda.is_available() and not args.cpu
+    if args.fp16 and not use_cuda:
+        raise UsageError("--fp16 needs a CUDA device; drop it to score in fp32 on CPU")
+    if world.size > 1 and args.from_log:
+        raise UsageError(f"--from-log evaluates nothing, so there is nothing to share among "
+                         f"{world.size} processes; run it as one process (no torchrun/srun)")
+    backend = choose_backend(use_cuda, args.distributed_backend)
+    with scoring_group(world, backend):
+        results = _score_runs(args, use_cuda)
+        if world.is_main:
+            _write_outputs(results, args)
+    return 0
 
-        if args.cpu or not torch.cuda.is_available():
-            raise UsageError("--fp16 needs a CUDA device; drop it to score in fp32 on CPU")
+
+def _score_runs(args: argparse.Namespace, use_cuda: bool) -> list[tuple[ReportSeries, dict]]:
     runs = [load_run(path, args) for path in args.run_dirs]
     if args.mode != "single":
         check_members(runs, args.mode)
     scorer = None
     if not args.from_log:
-        import torch
-
         from ..lm.ensemble_eval import CheckpointScorer
 
         groups = [[run] for run in runs] if args.mode == "single" else [runs]
         total = sum(len(initial_predictor(group, args.mode)) for group in groups)
         total += len(runs[0].stages) if args.mode == "gens" else sum(len(r.stages) for r in runs)
-        use_cuda = torch.cuda.is_available() and not args.cpu
         scorer = CheckpointScorer(use_cuda=use_cuda, total=total, fp16=args.fp16)
         logger.info("scoring %d checkpoint(s) on %s", total, scorer.device)
     results = build_series(runs, args, scorer)
@@ -294,15 +315,19 @@ def run(args: argparse.Namespace) -> int:
         rate = f"{scorer.tokens / scorer.seconds:,.0f}"
         logger.info("scored %s tokens in %.2fs: %s tokens/s", f"{scorer.tokens:,}", scorer.seconds,
                     rate)
-    _write_outputs(results, args)
-    return 0
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point ``alma-score``; exit status 2 with one line on bad input."""
     args = build_parser().parse_intermixed_args(argv)
-    _configure_logging()
-    return run_console("alma-score", lambda: run(args))
+
+    def start() -> int:
+        world = world_from_env()  # an incomplete torchrun/srun environment: one line
+        _configure_logging(world.is_main)
+        return run(args, world)
+
+    return run_console("alma-score", start)
 
 
 if __name__ == "__main__":

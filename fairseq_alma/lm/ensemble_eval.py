@@ -29,8 +29,10 @@ import torch
 from fairseq import checkpoint_utils, utils
 
 from ..errors import AlmaError, CheckpointError, UsageError
+from ..ranks import world
 from .eval_slice import EvalSlice, slice_dataset
 from .nll import Batching, eval_batches, target_log_probs
+from .score_distributed import all_reduce_sums
 
 logger = logging.getLogger(__name__)
 
@@ -119,18 +121,31 @@ def score_jointly(models: Sequence[Any], batches: Iterable[dict[str, Any]], pad:
     return JointScore(totals, alone.tolist(), int(ntokens), seconds)
 
 
+def all_ranks_joint(scored: JointScore) -> JointScore:
+    """Every data-parallel rank's ``JointScore`` of its share of the batches added up
+    (score_distributed.py); the wall time is the slowest rank's.  Itself with one process."""
+    m = len(scored.prefix_nll)
+    sums, (seconds,) = all_reduce_sums([*scored.prefix_nll, *scored.member_nll,
+                                        float(scored.ntokens)], [scored.seconds])
+    return JointScore(sums[:m], sums[m:2 * m], int(sums[-1]), seconds)
+
+
 class CheckpointScorer:
     """Loads checkpoints onto one device and scores them; counts progress over ``total`` loads.
 
     A fairseq task (dictionary, manifest check, dataset, its ``--max-eval-tokens`` slice) is set
     up once per ``EvalSettings`` and shared by every checkpoint scored with them, as
-    ``fairseq-eval-lm`` does for an ensemble.  ``fp16`` halves each model's weights (CUDA only:
+    ``fairseq-eval-lm`` does for an ensemble.  Under several processes (score_distributed.py)
+    each scores batch i with i % world == its rank, and the sums are all-reduced, so every
+    rank returns the totals.  ``fp16`` halves each model's weights (CUDA only:
     the caller refuses it on CPU); log-probabilities are still taken in float32 and summed in
     float64 (``score_jointly``).
     """
 
     def __init__(self, use_cuda: bool, total: int, fp16: bool = False) -> None:
-        self.device = torch.device("cuda" if use_cuda else "cpu")
+        # the GPU score_distributed.scoring_group picked for this rank (cuda:0 alone)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda \
+            else torch.device("cpu")
         self.fp16 = fp16
         self.total = total
         self.done = 0
@@ -184,8 +199,10 @@ class CheckpointScorer:
         loaded = [self._load(path, settings) for path in paths]
         models, (_, task, dataset) = [model for model, _, _ in loaded], loaded[0]
         batching = Batching(settings.batch_size, settings.max_tokens)
-        batches = eval_batches(models, task, dataset, batching, prefetch=10)
-        scored = score_jointly(models, batches, task.target_dictionary.pad())
+        size, rank = world()
+        batches = eval_batches(models, task, dataset, batching, num_shards=size, shard_id=rank,
+                               prefetch=10)
+        scored = all_ranks_joint(score_jointly(models, batches, task.target_dictionary.pad()))
         del models, loaded  # free the members before the next predictor is loaded
         self.tokens += scored.ntokens * len(paths)
         self.seconds += scored.seconds
