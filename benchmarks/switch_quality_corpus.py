@@ -61,6 +61,8 @@ TYPOGRAPHY = str.maketrans({"\u2010": "-", "\u2011": "-", "\u2012": "-", "\u2013
                             "\u2022": "*", "\u00b7": "*", "\u00a0": " ", "\u2026": "...", "\u00ad": ""})
 DOC_EXTENSIONS = (".txt", ".md", ".rst", ".html", ".htm")
 DOC_PREFERENCE = {".txt": 0, ".md": 1, ".rst": 2, "": 3, ".html": 4, ".htm": 4}
+# Extension-less files that packages ship as prose documentation (a file named TODO is a
+# package's to-do list, read as English text like README).
 DOC_PLAIN_NAMES = re.compile(r"^(README|NEWS|TODO|FAQ|AUTHORS|THANKS|BUGS|HACKING|USAGE|INSTALL)", re.I)
 DOC_SKIPPED_NAMES = re.compile(r"(copyright|licen[cs]e|copying|changelog\.debian|^changelog)", re.I)
 # nodejs ships its API docs as one page per module (.md, kept) and again concatenated in all.html
@@ -238,7 +240,7 @@ def _doc_kind(name: str) -> str | None:
     ext = os.path.splitext(base)[1].lower()
     if ext in DOC_EXTENSIONS:
         return ext
-    return "" if DOC_PLAIN_NAMES.match(base) and ext in ("",) else None
+    return "" if DOC_PLAIN_NAMES.match(base) and ext == "" else None
 
 
 def doc_files() -> list[str]:
