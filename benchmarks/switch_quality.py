@@ -327,6 +327,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "switch_quality.json")
     parser.add_argument("--report-only", action="store_true", help="only summarize finished runs")
     args = parser.parse_args()
+    if args.jobs < 1 or args.updates < 10:
+        parser.error(f"--jobs must be >= 1 and --updates >= 10 (got {args.jobs}, {args.updates})")
+    if args.report_only:
+        missing = [row for row in ROWS if not list((args.work / "runs").glob(f"{row}_lr*_s1/result.json"))]
+        if missing:
+            parser.error(f"--report-only: {args.work / 'runs'} has no finished sweep run of {', '.join(missing)}; "
+                         "run without --report-only first")
     data = prepare_data(args.work)
     if not args.report_only:
         sweep = sweep_rows(data, args.work, args.jobs, args.updates)
