@@ -306,3 +306,29 @@ def test_failed_sbatch_leaves_the_sweep_as_it_was(sweep, tmp_path, monkeypatch, 
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [
         "alma-sweep: error: --batch-size must be >= 1 (got 0)"], done.stderr
+
+
+@slurm_test
+def test_a_growing_ensemble_run_is_also_scored_as_gens(
+        slurm, workdir, tmp_path):  # noqa: F811
+    """A run trained with --stage-init scratch is a gEns (its stages are the members): the array
+    scores it once as a single model and once with --mode gens, and the gEns outputs equal
+    alma-score --mode gens run directly."""
+    cli(slurm, workdir, "alma-sweep", "submit", str(TINY_STREAM), "--sweep-dir", "swg",
+        "--seeds", "1", "--grid", "stage-init=scratch")
+    slurm.wait_queue_empty(timeout=300)
+    sweep = workdir / "swg"
+    [job] = json.loads((sweep / "jobs.json").read_text())["jobs"]
+    out = cli(slurm, workdir, "alma-sweep", "score", "swg", *OPTIONS)
+    assert "2 scoring task(s) for 1 finished run(s)" in out, out
+    slurm.wait_queue_empty(timeout=300)
+    plan = json.loads((sweep / "score_jobs.json").read_text())
+    assert [(t["name"], t["mode"]) for t in plan["tasks"]] == [
+        (job["name"], "single"), (job["name"] + ".gens", "gens")]
+    out_dir = sweep / "scores" / (job["name"] + ".gens")
+    assert (out_dir / "scored.json").is_file(), (out_dir / "score.log").read_text()[-3000:]
+    text, payload, csv = direct_score(tmp_path, [Path(job["run_dir"])], "gens")
+    assert (out_dir / "score.txt").read_text() == text
+    assert payload["series"][0]["setting"].startswith("gEns")
+    assert_same_json(json.loads((out_dir / "score.json").read_text()), payload)
+    assert (out_dir / "score.csv").read_text() == csv

@@ -2,7 +2,9 @@
 
 A sweep of G grid points x S seeds has G x S runs to score one by one and, with S >= 2, G
 ensembles (Ens, paper §4.1: the runs that differ only by their seed, their probabilities averaged
-at scoring time).  Each is one independent ``alma-score`` call, so together they are one Slurm
+at scoring time). A run trained with ``--stage-init scratch`` and no ``--replay`` is also a
+growing ensemble (gEns, paper §4.1: its stage checkpoints are the members), scored once more with
+``--mode gens``: its single-model series alone would hide the number the paper reports for it.  Each is one independent ``alma-score`` call, so together they are one Slurm
 job array; this module decides what goes in it, and never Slurm-specific details (see
 score_script.py).
 
@@ -47,7 +49,7 @@ class ScoreTask:
 
     index: int
     name: str
-    mode: str  # "single" or "ens"
+    mode: str  # "single", "ens" or "gens"
     runs: tuple[str, ...]  # run names (jobs.json), in seed order
     run_dirs: tuple[str, ...]
     out_dir: Path
@@ -98,6 +100,17 @@ def unfinished_reason(job: Mapping[str, Any]) -> str | None:
         if record.trained and not ckpt.is_file():
             return f"{ckpt} is missing (stage {record.stage})"
     return None
+
+
+def grows_ensemble(job: Mapping[str, Any]) -> bool:
+    """True for a run whose stages form a gEns (``--stage-init scratch``, no ``--replay``), read
+    from its run.json, the settings it really trained with (alma-score checks the same)."""
+    fingerprint = RunDirectory.for_reading(job["run_dir"]).read_fingerprint() or {}
+    task = (fingerprint.get("config") or {}).get("task") or {}
+    return task.get("stage_init") == "scratch" and not task.get("replay")
+
+
+GENS_SUFFIX = ".gens"  # a gEns task's name: the run's name plus this
 
 
 def input_signature(run_dirs: Sequence[str], mode: str, options: Sequence[str]) -> str:
@@ -153,12 +166,15 @@ def _fingerprint_mismatch(members: Sequence[Mapping[str, Any]]) -> str | None:
 def plan_scoring(
     sweep_dir: Path, jobs: Sequence[Mapping[str, Any]], options: Sequence[str]
 ) -> tuple[list[ScoreTask], list[Skipped]]:
-    """Every task the sweep's finished runs allow: one single-model task per run, then one Ens
-    task per group of >= 2 seeds whose members have all finished; and what is skipped, why."""
+    """Every task the sweep's finished runs allow: one single-model task per run, one gEns task
+    per finished run that grows an ensemble, then one Ens task per group of >= 2 seeds whose
+    members have all finished; and what is skipped, why."""
     unfinished = {job["name"]: unfinished_reason(job) for job in jobs}
     skipped = [Skipped(name, why) for name, why in unfinished.items() if why is not None]
     wanted: list[tuple[str, str, list[Mapping[str, Any]]]] = [
         (job["name"], "single", [job]) for job in jobs if unfinished[job["name"]] is None]
+    wanted += [(job["name"] + GENS_SUFFIX, "gens", [job]) for job in jobs
+               if unfinished[job["name"]] is None and grows_ensemble(job)]
     for members in _seed_groups(jobs):
         if len({job["seed"] for job in members}) < 2:
             continue
