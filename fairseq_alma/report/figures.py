@@ -258,8 +258,9 @@ def plot_replay(pairs: Sequence[tuple[SeedGroup, SeedGroup]], path: str | os.Pat
 def plot_eval_matrix(groups: Sequence[MatrixGroup], path: str | os.PathLike) -> None:
     """The stage x period matrices (``alma-score --matrix``) as heatmaps, one panel per setting:
     rows = stage checkpoints, columns = periods (mega-batch p - 1's held-out slice), colour =
-    perplexity on a log scale (the summaries' log domain), every cell annotated (mean over seeds,
-    ± std with several), the periods each stage trained on as new outlined."""
+    perplexity on a log scale (the summaries' log domain; each panel spans its own range), every
+    cell annotated (mean over seeds, ± std with several), the periods each stage trained on as
+    new outlined."""
     import math
 
     from matplotlib.colors import LogNorm
@@ -287,8 +288,8 @@ def plot_eval_matrix(groups: Sequence[MatrixGroup], path: str | os.PathLike) -> 
                               color="white" if dark else "black")
         for r in range(len(shape.stages)):
             for period in shape.new_periods(r):
-                axis.add_patch(Rectangle((period - 1.5, r - 0.5), 1, 1, fill=False,
-                                         edgecolor="red", linewidth=1.5))
+                axis.add_patch(Rectangle((period - 1.46, r - 0.46), 0.92, 0.92, fill=False,
+                                         edgecolor="red", linewidth=1.5))  # inside the cell
         axis.set_xticks(range(shape.num_periods), [str(p) for p in shape.periods])
         axis.set_yticks(range(len(shape.stages)),
                         [f"{s} (arrival {a})" for s, a in zip(shape.stages, shape.arrivals, strict=True)])
