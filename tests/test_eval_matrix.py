@@ -46,9 +46,15 @@ def stream(tmp_path_factory) -> Path:
     for start in range(0, len(cmds), 2):  # two at a time: CI has 2 cores
         procs = [(cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         text=True)) for cmd in cmds[start:start + 2]]
-        for cmd, proc in procs:
-            out, _ = proc.communicate(timeout=600)
-            assert proc.returncode == 0, f"{' '.join(cmd)}\n{out[-3000:]}"
+        try:
+            for cmd, proc in procs:
+                out, _ = proc.communicate(timeout=600)
+                assert proc.returncode == 0, f"{' '.join(cmd)}\n{out[-3000:]}"
+        finally:  # a failed or timed-out fixture leaves no training behind
+            for _, proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
     scored = run([tool("alma-score"), *(str(root / name) for name in RUNS), "--matrix", "--cpu",
                   "--json", str(root / "all.json")])
     (root / "all.txt").write_text(scored.stdout)
@@ -224,3 +230,22 @@ def test_two_gloo_ranks_give_the_same_matrix(stream, tmp_path):
     assert ranks[1][1] == "" and not (tmp_path / "rank1.json").exists()
     assert "p1" in ranks[0][1] and "in_period ppl" in ranks[0][1]
     _same_numbers(_matrix(stream, 2), _matrix(tmp_path, 0, "rank0.json"))
+
+
+@pytest.mark.slow
+def test_a_missing_or_truncated_period_split_is_named(stream, tmp_path):
+    from fairseq_alma.errors import DataError
+    from fairseq_alma.lm.eval_matrix import check_period_splits
+
+    data = tmp_path / "data"
+    shutil.copytree(stream / "data", data)
+    assert check_period_splits(str(data), 3)["eval_per_megabatch"].startswith("12 documents")
+    with open(data / "evalmb1.bin", "r+b") as fh:
+        fh.truncate(10)
+    with pytest.raises(DataError, match=r"evalmb1\.bin: 10 bytes, the manifest says \d+"):
+        check_period_splits(str(data), 3)
+    manifest = json.loads((data / "manifest.json").read_text())
+    del manifest["splits"]["evalmb2"]
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match=f"{data} lacks evalmb2 of the per-mega-batch"):
+        check_period_splits(str(data), 3)

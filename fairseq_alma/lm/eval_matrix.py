@@ -38,10 +38,10 @@ def check_period_splits(data: str, num_megabatches: int) -> dict[str, Any]:
     names = [period_split(p) for p in range(1, num_megabatches + 1)]
     missing = [name for name in names if name not in manifest["splits"]]
     if missing:
-        listed = "none of" if len(missing) == num_megabatches else f"{missing[0]} of"
-        raise DataError(f"{data}: {listed} the per-mega-batch evaluation splits evalmb0.."
-                        f"evalmb{num_megabatches - 1} (needed by --matrix); prepare the stream "
-                        f"with `alma-data-prep --eval-per-megabatch SIZE`")
+        lacks = "has none" if len(missing) == num_megabatches else f"lacks {missing[0]}"
+        raise DataError(f"{data} {lacks} of the per-mega-batch evaluation splits evalmb0.."
+                        f"evalmb{num_megabatches - 1} that --matrix scores; prepare the stream "
+                        f"with alma-data-prep --eval-per-megabatch SIZE")
     for name in names:
         for ext in ("bin", "idx"):
             path = os.path.join(data, f"{name}.{ext}")
@@ -50,7 +50,7 @@ def check_period_splits(data: str, num_megabatches: int) -> dict[str, Any]:
             if size is None or (expected is not None and size != expected):
                 found = "missing" if size is None else f"{size} bytes, the manifest says {expected}"
                 raise DataError(f"{path}: {found} (listed in {data}/manifest.json); prepare the "
-                                f"stream again with `alma-data-prep --eval-per-megabatch SIZE`")
+                                f"stream again with alma-data-prep --eval-per-megabatch SIZE")
     return {"eval_per_megabatch": manifest.get("eval_per_megabatch")}
 
 
