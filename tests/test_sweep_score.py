@@ -259,6 +259,8 @@ def _error(capsys, *args: str) -> tuple[str, str]:
     (["--json", "x.json"], "--json: alma-sweep score sets it (each task writes "
                            "SWEEP_DIR/scores/TASK/score.json); drop --json"),
     (["--mode", "gens"], "--mode: alma-sweep score sets it"),
+    (["--matrix"], "--matrix: alma-sweep score sets it (not for sweeps: their Ens and gEns "
+                   "tasks cannot score one;"),
     (["--fp16"], "--fp16 needs a CUDA device, but profile local-cpu has no GPUs"),
     (["--max-parallel", "0"], "--max-parallel must be >= 1"),
     (["--profile", "nope"], "resource profile"),

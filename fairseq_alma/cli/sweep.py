@@ -317,6 +317,8 @@ SCORE_OWN_FLAGS = {
     "--plot": f"draw figures from SWEEP_DIR/{SCORES_DIR}/*/score.json with alma-report",
     "--setting": "each series keeps alma-score's own name (SM_w1, Ens_w1, ...)",
     "--from-log": "it would evaluate nothing; alma-report reads the runs' logged perplexities",
+    "--matrix": "not for sweeps: their Ens and gEns tasks cannot score one; run alma-score RUN "
+                "--matrix on the runs and pass its --json to alma-report",
 }
 
 

@@ -8,7 +8,8 @@
 * An ``alma-score --json`` file gives its series as scored, Ens and gEns included; the run
   directories it names lend it their fingerprints, so seeds of an ensemble group too.  A series
   scored with ``--max-eval-tokens`` on part of the split keeps that slice: perplexities on
-  different tokens are not comparable, so ``common_eval_slice`` refuses to mix slices.
+  different tokens are not comparable, so ``common_eval_slice`` refuses to mix slices.  A series
+  scored with ``--matrix`` brings its stage x period matrix (``report/eval_matrix.py``).
 
 Nothing here imports fairseq or torch: reports are drawn on machines without them.  Every bad
 input is a one-line ``UsageError`` naming the path and what to pass instead.
@@ -136,7 +137,8 @@ def read_score_json(path: Path) -> list[ReportedRun]:
         fingerprint = {"mode": scoring.get("mode"), "members": fingerprints} if known else None
         seeds = [_seed(fp) for fp in fingerprints] if known else []
         seed = tuple(s[0] for s in seeds) if seeds and None not in seeds else None
-        out.append(ReportedRun(s, f"{path}:{s.setting}", fingerprint, seed, _eval_slice(scoring)))
+        out.append(ReportedRun(s, f"{path}:{s.setting}", fingerprint, seed, _eval_slice(scoring),
+                               entry.get("eval_matrix")))
     return out
 
 
