@@ -34,13 +34,25 @@ from .bpe import (
     train_sentencepiece,
 )
 from .corpus import SourceFile, discover_sources, extract_documents
+from .encoded import FORMAT as ENCODED_FORMAT
+from .encoded import Encoded, read_extra
+from .encoded import files as encoded_files
+from .fileio import PARTIAL_SUFFIX, atomic_output, sha256_file, write_json_atomic
 from .gpt2_bpe import Gpt2Lines, check_gpt2_files, gpt2_vocabulary
-from .fileio import PARTIAL_SUFFIX, sha256_file, write_json_atomic
 from .manifest import MANIFEST_FORMAT, MANIFEST_NAME
-from .split import assign_documents, check_document_count, parse_size, split_names, write_splits
+from .split import (
+    assign_documents,
+    check_document_count,
+    count_training_pieces,
+    parse_size,
+    split_names,
+)
 from .steps import StepRunner
 
 PIPELINE_VERSION = 1  # part of every key: bump when a step's output format changes
+ENCODED = "work/encoded"  # prefix of the encoded arrays (encoded.py)
+LABELS = "work/split.labels"  # int32 per document: its split's index in split_names
+COUNTS = "work/train_piece_counts.json"
 
 
 @dataclass(frozen=True)
@@ -106,7 +118,8 @@ class Pipeline:
             check_document_count(self.extract()["documents"], self.o.num_megabatches)
             tokenizer = {"gpt2": [self.gpt2["encoder_json_sha256"],
                                   self.gpt2["vocab_bpe_sha256"]]}
-        return {"version": PIPELINE_VERSION, "docs": self.extract()["sha256"], **tokenizer}
+        return {"version": PIPELINE_VERSION, "docs": self.extract()["sha256"], **tokenizer,
+                "encoded_format": ENCODED_FORMAT}
 
     def _line_encoder(self) -> LineEncoder:
         if self.gpt2 is None:
@@ -119,14 +132,18 @@ class Pipeline:
             return sentencepiece_vocabulary(self.path("spm.model"))
         return gpt2_vocabulary(self.gpt2["encoder_json"])
 
+    def symbols(self) -> list[str]:
+        """The symbol of every id in the encoded arrays: the tokenizer's, then the extra
+        pieces it could not map (``encoded.py``)."""
+        return self._line_encoder().piece_table() + read_extra(self.path(ENCODED))
+
     def encode(self, need_outputs: bool = False) -> dict:
         def build() -> dict:
             self.extract(need_outputs=True)
             return encode_documents(self.path("work/docs.txt"), self._line_encoder(),
-                                    self.path("work/encoded.txt"),
-                                    self.path("work/encoded.tokens"), self.o.workers)
-        return self.runner.ensure("encode", self._encode_key(),
-                                  ["work/encoded.txt", "work/encoded.tokens"], build, need_outputs)
+                                    self.path(ENCODED), self.o.workers)
+        return self.runner.ensure("encode", self._encode_key(), encoded_files(ENCODED), build,
+                                  need_outputs)
 
     def _split_key(self) -> dict:
         o = self.o
@@ -134,28 +151,25 @@ class Pipeline:
                 "eval_size": o.eval_size, "valid_size": o.valid_size}
 
     def split(self, need_outputs: bool = False) -> dict:
-        texts = {name: f"work/{name}.txt" for name in self.names}
-
         def build() -> dict:
             self.encode(need_outputs=True)
-            tokens = np.fromfile(self.path("work/encoded.tokens"), dtype=np.int64)
+            encoded = Encoded.open(self.path(ENCODED))
             labels, stats = assign_documents(
-                tokens, self.o.seed, self.o.num_megabatches, parse_size(self.o.valid_size),
-                parse_size(self.o.eval_size))
-            write_splits(self.path("work/encoded.txt"), labels, self.names,
-                         {name: self.path(rel) for name, rel in texts.items()},
-                         self.path("work/train_piece_counts.json"))
+                encoded.tokens, self.o.seed, self.o.num_megabatches,
+                parse_size(self.o.valid_size), parse_size(self.o.eval_size))
+            with atomic_output(self.path(LABELS), "wb") as f:
+                labels.tofile(f)
+            count_training_pieces(encoded, labels, self.names, self.symbols(),
+                                  self.path(COUNTS))
             return {"splits": stats}
-        return self.runner.ensure("split", self._split_key(),
-                                  [*texts.values(), "work/train_piece_counts.json"], build,
+        return self.runner.ensure("split", self._split_key(), [LABELS, COUNTS], build,
                                   need_outputs)
 
     def dictionary(self) -> dict:
         def build() -> dict:
             from .binarize import build_dictionary  # imports fairseq+torch (~5 s): only if needed
             self.split(need_outputs=True)
-            return build_dictionary(self.path("work/train_piece_counts.json"),
-                                    self.vocabulary(), self.path("dict.txt"))
+            return build_dictionary(self.path(COUNTS), self.vocabulary(), self.path("dict.txt"))
         return self.runner.ensure("dictionary", self._split_key(), ["dict.txt"], build)
 
     def binarize(self) -> dict[str, dict]:
@@ -165,11 +179,13 @@ class Pipeline:
         def build() -> dict:
             from .binarize import binarize_splits  # imports fairseq+torch (~5 s): only if needed
             self.split(need_outputs=True)
-            info = binarize_splits({name: self.path(f"work/{name}.txt") for name in self.names},
-                                   self.path("dict.txt"), self.o.out, self.work, self.o.workers)
+            encoded = Encoded.open(self.path(ENCODED))
+            labels = np.fromfile(self.path(LABELS), dtype=np.int32)
+            info = binarize_splits(encoded, labels, self.names, self.symbols(),
+                                   self.path("dict.txt"), self.o.out)
             for name, split in info.items():
-                if split["tokens"] != expected[name]["tokens"]:  # fairseq's count vs ours
-                    raise RuntimeError(f"{name}: fairseq binarized {split['tokens']} tokens, "
+                if split["tokens"] != expected[name]["tokens"]:  # the writer's count vs ours
+                    raise RuntimeError(f"{name}: binarized {split['tokens']} tokens, "
                                        f"the split counted {expected[name]['tokens']}")
                 split["documents"] = expected[name]["documents"]
             return info
