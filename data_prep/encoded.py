@@ -117,6 +117,7 @@ class Encoded:
     docs: np.ndarray  # lines per document
     tokens: np.ndarray  # fairseq tokens per document
     pieces: np.ndarray  # ids per document
+    chunk_ids: int = CHUNK_IDS  # ids per chunk of ``chunks``
 
     @classmethod
     def open(cls, prefix: str) -> Encoded:
@@ -133,8 +134,7 @@ class Encoded:
                                    f"say {expected}; delete the encode stamp and re-run")
         return cls(prefix, docs, tokens, pieces)
 
-    def chunks(self, chunk_ids: int = CHUNK_IDS) -> Iterator[tuple[int, int, np.ndarray,
-                                                                   np.ndarray]]:
+    def chunks(self) -> Iterator[tuple[int, int, np.ndarray, np.ndarray]]:
         """``(first document, end document, lens, ids)`` for runs of whole documents of about
         ``chunk_ids`` ids each (one document larger than that is a chunk of its own)."""
         piece_cum = np.concatenate([[0], np.cumsum(self.pieces)])
@@ -144,7 +144,8 @@ class Encoded:
                 open(f"{self.prefix}.ids", "rb") as ids_file:
             first = 0
             while first < n:
-                end = int(np.searchsorted(piece_cum, piece_cum[first] + chunk_ids, "right")) - 1
+                end = int(np.searchsorted(piece_cum, piece_cum[first] + self.chunk_ids,
+                                           "right")) - 1
                 end = min(max(end, first + 1), n)
                 lens = np.fromfile(lens_file, dtype=np.int32,
                                    count=int(line_cum[end] - line_cum[first]))
