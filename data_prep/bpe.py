@@ -242,14 +242,14 @@ def encode_ranges(docs_path: str, encoder: LineEncoder, ranges: list[tuple[int, 
     progress.finish()
 
 
-def encode_documents(docs_path: str, encoder: LineEncoder, out_prefix: str,
-                     workers: int) -> dict:
-    """Encode every document of ``docs_path`` into ``out_prefix``'s files (``encoded.py``),
-    with ``workers`` processes over byte ranges whose parts are joined in order at the end.
-    The output does not depend on ``workers``."""
-    size = os.path.getsize(docs_path)
-    chunks = max(-(-size // ENCODE_CHUNK_BYTES), 4 * workers if workers > 1 else 1)
-    offsets = aligned_offsets(docs_path, chunks, at_blank_line=True)
+def encode_documents(docs_path: str, encoder: LineEncoder, out_prefix: str, workers: int,
+                     start: int = 0, end: int | None = None) -> dict:
+    """Encode the documents of ``docs_path`` (all, or those in the byte range [start, end))
+    into ``out_prefix``'s files (``encoded.py``), with ``workers`` processes over byte ranges
+    whose parts are joined in order at the end. The output does not depend on ``workers``."""
+    end = os.path.getsize(docs_path) if end is None else end
+    chunks = max(-(-(end - start) // ENCODE_CHUNK_BYTES), 4 * workers if workers > 1 else 1)
+    offsets = aligned_offsets(docs_path, chunks, at_blank_line=True, start=start, end=end)
     prefixes = [f"{out_prefix}{PARTIAL_SUFFIX}.{k}" for k in range(len(offsets) - 1)]
     encode_ranges(docs_path, encoder, list(pairwise(offsets)), prefixes, workers)
     return concatenate_parts(prefixes, out_prefix, len(encoder.piece_table()))
