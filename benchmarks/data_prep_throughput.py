@@ -122,7 +122,8 @@ def run_prep(corpora: list[str], workers: int, scratch: str) -> dict:
         steps = json.load(f)["step_seconds"]
     ids = os.path.getsize(os.path.join(out, "work", "encoded.ids")) // 4
     return {"out": out, "wall": wall, "steps": steps, "peak_tree_rss": peak[0],
-            "max_process_rss": peak[1], "peak_tree_pss": peak[2], "ids": ids, "digest": _output_digest(out)}
+            "max_process_rss": peak[1], "peak_tree_pss": peak[2], "ids": ids,
+            "digest": _output_digest(out)}
 
 
 def _encode_alone(task: tuple[str, str, int, int]) -> int:
@@ -218,7 +219,8 @@ def main() -> None:
                   f"alone {run['alone']:.1f} s; load average {os.getloadavg()[0]:.1f}", flush=True)
     rows = []
     for workers, r in sorted(results.items()):
-        rows.append([str(workers), f"{size / 1e6 / r['alone']:.2f}", f"{size / 1e6 / r['wall']:.2f}",
+        mb = size / 1e6
+        rows.append([str(workers), f"{mb / r['alone']:.2f}", f"{mb / r['wall']:.2f}",
                      f"{r['alone'] / r['wall']:.2f}", _mb(r["peak_tree_rss"]),
                      _mb(r["peak_tree_pss"]), _mb(r["max_process_rss"])])
     print("\n" + format_table(["workers", "spm alone MB/s", "alma-data-prep MB/s",

@@ -114,7 +114,8 @@ class MMapWriter:
         """After an error: close and remove what was not finalized."""
         for f in (self._bin, self._sizes):
             f.close()
-        for path in (self.prefix + ".bin" + PARTIAL_SUFFIX, self.prefix + ".sizes" + PARTIAL_SUFFIX):
+        for ext in (".bin", ".sizes"):
+            path = self.prefix + ext + PARTIAL_SUFFIX
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
 

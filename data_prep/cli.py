@@ -29,12 +29,13 @@ Steps: train a sentencepiece BPE model; encode every document (--workers process
 documents with --seed; carve, in this order, the validation set (--valid-size), the evaluation
 mega-batch (--eval-size) and B training mega-batches of equal token count from the rest (each
 within one document of rest/B; documents keep corpus order inside a split); binarize every split
-with fairseq's binarizer and ONE dictionary (pieces seen in the training mega-batches, by
-frequency, plus the rest of the BPE vocabulary). Sizes count BPE tokens as fairseq stores them,
-one end-of-line token per line and one blank-line separator per document included.
+(the bytes fairseq's binarizer writes) with ONE dictionary (pieces seen in the training
+mega-batches, by frequency, plus the rest of the BPE vocabulary). Sizes count BPE tokens as
+fairseq stores them, one end-of-line token per line and one blank-line separator per document
+included.
 
 Output in --out: manifest.json, dict.txt, spm.model, spm.vocab, megabatch0..B-1.bin/.idx,
-eval.bin/.idx, valid.bin/.idx (fairseq mmap format); intermediate text under work/. Running
+eval.bin/.idx, valid.bin/.idx (fairseq mmap format); intermediate files under work/. Running
 the same command again reuses finished steps; changed flags redo only what depends on them.
 
 --bpe gpt2 encodes with GPT-2's byte-level BPE (the paper's) from your own encoder.json and

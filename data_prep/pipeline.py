@@ -334,6 +334,8 @@ def prepare(options: PrepOptions, command: str) -> dict:
         binarized = pipeline.binarize()
         splits = {name: binarized[name] for name in [*pipeline.names[2:], "eval", "valid"]}
         remove_stale_megabatches(options.out, pipeline.names)
+        # Text the encode and split steps wrote before they worked on ids (encoded.py).
+        remove_files(options.out, ["work/encoded.txt", *(f"work/{n}.txt" for n in pipeline.names)])
         if pipeline.gpt2 is not None:
             remove_files(options.out, ["spm.model", "spm.vocab"])
         manifest = stream_manifest(options, splits, dict_info, tokenizer, pipeline.sources,
