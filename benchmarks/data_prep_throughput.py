@@ -6,7 +6,8 @@ extracted ``work/docs.txt``) with the same trained model and the same number of 
 processes: a bare ``multiprocessing.Pool`` over the same byte ranges, each worker reading its
 range in 1 MB blocks, splitting lines and calling ``encode(lines, out_type=int)`` -- no other
 work. It prints, per worker count, both rates in MB of input text per second and their ratio
-(target >= 0.6), the whole command's seconds per step, the peak resident memory of the whole
+(target >= 0.6; also as a ratio of CPU seconds, which contention from other work on the
+machine changes less than wall time), the whole command's seconds per step, the peak resident memory of the whole
 process tree (sampled every 0.1 s from /proc, summed over the command and its workers: as RSS,
 an upper bound where forked workers' shared pages count once per process, and as PSS, which
 shares them out) and the largest single process's RSS;
@@ -31,6 +32,7 @@ import hashlib
 import json
 import os
 import random
+import resource
 import subprocess
 import sys
 import tempfile
@@ -98,10 +100,19 @@ def _pss_bytes(pid: int) -> int:
     return 0
 
 
+def _cpu_seconds() -> float:
+    """User + system CPU of this process and its finished children (runs, pool workers)."""
+    return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
 def run_prep(corpora: list[str], workers: int, scratch: str) -> dict:
     """One alma-data-prep run from scratch; wall time, steps, peak memory, output digest."""
     out = tempfile.mkdtemp(dir=scratch, prefix=f"w{workers}-")
+    cpu = _cpu_seconds()
     peak = [0, 0, 0]
+    step_peak: dict[str, int] = {}  # peak summed RSS while each step was building
+    current = ["startup"]
     started = time.perf_counter()
     process = subprocess.Popen([*_script("alma-data-prep"), *corpora, "--out", out,
                                 "--workers", str(workers), *PREP_FLAGS],
@@ -109,20 +120,30 @@ def run_prep(corpora: list[str], workers: int, scratch: str) -> dict:
 
     def sample() -> None:
         while process.poll() is None:
-            peak[:] = [max(a, b) for a, b in zip(peak, _tree_memory(process.pid))]
+            memory = _tree_memory(process.pid)
+            peak[:] = [max(a, b) for a, b in zip(peak, memory)]
+            step_peak[current[0]] = max(step_peak.get(current[0], 0), memory[0])
             time.sleep(0.1)
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    _, stderr = process.communicate()
+    stderr = []
+    for line in process.stderr:  # "alma-data-prep: STEP: building" starts a step
+        stderr.append(line)
+        parts = line.split(": ")
+        if len(parts) == 3 and parts[2].strip() == "building":
+            current[0] = parts[1]
+    process.wait()
     wall = time.perf_counter() - started
+    cpu = _cpu_seconds() - cpu
     sampler.join()
     if process.returncode != 0:
-        sys.exit(f"alma-data-prep failed:\n{stderr}")
+        sys.exit(f"alma-data-prep failed:\n{''.join(stderr)}")
     with open(os.path.join(out, "manifest.json"), encoding="utf-8") as f:
         steps = json.load(f)["step_seconds"]
     ids = os.path.getsize(os.path.join(out, "work", "encoded.ids")) // 4
-    return {"out": out, "wall": wall, "steps": steps, "peak_tree_rss": peak[0],
-            "max_process_rss": peak[1], "peak_tree_pss": peak[2], "ids": ids,
+    return {"out": out, "wall": wall, "cpu": cpu, "steps": steps, "peak_tree_rss": peak[0],
+            "max_process_rss": peak[1], "peak_tree_pss": peak[2], "step_peak": step_peak,
+            "ids": ids,
             "digest": _output_digest(out)}
 
 
@@ -146,9 +167,9 @@ def _encode_alone(task: tuple[str, str, int, int]) -> int:
     return tokens
 
 
-def time_encode_alone(out: str, workers: int) -> tuple[float, int]:
-    """Seconds for sentencepiece alone over ``out``'s extracted text, ``workers`` processes
-    on the byte ranges the encode step uses; and the number of ids (a sanity check)."""
+def time_encode_alone(out: str, workers: int) -> tuple[float, float, int]:
+    """Wall and CPU seconds for sentencepiece alone over ``out``'s extracted text, ``workers``
+    processes on the byte ranges the encode step uses; and the number of ids (a check)."""
     from data_prep.bpe import ENCODE_CHUNK_BYTES
     from data_prep.fileio import aligned_offsets
 
@@ -157,13 +178,15 @@ def time_encode_alone(out: str, workers: int) -> tuple[float, int]:
     chunks = max(-(-size // ENCODE_CHUNK_BYTES), 4 * workers if workers > 1 else 1)
     tasks = [(os.path.join(out, "spm.model"), text, a, b)
              for a, b in pairwise(aligned_offsets(text, chunks, at_blank_line=True))]
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), _cpu_seconds()
     if workers > 1:
-        with Pool(workers) as pool:
-            tokens = sum(pool.imap(_encode_alone, tasks))
+        pool = Pool(workers)
+        tokens = sum(pool.imap(_encode_alone, tasks))
+        pool.close()
+        pool.join()  # reaped: their CPU time is in RUSAGE_CHILDREN
     else:
         tokens = sum(map(_encode_alone, tasks))
-    return time.perf_counter() - started, tokens
+    return time.perf_counter() - started, _cpu_seconds() - cpu, tokens
 
 
 def build_repeated_corpus(corpora: list[str], target_mb: float, path: str) -> int:
@@ -213,22 +236,31 @@ def main() -> None:
         results = {}
         for workers in (2, 1):
             run = run_prep(corpora, workers, scratch)
-            run["alone"], run["alone_tokens"] = time_encode_alone(run["out"], workers)
+            run["alone"], run["alone_cpu"], run["alone_tokens"] = time_encode_alone(run["out"],
+                                                                                    workers)
             results[workers] = run
-            print(f"  workers={workers}: alma-data-prep {run['wall']:.1f} s, sentencepiece "
-                  f"alone {run['alone']:.1f} s; load average {os.getloadavg()[0]:.1f}", flush=True)
+            print(f"  workers={workers}: alma-data-prep {run['wall']:.1f} s ({run['cpu']:.1f} s "
+                  f"CPU), sentencepiece alone {run['alone']:.1f} s ({run['alone_cpu']:.1f} s "
+                  f"CPU); load average {os.getloadavg()[0]:.1f}", flush=True)
     rows = []
     for workers, r in sorted(results.items()):
         mb = size / 1e6
         rows.append([str(workers), f"{mb / r['alone']:.2f}", f"{mb / r['wall']:.2f}",
-                     f"{r['alone'] / r['wall']:.2f}", _mb(r["peak_tree_rss"]),
+                     f"{r['alone'] / r['wall']:.2f}", f"{r['alone_cpu'] / r['cpu']:.2f}",
+                     _mb(r["peak_tree_rss"]),
                      _mb(r["peak_tree_pss"]), _mb(r["max_process_rss"])])
     print("\n" + format_table(["workers", "spm alone MB/s", "alma-data-prep MB/s",
-                               "ratio", "peak tree RSS MB", "peak tree PSS MB",
+                               "ratio", "CPU-time ratio", "peak tree RSS MB", "peak tree PSS MB",
                                "max process RSS MB"], rows), end="")
     steps = [[str(w), *(f"{r['steps'].get(s, 0):.1f}" for s in STEPS), f"{r['wall']:.1f}"]
              for w, r in sorted(results.items())]
     print("\nseconds per step\n" + format_table(["workers", *STEPS, "wall"], steps), end="")
+    memory = [[str(w), *(_mb(r["step_peak"][s]) if s in r["step_peak"] else "-"
+                         for s in ("startup", *STEPS))]
+              for w, r in sorted(results.items())]
+    print("\npeak tree RSS MB while each step ran (startup: imports before the first step; "
+          "-: too short to sample)\n"
+          + format_table(["workers", "startup", *STEPS], memory), end="")
     one, two = results[1], results[2]
     print(f"\n1 -> 2 workers speed-up: alma-data-prep {one['wall'] / two['wall']:.2f}x, its "
           f"encode step {one['steps']['encode'] / two['steps']['encode']:.2f}x, sentencepiece "
