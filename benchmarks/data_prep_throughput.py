@@ -7,10 +7,10 @@ processes: a bare ``multiprocessing.Pool`` over the same byte ranges, each worke
 range in 1 MB blocks, splitting lines and calling ``encode(lines, out_type=int)`` -- no other
 work. It prints, per worker count, both rates in MB of input text per second and their ratio
 (target >= 0.6; also as a ratio of CPU seconds, which contention from other work on the
-machine changes less than wall time), the whole command's seconds per step, the peak resident memory of the whole
-process tree (sampled every 0.1 s from /proc, summed over the command and its workers: as RSS,
-an upper bound where forked workers' shared pages count once per process, and as PSS, which
-shares them out) and the largest single process's RSS;
+machine changes less than wall time), the whole command's seconds per step, the peak resident
+memory of the whole process tree (sampled every 0.1 s from /proc, summed over the command and
+its workers: as RSS, an upper bound where forked workers' shared pages count once per process,
+and as PSS, which shares them out) and the largest single process's RSS;
 then the 1 -> 2 worker speed-up, and checks that both runs wrote byte-identical outputs.
 
 The whole-command time includes fixed costs that do not scale with workers or corpus size:
