@@ -2,13 +2,13 @@
 
 Paper §5 uses a 50,000-unit BPE vocabulary (GPT-2's, which is byte-level). We train a
 sentencepiece ``bpe`` model on the corpus itself, optionally with byte fallback so that, as with
-GPT-2's byte-level BPE, no character is ever mapped to ``<unk>``. Encoding writes one line of
-space-separated pieces per input line and a blank line after each document (fairseq's language
-modeling format: ``--sample-break-mode complete_doc`` splits on those blank lines) and records
-each document's token count as fairseq will binarize it (pieces + one end-of-line per line +
-one for the blank separator), which is what the mega-batch split balances. The encoding pool
-takes any ``LineEncoder`` (``SentencepieceLines`` here, ``gpt2_bpe.Gpt2Lines`` for ``--bpe
-gpt2``), so both tokenizers write the same format and the later steps cannot tell them apart.
+GPT-2's byte-level BPE, no character is ever mapped to ``<unk>``. Encoding turns each line into
+tokenizer ids, written as binary arrays (``encoded.py``) with each document's token count as
+fairseq will binarize it (ids + one end-of-line per line + one for the blank separator), which is
+what the mega-batch split balances. Workers each encode whole byte ranges of the extracted text
+into files of their own (the main process ships no text), read in blocks of whole documents, one
+tokenizer call per block. The pool takes any ``LineEncoder`` (``SentencepieceLines`` here,
+``gpt2_bpe.Gpt2Lines`` for ``--bpe gpt2``), so the later steps cannot tell them apart.
 """
 
 from __future__ import annotations
@@ -16,24 +16,24 @@ from __future__ import annotations
 import io
 import os
 import re
-import shutil
-from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from itertools import pairwise
+from itertools import chain, pairwise
 from multiprocessing import Pool
 from typing import Protocol
 
+import numpy as np
 import sentencepiece as spm
 
 from fairseq_alma.errors import DataError
 
+from .encoded import PartWriter, concatenate_parts
 from .fileio import PARTIAL_SUFFIX, aligned_offsets, atomic_output, sha256_file
 from .progress import Progress
 
 # Sentence sampling uses its own fixed seed, so --seed (the split) never retrains the BPE model.
 SPM_SAMPLE_SEED = 1
-ENCODE_BATCH_BYTES = 1 << 18  # lines per sentencepiece call: about 256 kB of text
+ENCODE_BLOCK_BYTES = 1 << 20  # lines per tokenizer call: about 1 MB of text
 ENCODE_CHUNK_BYTES = 1 << 26  # a worker's unit of work: 64 MB of documents
 
 
@@ -87,15 +87,29 @@ def _explain_spm_error(message: str, vocab_size: int) -> str:
     return f"sentencepiece training failed ({first_line}); check --vocab-size and the inputs"
 
 
-EncodeLines = Callable[[list[str]], list[list[str]]]
+class EncodeLines(Protocol):
+    def __call__(self, lines: list[str], extra: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
+        """Ids of every line, concatenated (int32), and the number per line (int64). A piece
+        without an id gets ``vocab_size + extra.setdefault(piece, len(extra))``."""
+        ...
 
 
 class LineEncoder(Protocol):
     """What a worker process needs to tokenize: picklable, loaded once per byte range."""
 
     def load(self) -> EncodeLines:
-        """Return a function mapping lines to their pieces (strings without whitespace)."""
         ...
+
+    def piece_table(self) -> list[str]:
+        """The symbol of each of the tokenizer's ids, in id order (the dictionary's names)."""
+        ...
+
+
+def flatten(encoded: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Lists of ids per line -> (all ids as int32, ids per line)."""
+    lens = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+    ids = np.fromiter(chain.from_iterable(encoded), dtype=np.int32, count=int(lens.sum()))
+    return ids, lens
 
 
 @dataclass(frozen=True)
@@ -104,8 +118,37 @@ class SentencepieceLines:
 
     def load(self) -> EncodeLines:
         model = spm.SentencePieceProcessor(model_file=self.model_path)
-        # One sentencepiece call per batch (not per document) keeps Python overhead small.
-        return lambda lines: model.encode(lines, out_type=str, num_threads=1)
+        unk, size = model.unk_id(), model.get_piece_size()
+
+        def encode(lines: list[str], extra: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
+            # One sentencepiece call per block of lines keeps Python overhead small.
+            ids, lens = flatten(model.encode(lines, out_type=int, num_threads=1))
+            unknown = np.flatnonzero(ids == unk)
+            if len(unknown):  # no byte fallback: the text route kept the surface string
+                _name_unknown_pieces(model, lines, ids, lens, unknown, size, extra)
+            return ids, lens
+        return encode
+
+    def piece_table(self) -> list[str]:
+        model = spm.SentencePieceProcessor(model_file=self.model_path)
+        return [model.id_to_piece(i) for i in range(model.get_piece_size())]
+
+
+def _name_unknown_pieces(model: spm.SentencePieceProcessor, lines: list[str], ids: np.ndarray,
+                         lens: np.ndarray, unknown: np.ndarray, size: int,
+                         extra: dict[str, int]) -> None:
+    """Give each ``<unk>`` id the id of its surface string (``encode(out_type=str)``'s piece
+    there), as the encoded text held it before ids: ``size + index`` into ``extra``."""
+    ends = np.cumsum(lens)
+    line_of = np.searchsorted(ends, unknown, side="right")
+    for line in np.unique(line_of):
+        pieces = model.encode(lines[line], out_type=str)
+        if len(pieces) != lens[line]:
+            raise RuntimeError(f"sentencepiece gave {len(pieces)} pieces and {lens[line]} ids "
+                               f"for the same line: {lines[line][:80]!r}")
+        start = ends[line] - lens[line]
+        for position in unknown[line_of == line]:
+            ids[position] = size + extra.setdefault(pieces[position - start], len(extra))
 
 
 def sentencepiece_vocabulary(model_path: str) -> list[str]:
@@ -116,105 +159,97 @@ def sentencepiece_vocabulary(model_path: str) -> list[str]:
             if not (model.is_control(i) or model.is_unknown(i))]
 
 
-def _encode_batch(encode: EncodeLines, docs: list[list[str]]) -> tuple[bytes, list[int]]:
-    """Encode documents; return their text in the encoded format and their token counts.
+def _encode_block(encode: EncodeLines, text: str, writer: PartWriter) -> int:
+    """Encode the whole documents in ``text`` (``line\n...\n\n`` each) into ``writer``; return
+    the number of documents read.
 
-    A line whose pieces are empty (the tokenizer dropped all its characters) is left out, and a
+    A line whose ids are empty (the tokenizer dropped all its characters) is left out, and a
     document left without lines too: an empty line would read as a document separator."""
-    encoded = encode([line for doc in docs for line in doc])
-    chunks, counts = [], []
-    start = 0
-    for doc in docs:
-        lines = [pieces for pieces in encoded[start:start + len(doc)] if pieces]
-        start += len(doc)
-        if not lines:
-            continue
-        chunks.append("\n".join(" ".join(pieces) for pieces in lines) + "\n\n")
-        counts.append(sum(len(pieces) + 1 for pieces in lines) + 1)
-    return "".join(chunks).encode("utf-8"), counts
+    lines = text.split("\n")[:-1]  # "" marks the end of a document
+    blank = np.fromiter(map(len, lines), dtype=np.int64, count=len(lines)) == 0
+    doc_of_line = (np.cumsum(blank) - blank)[~blank]
+    documents = int(blank.sum())
+    ids, lens = encode([line for line in lines if line], writer.extra)
+    kept = lens > 0
+    doc_of_line, lens = doc_of_line[kept], lens[kept]
+    doc_lines = np.bincount(doc_of_line, minlength=documents)
+    doc_pieces = np.zeros(documents, dtype=np.int64)
+    np.add.at(doc_pieces, doc_of_line, lens)
+    nonempty = doc_lines > 0
+    writer.write(ids, lens, doc_lines[nonempty],
+                 doc_pieces[nonempty] + doc_lines[nonempty] + 1)
+    return documents
 
 
-def _document_batches(docs_path: str, start: int, end: int) -> Iterator[list[list[str]]]:
-    """Documents of ``docs_path`` (already normalised by extraction) in the byte range
-    [start, end), which begins at a document start, in batches of about 256 kB."""
-    batch: list[list[str]] = []
-    doc: list[str] = []
-    size = 0
+def document_blocks(docs_path: str, start: int, end: int,
+                    block_bytes: int = ENCODE_BLOCK_BYTES) -> Iterator[str]:
+    """The text of ``docs_path`` (already normalised by extraction: one blank line after every
+    document) in [start, end), which begins at a document start, as blocks of whole documents
+    of about ``block_bytes``."""
     with open(docs_path, "rb") as f:
         f.seek(start)
-        position = start
-        while position < end and (line := f.readline()):
-            position += len(line)
-            if line != b"\n":
-                doc.append(line[:-1].decode("utf-8"))
-                size += len(line)
+        remaining, carry = end - start, b""
+        while remaining > 0:
+            data = f.read(min(block_bytes, remaining))
+            if not data:
+                break
+            remaining -= len(data)
+            data = carry + data
+            cut = data.rfind(b"\n\n") + 2  # "\n\n" only ends documents: no line is empty
+            if cut == 1:
+                carry = data
                 continue
-            batch.append(doc)
-            doc = []
-            if size >= ENCODE_BATCH_BYTES:
-                yield batch
-                batch, size = [], 0
-    if doc:
-        batch.append(doc)
-    if batch:
-        yield batch
+            carry = data[cut:]
+            yield data[:cut].decode("utf-8")
+    if carry:
+        raise RuntimeError(f"{docs_path}: bytes {start}-{end} do not end at a document end; "
+                           "delete it (and its stamp) and re-run")
 
 
-def _encode_range(docs_path: str, start: int, end: int, encoder: LineEncoder, text_path: str,
-                  tokens_path: str) -> tuple[int, int, int]:
-    """Encode the documents in one byte range into their own text and token-count files;
-    return (documents, tokens, bytes read)."""
-    model = encoder.load()
-    documents = tokens = 0
-    with open(text_path, "wb") as text_out, open(tokens_path, "wb") as tokens_out:
-        for batch in _document_batches(docs_path, start, end):
-            data, counts = _encode_batch(model, batch)
-            text_out.write(data)
-            array("q", counts).tofile(tokens_out)
-            documents += len(counts)
-            tokens += sum(counts)
-    return documents, tokens, end - start
-
-
-def _encode_range_star(task: tuple) -> tuple[int, int, int]:
-    return _encode_range(*task)
-
-
-def encode_documents(docs_path: str, encoder: LineEncoder, encoded_path: str, tokens_path: str,
-                     workers: int) -> dict:
-    """Encode every document of ``docs_path`` with ``workers`` processes, in input order.
-
-    Each worker encodes whole byte ranges of the file into files of its own, concatenated in
-    order at the end, so the main process ships no text and the speed scales with workers.
-    Writes the pieces to ``encoded_path`` and each document's token count (int64, native
-    order) to ``tokens_path``. The output does not depend on ``workers``."""
-    size = os.path.getsize(docs_path)
-    chunks = max(-(-size // ENCODE_CHUNK_BYTES), 4 * workers if workers > 1 else 1)
-    offsets = aligned_offsets(docs_path, chunks, at_blank_line=True)
-    parts = [(docs_path, a, b, encoder, f"{encoded_path}{PARTIAL_SUFFIX}.{k}",
-              f"{tokens_path}{PARTIAL_SUFFIX}.{k}")
-             for k, (a, b) in enumerate(pairwise(offsets))]
-    progress = Progress("encode")
-    pool = Pool(workers) if workers > 1 else None
+def encode_range(docs_path: str, start: int, end: int, encoder: LineEncoder,
+                 prefix: str) -> tuple[int, int, int, list[str]]:
+    """Encode the documents in one byte range into the files of ``prefix``; return (documents
+    read, documents written, bytes read, pieces without an id)."""
+    encode = encoder.load()
+    writer = PartWriter(prefix)
+    read = 0
     try:
-        results = list(_with_progress(
-            pool.imap(_encode_range_star, parts) if pool else map(_encode_range_star, parts),
-            progress))
+        for block in document_blocks(docs_path, start, end):
+            read += _encode_block(encode, block, writer)
+    finally:
+        facts = writer.close()
+    return read, facts["documents"], end - start, list(writer.extra)
+
+
+def _encode_range_star(task: tuple) -> tuple[int, int, int, list[str]]:
+    return encode_range(*task)
+
+
+def encode_ranges(docs_path: str, encoder: LineEncoder, ranges: list[tuple[int, int]],
+                  prefixes: list[str], workers: int) -> None:
+    """Encode each byte range into its prefix with ``workers`` processes (each range is read
+    and written by one worker: the main process ships no text)."""
+    tasks = [(docs_path, a, b, encoder, prefix) for (a, b), prefix in zip(ranges, prefixes)]
+    progress = Progress("encode")
+    pool = Pool(workers) if workers > 1 and len(tasks) > 1 else None
+    try:
+        for result in (pool.imap(_encode_range_star, tasks) if pool
+                       else map(_encode_range_star, tasks)):
+            progress.update(result[0], result[2])
     finally:
         if pool is not None:
             pool.terminate()
-    for final, index in ((encoded_path, 4), (tokens_path, 5)):
-        with atomic_output(final, "wb") as out:
-            for part in parts:
-                with open(part[index], "rb") as f:
-                    shutil.copyfileobj(f, out, 1 << 20)
-                os.remove(part[index])
     progress.finish()
-    return {"documents": sum(r[0] for r in results), "tokens": sum(r[1] for r in results)}
 
 
-def _with_progress(results: Iterator[tuple[int, int, int]],
-                   progress: Progress) -> Iterator[tuple[int, int, int]]:
-    for result in results:
-        progress.update(result[0], result[2])
-        yield result
+def encode_documents(docs_path: str, encoder: LineEncoder, out_prefix: str, workers: int,
+                     start: int = 0, end: int | None = None) -> dict:
+    """Encode the documents of ``docs_path`` (all, or those in the byte range [start, end))
+    into ``out_prefix``'s files (``encoded.py``), with ``workers`` processes over byte ranges
+    whose parts are joined in order at the end. The output does not depend on ``workers``."""
+    end = os.path.getsize(docs_path) if end is None else end
+    chunks = max(-(-(end - start) // ENCODE_CHUNK_BYTES), 4 * workers if workers > 1 else 1)
+    offsets = aligned_offsets(docs_path, chunks, at_blank_line=True, start=start, end=end)
+    prefixes = [f"{out_prefix}{PARTIAL_SUFFIX}.{k}" for k in range(len(offsets) - 1)]
+    encode_ranges(docs_path, encoder, list(pairwise(offsets)), prefixes, workers)
+    return concatenate_parts(prefixes, out_prefix, len(encoder.piece_table()))

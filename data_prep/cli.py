@@ -15,7 +15,7 @@ from fairseq_alma.cli.entry import OneLineArgumentParser, run_console
 from fairseq_alma.errors import DataError
 from fairseq_alma.tables import format_table
 
-from .pipeline import PrepOptions, prepare
+from .pipeline import PrepOptions, encode_shard, prepare, prepare_tokenizer
 from .split import parse_size
 
 DESCRIPTION = """\
@@ -29,12 +29,13 @@ Steps: train a sentencepiece BPE model; encode every document (--workers process
 documents with --seed; carve, in this order, the validation set (--valid-size), the evaluation
 mega-batch (--eval-size) and B training mega-batches of equal token count from the rest (each
 within one document of rest/B; documents keep corpus order inside a split); binarize every split
-with fairseq's binarizer and ONE dictionary (pieces seen in the training mega-batches, by
-frequency, plus the rest of the BPE vocabulary). Sizes count BPE tokens as fairseq stores them,
-one end-of-line token per line and one blank-line separator per document included.
+(the bytes fairseq's binarizer writes) with ONE dictionary (pieces seen in the training
+mega-batches, by frequency, plus the rest of the BPE vocabulary). Sizes count BPE tokens as
+fairseq stores them, one end-of-line token per line and one blank-line separator per document
+included.
 
 Output in --out: manifest.json, dict.txt, spm.model, spm.vocab, megabatch0..B-1.bin/.idx,
-eval.bin/.idx, valid.bin/.idx (fairseq mmap format); intermediate text under work/. Running
+eval.bin/.idx, valid.bin/.idx (fairseq mmap format); intermediate files under work/. Running
 the same command again reuses finished steps; changed flags redo only what depends on them.
 
 --bpe gpt2 encodes with GPT-2's byte-level BPE (the paper's) from your own encoder.json and
@@ -118,6 +119,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clean", action="store_true",
                    help="delete the intermediate files in DIR/work at the end (a later run "
                    "with other split flags then re-encodes the corpus)")
+    s = p.add_argument_group(
+        "corpora beyond one node", "--slurm-shards N submits three Slurm jobs: extraction and "
+        "tokenizer training (the command with --prepare-only), an array of N tasks each "
+        "encoding one shard (--shard-index K), and the merge (the command with --num-shards "
+        "N: split, dictionary, binaries, manifest), each waiting for the one before "
+        "(afterok). The result is byte-identical to running the command without these flags; "
+        "the steps can also be run by hand in that order.")
+    s.add_argument("--slurm-shards", type=_at_least(1), metavar="N",
+                   help="submit the preparation as Slurm jobs with N encoding shards, print the "
+                   "job ids and return; job scripts and logs go to DIR/slurm/")
+    s.add_argument("--profile", metavar="NAME",
+                   help="resource profile of those jobs: slurm/profiles/NAME.yaml or a path "
+                   "(default: local-cpu)")
+    s.add_argument("--dry-run", action="store_true",
+                   help="with --slurm-shards: write the job scripts and print the sbatch "
+                   "commands, submit nothing")
+    s.add_argument("--num-shards", type=_at_least(1), default=d.num_shards, metavar="N",
+                   help="encode the corpus as N shards (byte ranges of the extracted text), "
+                   "each kept until joined: shards encoded by --shard-index runs are reused, "
+                   "missing ones are encoded here (default: 1; outputs do not depend on it)")
+    s.add_argument("--shard-index", type=_at_least(0), metavar="K",
+                   help="only encode shard K (0-based) of --num-shards and stop; needs the "
+                   "--prepare-only run done; runs beside other shards' runs")
+    s.add_argument("--prepare-only", action="store_true",
+                   help="only extract the text and train the tokenizer (what every shard "
+                   "needs), then stop")
     return p
 
 
@@ -131,7 +158,7 @@ def _verify(data_dir: str) -> None:
     print(f"{data_dir}: {files} files match manifest.json ({what})")
 
 
-def _run(args: argparse.Namespace, command: str) -> None:
+def _run(args: argparse.Namespace, command: str, argv: list[str]) -> None:
     if args.verify:
         if args.inputs or args.out:
             raise DataError("--verify DIR checks a prepared stream: give no INPUT or --out with it")
@@ -143,6 +170,7 @@ def _run(args: argparse.Namespace, command: str) -> None:
         raise DataError("give INPUT files and --out DIR to prepare a stream (or --verify DIR to "
                         "check one)")
     del args.verify
+    slurm = _take_slurm_flags(args)
     valid, eval_size = parse_size(args.valid_size), parse_size(args.eval_size)
     if valid.fraction is None and valid.tokens is None:
         raise DataError("--valid-size cannot be 'megabatch'; give a fraction or a token "
@@ -151,13 +179,56 @@ def _run(args: argparse.Namespace, command: str) -> None:
         raise DataError(f"--valid-size {args.valid_size} and --eval-size {args.eval_size} "
                             "leave nothing for the training mega-batches; lower them")
     options = PrepOptions(**vars(args))
+    if slurm is not None:
+        from .slurm_jobs import submit_jobs
+
+        return submit_jobs(argv, options.out, *slurm)
     if options.from_binarized:
         from .from_binarized import prepare_from_binarized
 
         manifest = prepare_from_binarized(options, command)
+    elif options.prepare_only:
+        prepare_tokenizer(options)
+        print(f"{options.out}: text extracted and tokenizer ready; next: the same command with "
+              f"--shard-index K for every K < {options.num_shards}, then with neither flag")
+        return None
+    elif options.shard_index is not None:
+        encode_shard(options)
+        print(f"{options.out}: shard {options.shard_index} of {options.num_shards} encoded")
+        return None
     else:
         manifest = prepare(options, command)
     print(format_summary(manifest))
+
+
+def _take_slurm_flags(args: argparse.Namespace) -> tuple[int, str, bool] | None:
+    """Check the sharding flags together; remove the Slurm ones from ``args``; return
+    (shards, profile, dry run) when --slurm-shards asks to submit jobs."""
+    shards, profile, dry_run = args.slurm_shards, args.profile, args.dry_run
+    del args.slurm_shards, args.profile, args.dry_run
+    if args.from_binarized and (shards or args.num_shards > 1 or args.shard_index is not None
+                                or args.prepare_only):
+        raise DataError("--from-binarized reads tokens already made: it has no encoding to "
+                        "shard; drop --slurm-shards / --num-shards / --shard-index / "
+                        "--prepare-only")
+    if shards is not None:
+        for flag, given in (("--num-shards", args.num_shards > 1),
+                            ("--shard-index", args.shard_index is not None),
+                            ("--prepare-only", args.prepare_only)):
+            if given:
+                raise DataError(f"--slurm-shards runs {flag} steps itself; drop {flag}")
+        return shards, profile or "local-cpu", dry_run
+    for flag, given in (("--profile", profile is not None), ("--dry-run", dry_run)):
+        if given:
+            raise DataError(f"{flag} is for --slurm-shards N; add it or drop {flag}")
+    if args.shard_index is not None:
+        if args.prepare_only:
+            raise DataError("--prepare-only and --shard-index are two different steps; give "
+                            "one")
+        if args.shard_index >= args.num_shards:
+            raise DataError(f"--shard-index {args.shard_index} needs --num-shards above it "
+                            f"(got --num-shards {args.num_shards}); shards count from 0")
+    return None
 
 
 _SPM_FLAGS = {"vocab_size": "--vocab-size", "spm_sample_sentences": "--spm-sample-sentences",
@@ -211,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = shlex.join(["alma-data-prep", *argv])
     parser = build_parser()
     args = parser.parse_args(argv)
-    return run_console(parser.prog, lambda: _run(args, command))
+    return run_console(parser.prog, lambda: _run(args, command, argv))
 
 
 if __name__ == "__main__":

@@ -8,11 +8,14 @@ stale ``.partial`` and continues.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
 from collections.abc import Iterator
 from typing import IO, Any
+
+from fairseq_alma.errors import DataError
 
 PARTIAL_SUFFIX = ".partial"
 
@@ -52,15 +55,17 @@ def digest_of(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode("utf-8")).hexdigest()
 
 
-def aligned_offsets(path: str, chunks: int, at_blank_line: bool = False) -> list[int]:
-    """Increasing byte offsets ``[0, ..., size]`` cutting ``path`` into at most ``chunks``
-    non-empty ranges, each starting at a line start (or, with ``at_blank_line``, at a
-    document start: right after a blank line), so workers can process ranges independently."""
-    size = os.path.getsize(path)
-    offsets = [0]
+def aligned_offsets(path: str, chunks: int, at_blank_line: bool = False, start: int = 0,
+                    end: int | None = None) -> list[int]:
+    """Increasing byte offsets ``[start, ..., end]`` cutting ``path`` (by default all of it)
+    into at most ``chunks`` non-empty ranges, each starting at a line start (or, with
+    ``at_blank_line``, at a document start: right after a blank line), so workers can process
+    ranges independently. ``start`` must itself be such a start."""
+    size = os.path.getsize(path) if end is None else end
+    offsets = [start]
     with open(path, "rb") as f:
         for k in range(1, chunks):
-            target = max(size * k // chunks, offsets[-1])
+            target = max(start + (size - start) * k // chunks, offsets[-1])
             f.seek(max(target - 1, 0))
             if target > 0:
                 f.readline()  # now at the first line that starts at or after target
@@ -71,3 +76,15 @@ def aligned_offsets(path: str, chunks: int, at_blank_line: bool = False) -> list
                 offsets.append(f.tell())
     offsets.append(size)
     return offsets
+
+
+def lock_file(path: str, busy: str) -> int:
+    """Hold an exclusive lock on ``path`` (created if needed) until the fd is closed; raise
+    ``DataError(busy)`` if another process holds it."""
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise DataError(busy) from None
+    return fd

@@ -2,8 +2,8 @@
 
 Paper §5 uses GPT-2's 50k BPE vocabulary. Nothing is downloaded: the user passes fairseq's
 ``encoder.json`` and ``vocab.bpe`` and we encode with fairseq's own
-``gpt2_bpe_utils.get_encoder``, writing each token as its GPT-2 id in decimal, as
-``examples/roberta/multiprocessing_bpe_encoder.py`` does before ``fairseq-preprocess``. So a
+``gpt2_bpe_utils.get_encoder``; each token's symbol is its GPT-2 id in decimal, as
+``examples/roberta/multiprocessing_bpe_encoder.py`` writes it before ``fairseq-preprocess``. So a
 corpus encoded here holds the same symbols as data a user already encoded that way, and our
 dictionary (built like the sentencepiece one, over the ids) covers every GPT-2 id.
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from fairseq_alma.errors import DataError
 
-from .bpe import EncodeLines
+from .bpe import EncodeLines, flatten
 from .fileio import sha256_file
 
 ENCODER_FLAG = "--gpt2-encoder-json"
@@ -29,7 +29,10 @@ VOCAB_FLAG = "--gpt2-vocab-bpe"
 
 @dataclass(frozen=True)
 class Gpt2Lines:
-    """A ``bpe.LineEncoder``: GPT-2 ids (as strings) for each line, via fairseq's encoder."""
+    """A ``bpe.LineEncoder``: GPT-2 ids for each line, via fairseq's encoder. Ids are handed on
+    renumbered densely (the n-th smallest GPT-2 id -> n), so arrays over them stay small
+    whatever the encoder.json's numbers; ``piece_table`` gives back each one's GPT-2 id as the
+    decimal symbol the dictionary holds."""
 
     encoder_json: str
     vocab_bpe: str
@@ -38,7 +41,12 @@ class Gpt2Lines:
         from fairseq.data.encoders.gpt2_bpe_utils import get_encoder
 
         encoder = get_encoder(self.encoder_json, self.vocab_bpe)
-        return lambda lines: [[str(i) for i in encoder.encode(line)] for line in lines]
+        dense = {gpt2_id: k for k, gpt2_id in enumerate(sorted(set(encoder.encoder.values())))}
+        encoder.encoder = {symbol: dense[gpt2_id] for symbol, gpt2_id in encoder.encoder.items()}
+        return lambda lines, extra: flatten([encoder.encode(line) for line in lines])
+
+    def piece_table(self) -> list[str]:
+        return gpt2_vocabulary(self.encoder_json)
 
 
 def _read(path: str | None, flag: str) -> str:

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import fcntl
 import glob
 import os
 import shutil
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from itertools import pairwise
 
 import numpy as np
 
@@ -34,13 +34,33 @@ from .bpe import (
     train_sentencepiece,
 )
 from .corpus import SourceFile, discover_sources, extract_documents
+from .encoded import FORMAT as ENCODED_FORMAT
+from .encoded import Encoded, concatenate_parts, read_extra
+from .encoded import files as encoded_files
+from .fileio import (
+    PARTIAL_SUFFIX,
+    aligned_offsets,
+    atomic_output,
+    lock_file,
+    sha256_file,
+    write_json_atomic,
+)
 from .gpt2_bpe import Gpt2Lines, check_gpt2_files, gpt2_vocabulary
-from .fileio import PARTIAL_SUFFIX, sha256_file, write_json_atomic
 from .manifest import MANIFEST_FORMAT, MANIFEST_NAME
-from .split import assign_documents, check_document_count, parse_size, split_names, write_splits
+from .split import (
+    assign_documents,
+    check_document_count,
+    count_training_pieces,
+    parse_size,
+    split_names,
+)
 from .steps import StepRunner
 
 PIPELINE_VERSION = 1  # part of every key: bump when a step's output format changes
+ENCODED = "work/encoded"  # prefix of the encoded arrays (encoded.py)
+LABELS = "work/split.labels"  # int32 per document: its split's index in split_names
+COUNTS = "work/train_piece_counts.json"
+SHARDS = "work/shards"  # --num-shards: each shard's encoded arrays, until they are joined
 
 
 @dataclass(frozen=True)
@@ -61,6 +81,9 @@ class PrepOptions:
     gpt2_encoder_json: str | None = None
     gpt2_vocab_bpe: str | None = None
     from_binarized: str | None = None
+    num_shards: int = 1
+    shard_index: int | None = None
+    prepare_only: bool = False
 
 
 class Pipeline:
@@ -106,7 +129,8 @@ class Pipeline:
             check_document_count(self.extract()["documents"], self.o.num_megabatches)
             tokenizer = {"gpt2": [self.gpt2["encoder_json_sha256"],
                                   self.gpt2["vocab_bpe_sha256"]]}
-        return {"version": PIPELINE_VERSION, "docs": self.extract()["sha256"], **tokenizer}
+        return {"version": PIPELINE_VERSION, "docs": self.extract()["sha256"], **tokenizer,
+                "encoded_format": ENCODED_FORMAT}
 
     def _line_encoder(self) -> LineEncoder:
         if self.gpt2 is None:
@@ -119,14 +143,49 @@ class Pipeline:
             return sentencepiece_vocabulary(self.path("spm.model"))
         return gpt2_vocabulary(self.gpt2["encoder_json"])
 
+    def symbols(self) -> list[str]:
+        """The symbol of every id in the encoded arrays: the tokenizer's, then the extra
+        pieces it could not map (``encoded.py``)."""
+        return self._line_encoder().piece_table() + read_extra(self.path(ENCODED))
+
     def encode(self, need_outputs: bool = False) -> dict:
+        """The whole corpus's ids: encoded here, or with ``--num-shards N`` joined from N
+        shards (each encoded by its own run, e.g. a Slurm array task, or here if missing).
+        Either way the same bytes: parts are joined in corpus order."""
         def build() -> dict:
+            if self.o.num_shards > 1:
+                shards = [self.shard(index) for index in range(self.o.num_shards)]
+                return concatenate_parts(shards, self.path(ENCODED),
+                                         len(self._line_encoder().piece_table()))
             self.extract(need_outputs=True)
             return encode_documents(self.path("work/docs.txt"), self._line_encoder(),
-                                    self.path("work/encoded.txt"),
-                                    self.path("work/encoded.tokens"), self.o.workers)
-        return self.runner.ensure("encode", self._encode_key(),
-                                  ["work/encoded.txt", "work/encoded.tokens"], build, need_outputs)
+                                    self.path(ENCODED), self.o.workers)
+        return self.runner.ensure("encode", self._encode_key(), encoded_files(ENCODED), build,
+                                  need_outputs)
+
+    def shard(self, index: int) -> str:
+        """Encode shard ``index`` of ``--num-shards`` (the index-th of N byte ranges of the
+        extracted text, cut at document starts) unless done; return its prefix."""
+        n = self.o.num_shards
+        rel = f"{SHARDS}/{index}-of-{n}"
+        prefix = self.path(rel)
+
+        def build() -> dict:
+            self.extract(need_outputs=True)
+            os.makedirs(self.path(SHARDS), exist_ok=True)
+            lock = lock_file(prefix + ".lock", f"shard {index} of {n} in {self.o.out} is being "
+                             "encoded by another alma-data-prep run; wait for it to finish")
+            try:
+                for leftover in glob.glob(f"{prefix}{PARTIAL_SUFFIX}*"):
+                    os.remove(leftover)  # from a killed run of this shard
+                start, end = shard_ranges(self.path("work/docs.txt"), n)[index]
+                return encode_documents(self.path("work/docs.txt"), self._line_encoder(),
+                                        prefix, self.o.workers, start, end)
+            finally:
+                os.close(lock)
+        key = {**self._encode_key(), "shard": index, "num_shards": n}
+        self.runner.ensure(f"encode-shard-{index}-of-{n}", key, encoded_files(rel), build)
+        return prefix
 
     def _split_key(self) -> dict:
         o = self.o
@@ -134,28 +193,25 @@ class Pipeline:
                 "eval_size": o.eval_size, "valid_size": o.valid_size}
 
     def split(self, need_outputs: bool = False) -> dict:
-        texts = {name: f"work/{name}.txt" for name in self.names}
-
         def build() -> dict:
             self.encode(need_outputs=True)
-            tokens = np.fromfile(self.path("work/encoded.tokens"), dtype=np.int64)
+            encoded = Encoded.open(self.path(ENCODED))
             labels, stats = assign_documents(
-                tokens, self.o.seed, self.o.num_megabatches, parse_size(self.o.valid_size),
-                parse_size(self.o.eval_size))
-            write_splits(self.path("work/encoded.txt"), labels, self.names,
-                         {name: self.path(rel) for name, rel in texts.items()},
-                         self.path("work/train_piece_counts.json"))
+                encoded.tokens, self.o.seed, self.o.num_megabatches,
+                parse_size(self.o.valid_size), parse_size(self.o.eval_size))
+            with atomic_output(self.path(LABELS), "wb") as f:
+                labels.tofile(f)
+            count_training_pieces(encoded, labels, self.names, self.symbols(),
+                                  self.path(COUNTS))
             return {"splits": stats}
-        return self.runner.ensure("split", self._split_key(),
-                                  [*texts.values(), "work/train_piece_counts.json"], build,
+        return self.runner.ensure("split", self._split_key(), [LABELS, COUNTS], build,
                                   need_outputs)
 
     def dictionary(self) -> dict:
         def build() -> dict:
             from .binarize import build_dictionary  # imports fairseq+torch (~5 s): only if needed
             self.split(need_outputs=True)
-            return build_dictionary(self.path("work/train_piece_counts.json"),
-                                    self.vocabulary(), self.path("dict.txt"))
+            return build_dictionary(self.path(COUNTS), self.vocabulary(), self.path("dict.txt"))
         return self.runner.ensure("dictionary", self._split_key(), ["dict.txt"], build)
 
     def binarize(self) -> dict[str, dict]:
@@ -165,16 +221,26 @@ class Pipeline:
         def build() -> dict:
             from .binarize import binarize_splits  # imports fairseq+torch (~5 s): only if needed
             self.split(need_outputs=True)
-            info = binarize_splits({name: self.path(f"work/{name}.txt") for name in self.names},
-                                   self.path("dict.txt"), self.o.out, self.work, self.o.workers)
+            encoded = Encoded.open(self.path(ENCODED))
+            labels = np.fromfile(self.path(LABELS), dtype=np.int32)
+            info = binarize_splits(encoded, labels, self.names, self.symbols(),
+                                   self.path("dict.txt"), self.o.out)
             for name, split in info.items():
-                if split["tokens"] != expected[name]["tokens"]:  # fairseq's count vs ours
-                    raise RuntimeError(f"{name}: fairseq binarized {split['tokens']} tokens, "
+                if split["tokens"] != expected[name]["tokens"]:  # the writer's count vs ours
+                    raise RuntimeError(f"{name}: binarized {split['tokens']} tokens, "
                                        f"the split counted {expected[name]['tokens']}")
                 split["documents"] = expected[name]["documents"]
             return info
         outputs = [f"{name}.{ext}" for name in self.names for ext in ("bin", "idx")]
         return self.runner.ensure("binarize", key, outputs, build)
+
+
+def shard_ranges(docs_path: str, num_shards: int) -> list[tuple[int, int]]:
+    """Exactly ``num_shards`` byte ranges of the extracted text, each starting at a document
+    start (trailing ones empty when the text has fewer documents than shards)."""
+    offsets = aligned_offsets(docs_path, num_shards, at_blank_line=True)
+    ranges = list(pairwise(offsets))
+    return ranges + [(offsets[-1], offsets[-1])] * (num_shards - len(ranges))
 
 
 def withdraw_manifest(out_dir: str) -> None:
@@ -196,14 +262,8 @@ def _check_output_dir(out_dir: str, inputs: list[str]) -> None:
 
 
 def _lock(out_dir: str) -> int:
-    fd = os.open(os.path.join(out_dir, ".lock"), os.O_CREAT | os.O_RDWR, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise DataError(f"--out {out_dir} is in use by another alma-data-prep run; wait "
-                            "for it to finish") from None
-    return fd
+    return lock_file(os.path.join(out_dir, ".lock"), f"--out {out_dir} is in use by another "
+                     "alma-data-prep run; wait for it to finish")
 
 
 @contextlib.contextmanager
@@ -238,6 +298,28 @@ def remove_files(out_dir: str, names: list[str]) -> None:
             os.remove(os.path.join(out_dir, name))
 
 
+def prepare_tokenizer(options: PrepOptions) -> None:
+    """``--prepare-only``: the extraction and the tokenizer (training sentencepiece, or
+    checking the GPT-2 files), which every shard's encoding needs; nothing after them."""
+    with output_dir(options.out, options.inputs):
+        Pipeline(options)._encode_key()
+
+
+def encode_shard(options: PrepOptions) -> None:
+    """``--shard-index K``: encode shard K only. Runs beside the other shards' runs, so it
+    takes its shard's lock, not the output directory's, and builds nothing shared: the
+    extraction and the tokenizer must be done (``--prepare-only``)."""
+    _check_output_dir(options.out, options.inputs)
+    first = (f"--shard-index needs the extraction and the tokenizer of this corpus done in "
+             f"{options.out}: run the same command with --prepare-only instead of "
+             "--shard-index first")
+    if not os.path.isdir(os.path.join(options.out, "work")):
+        raise DataError(first)
+    pipeline = Pipeline(options)
+    pipeline.runner.frozen = {"extract": first, "sentencepiece": first}
+    pipeline.shard(options.shard_index)
+
+
 def prepare(options: PrepOptions, command: str) -> dict:
     """Run (or resume) the whole pipeline into ``options.out``; return the manifest."""
     with output_dir(options.out, options.inputs):
@@ -252,6 +334,8 @@ def prepare(options: PrepOptions, command: str) -> dict:
         binarized = pipeline.binarize()
         splits = {name: binarized[name] for name in [*pipeline.names[2:], "eval", "valid"]}
         remove_stale_megabatches(options.out, pipeline.names)
+        # Text the encode and split steps wrote before they worked on ids (encoded.py).
+        remove_files(options.out, ["work/encoded.txt", *(f"work/{n}.txt" for n in pipeline.names)])
         if pipeline.gpt2 is not None:
             remove_files(options.out, ["spm.model", "spm.vocab"])
         manifest = stream_manifest(options, splits, dict_info, tokenizer, pipeline.sources,

@@ -8,21 +8,20 @@ in this order: validation set, evaluation mega-batch, then the rest into B parts
 counts are as equal as document boundaries allow (each cut is the document boundary nearest to
 its ideal position, so every part is within one document of total/B). Inside a split, documents
 keep their corpus order: membership is random, and the training task shuffles batches anyway,
-which lets the split files be written in one sequential pass over any corpus size.
+which lets every split be written in one sequential pass over any corpus size.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections import Counter
-from contextlib import ExitStack
 from dataclasses import dataclass
 
 import numpy as np
 
 from fairseq_alma.errors import DataError
 
+from .encoded import Encoded
 from .fileio import atomic_output
 from .progress import Progress
 
@@ -129,31 +128,27 @@ def assign_documents(tokens: np.ndarray, seed: int, num_megabatches: int, valid:
     return labels, stats
 
 
-def write_splits(encoded_path: str, labels: np.ndarray, names: list[str], paths: dict[str, str],
-                 counts_path: str) -> None:
-    """One sequential pass over the encoded corpus writing each document to its split's file,
-    counting BPE pieces of the training mega-batches (for the dictionary) on the way."""
+def count_training_pieces(encoded: Encoded, labels: np.ndarray, names: list[str],
+                          symbols: list[str], counts_path: str) -> None:
+    """Count the pieces of the training mega-batches' documents (for the dictionary) in one
+    chunked pass over the encoded ids: ``np.bincount`` over the tokenizer's id space, then one
+    count per symbol (``symbols``: the tokenizer's pieces, then the extra ones), written as JSON
+    sorted by symbol."""
     training = np.array([name.startswith("megabatch") for name in names])
-    piece_counts: Counter[bytes] = Counter()
-    progress = Progress("split")
-    doc = 0
-    with ExitStack() as stack, open(encoded_path, "rb") as encoded:
-        outs = [stack.enter_context(atomic_output(paths[name], "wb")) for name in names]
-        pending: list[bytes] = []
-        for line in encoded:
-            pending.append(line)
-            if line != b"\n":
-                continue
-            label = labels[doc]
-            outs[label].write(b"".join(pending))
-            if training[label]:
-                for text_line in pending:
-                    piece_counts.update(text_line.split())
-            progress.update(1, sum(len(x) for x in pending))
-            pending, doc = [], doc + 1
-        if doc != len(labels) or pending:
-            raise RuntimeError(f"{encoded_path}: {doc} documents, expected {len(labels)}")
+    counts = np.zeros(len(symbols), dtype=np.int64)
+    progress = Progress("count")
+    for first, end, _, ids in encoded.chunks():
+        train = np.repeat(training[labels[first:end]], encoded.pieces[first:end])
+        chosen = ids[train]
+        if len(chosen) and (chosen.min() < 0 or chosen.max() >= len(symbols)):
+            raise RuntimeError(f"{encoded.prefix}.ids: ids outside the {len(symbols)} symbols; "
+                               "delete the encode stamp and re-run")
+        counts += np.bincount(chosen, minlength=len(symbols))
+        progress.update(end - first, 4 * len(ids))
     progress.finish()
-    counts = {piece.decode("utf-8"): n for piece, n in sorted(piece_counts.items())}
+    by_symbol: dict[str, int] = {}
+    for index in np.flatnonzero(counts):
+        symbol = symbols[index]  # an extra piece equal to a piece's name is that piece
+        by_symbol[symbol] = by_symbol.get(symbol, 0) + int(counts[index])
     with atomic_output(counts_path) as f:
-        json.dump(counts, f, ensure_ascii=False)
+        json.dump(dict(sorted(by_symbol.items())), f, ensure_ascii=False)

@@ -14,6 +14,8 @@ import os
 import time
 from collections.abc import Callable
 
+from fairseq_alma.errors import DataError
+
 from .fileio import write_json_atomic
 from .progress import log
 
@@ -30,6 +32,9 @@ class StepRunner:
         self.stamp_dir = os.path.join(out_dir, STAMP_DIR)
         os.makedirs(self.stamp_dir, exist_ok=True)
         self.seconds: dict[str, float] = {}  # time spent building each step in this run
+        # Steps this run must not build (name -> the error to raise instead): a Slurm shard
+        # task needs the extraction and the tokenizer finished by the job before it.
+        self.frozen: dict[str, str] = {}
         self._nested = 0.0  # time spent in steps built from inside the current build
 
     def _stamp_path(self, name: str) -> str:
@@ -64,6 +69,8 @@ class StepRunner:
                 log(f"{name}: up to date, reused")
                 self.seconds[name] = 0.0
             return stamp["info"]
+        if name in self.frozen:
+            raise DataError(self.frozen[name])
         if self.before_first_build is not None:
             self.before_first_build()
             self.before_first_build = None

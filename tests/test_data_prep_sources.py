@@ -101,14 +101,38 @@ def gpt2_stream(corpus, gpt2_files, tmp_path_factory):
     return out
 
 
-def test_gpt2_tokens_are_fairseqs_gpt2_ids(gpt2_stream, gpt2_files):
+def _encoded_text(out: str, target) -> str:
+    """The stream's encoded corpus (work/encoded.*) as text: GPT-2 ids in decimal, one line per
+    line, a blank line after each document; what multiprocessing_bpe_encoder.py writes."""
+    from data_prep.encoded import Encoded
+
+    with open(os.path.join(out, "dict.txt"), encoding="utf-8") as f:
+        gpt2_ids = sorted({int(line.split()[0]) for line in f if not line.startswith("madeup")})
+    encoded = Encoded.open(os.path.join(out, "work", "encoded"))
+    lines = np.split(np.fromfile(f"{encoded.prefix}.ids", dtype=np.int32),
+                     np.cumsum(np.fromfile(f"{encoded.prefix}.lens", dtype=np.int32))[:-1])
+    text, start = [], 0
+    for count in encoded.docs:
+        text.append("".join(" ".join(str(gpt2_ids[i]) for i in line) + "\n"
+                            for line in lines[start:start + count]) + "\n")
+        start += count
+    target.write_text("".join(text), encoding="utf-8")
+    return str(target)
+
+
+@pytest.fixture(scope="module")
+def encoded_text(gpt2_stream, tmp_path_factory):
+    return _encoded_text(gpt2_stream, tmp_path_factory.mktemp("encoded") / "encoded.txt")
+
+
+def test_gpt2_tokens_are_fairseqs_gpt2_ids(gpt2_stream, gpt2_files, encoded_text):
     from fairseq.data import Dictionary, data_utils
     from fairseq.data.encoders.gpt2_bpe_utils import get_encoder
 
     encoder = get_encoder(*gpt2_files)
     expected = ["\n".join(" ".join(map(str, encoder.encode(line))) for line in doc)
                 for doc in _documents()]
-    with open(os.path.join(gpt2_stream, "work", "encoded.txt"), encoding="utf-8") as f:
+    with open(encoded_text, encoding="utf-8") as f:
         assert f.read().split("\n\n")[:-1] == expected  # what multiprocessing_bpe_encoder writes
     assert any(len(encoder.encode(" " + w)) == 1 for w in ("the", "storm", "an"))  # merges used
     # The binaries hold those ids, and decode back to the text.
@@ -180,8 +204,9 @@ def _reseparated(encoded: str, target) -> str:
 
 
 @pytest.mark.parametrize("reseparate", [False, True])
-def test_from_binarized_gives_the_text_paths_shards(gpt2_stream, tmp_path, reseparate):
-    encoded = os.path.join(gpt2_stream, "work", "encoded.txt")
+def test_from_binarized_gives_the_text_paths_shards(gpt2_stream, encoded_text, tmp_path,
+                                                    reseparate):
+    encoded = encoded_text
     if reseparate:
         encoded = _reseparated(encoded, tmp_path / "encoded.txt")
     data_bin = str(tmp_path / "bin")
@@ -216,16 +241,16 @@ def _split_documents(out: str, name: str) -> list[tuple[str, ...]]:
     return docs
 
 
-def test_from_binarized_keeps_the_data_bins_own_dictionary(gpt2_stream, tmp_path):
+def test_from_binarized_keeps_the_data_bins_own_dictionary(gpt2_stream, encoded_text, tmp_path):
     data_bin = str(tmp_path / "bin")
-    fairseq_preprocess(os.path.join(gpt2_stream, "work", "encoded.txt"), data_bin)
+    fairseq_preprocess(encoded_text, data_bin)
     out = str(tmp_path / "cut")
     result = run_prep("--from-binarized", data_bin, "--out", out, *SPLIT_FLAGS, "-B", "2")
     assert result.returncode == 0, result.stderr
     assert _sha(os.path.join(out, "dict.txt")) == _sha(os.path.join(data_bin, "dict.txt"))
     # Other ids, same documents: compare with the cut of a data-bin made with our dictionary.
     reference = str(tmp_path / "ref")
-    fairseq_preprocess(os.path.join(gpt2_stream, "work", "encoded.txt"), reference, "--srcdict",
+    fairseq_preprocess(encoded_text, reference, "--srcdict",
                        os.path.join(gpt2_stream, "dict.txt"))
     cut_ref = str(tmp_path / "cut_ref")
     assert run_prep("--from-binarized", reference, "--out", cut_ref, *SPLIT_FLAGS,
@@ -235,9 +260,9 @@ def test_from_binarized_keeps_the_data_bins_own_dictionary(gpt2_stream, tmp_path
         assert _load(out)["splits"][name]["tokens"] == _load(cut_ref)["splits"][name]["tokens"]
 
 
-def test_from_binarized_errors_name_the_path_and_the_next_step(gpt2_stream, corpus, tmp_path):
+def test_from_binarized_errors_name_the_path_and_the_next_step(encoded_text, corpus, tmp_path):
     data_bin = tmp_path / "bin"
-    fairseq_preprocess(os.path.join(gpt2_stream, "work", "encoded.txt"), str(data_bin))
+    fairseq_preprocess(encoded_text, str(data_bin))
     out = ["--out", str(tmp_path / "o")]
     _assert_one_line_error(run_prep("--from-binarized", str(data_bin), corpus, *out), "INPUT")
     _assert_one_line_error(run_prep("--from-binarized", str(data_bin), "--bpe", "gpt2", *out),
@@ -263,9 +288,9 @@ def test_from_binarized_errors_name_the_path_and_the_next_step(gpt2_stream, corp
                            str(data_bin / "dict.txt"))
 
 
-def test_from_binarized_reads_train1_after_train(gpt2_stream, tmp_path):
+def test_from_binarized_reads_train1_after_train(gpt2_stream, encoded_text, tmp_path):
     """fairseq's ``combine`` reads train, train1, ...: a data-bin split in two cuts as one."""
-    with open(os.path.join(gpt2_stream, "work", "encoded.txt"), encoding="utf-8") as f:
+    with open(encoded_text, encoding="utf-8") as f:
         docs = f.read().split("\n\n")[:-1]
     halves = [tmp_path / "first.txt", tmp_path / "second.txt"]
     for half, part in zip(halves, (docs[:11], docs[11:])):

@@ -162,35 +162,123 @@ def test_demo_corpus_is_deterministic_real_text():
     assert all(len(doc.split()) >= 4 for doc in decoded.strip().split("\n\n"))
 
 
-def test_binarizer_writes_the_same_bytes_as_fairseq_preprocess(tmp_path):
-    """Our per-line loop must be a faster equivalent of fairseq's FileBinarizer, not a variant."""
+def _write_encoded(prefix: str, documents: list[list[list[int]]], extra=()) -> None:
+    """An encoded corpus (encoded.py's files) holding ``documents`` (lines of ids)."""
+    from data_prep.encoded import PartWriter
+
+    writer = PartWriter(prefix)
+    for doc in documents:
+        lens = np.array([len(line) for line in doc])
+        writer.write(np.array([i for line in doc for i in line]), lens, np.array([len(doc)]),
+                     np.array([lens.sum() + len(doc) + 1]))
+    writer.extra.update({piece: k for k, piece in enumerate(extra)})
+    writer.close()
+
+
+@pytest.mark.parametrize("chunk_ids", [3, 1 << 20])
+def test_binarizer_writes_the_same_bytes_as_fairseq_preprocess(tmp_path, monkeypatch,
+                                                               chunk_ids):
+    """The numpy pass over ids must give what fairseq-preprocess gives for the split's text."""
     from fairseq.binarizer import FileBinarizer, VocabularyDatasetBinarizer
     from fairseq.data import Dictionary
 
+    import data_prep.binarize
     from data_prep.binarize import binarize_splits
+    from data_prep.encoded import Encoded
 
-    text = tmp_path / "split.txt"
-    lines = ["▁a b ▁c", "", "▁c ▁c zz", "b", "", "▁a ▁é", ""] * 7  # zz: not in dict -> <unk>
-    text.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    monkeypatch.setattr(data_prep.binarize, "CHUNK_IDS", 2)  # the index in several chunks
+    symbols = ["▁a", "b", "▁c", "zz", "▁é"]  # zz: not in the dictionary -> <unk>
+    documents = [[[0, 1, 2]], [[2, 2, 3], [1]], [[0, 4]], [[3], [3, 3, 0]]] * 5
+    labels = np.array([0, 1, 1, 0] * 5, dtype=np.int32)
+    _write_encoded(str(tmp_path / "enc"), documents)
     dictionary = Dictionary()
     for piece, count in [("▁a", 3), ("b", 2), ("▁c", 5), ("▁é", 1)]:
         dictionary.add_symbol(piece, n=count)
     dictionary.finalize(padding_factor=8)
     dictionary.save(str(tmp_path / "dict.txt"))
-    FileBinarizer.multiprocess_dataset(
-        str(text), "mmap", VocabularyDatasetBinarizer(dictionary, append_eos=True),
-        str(tmp_path / "fairseq"), vocab_size=len(dictionary), num_workers=1)
-    for workers in (1, 3):
-        info = binarize_splits({"ours": str(text)}, str(tmp_path / "dict.txt"), str(tmp_path),
-                               str(tmp_path), workers)
-        counts = {k: v for k, v in info["ours"].items() if not k.endswith("_sha256")}
-        assert counts == {"tokens": 9 * 7 + len(lines), "lines": len(lines), "unk_tokens": 7}
-        for ext in ("bin", "idx"):  # the checksums the manifest records are of what was written
-            assert info["ours"][f"{ext}_sha256"] == hashlib.sha256(
-                (tmp_path / f"ours.{ext}").read_bytes()).hexdigest()
+    encoded = Encoded.open(str(tmp_path / "enc"))
+    encoded.chunk_ids = chunk_ids
+    info = binarize_splits(encoded, labels, ["x", "y"], symbols, str(tmp_path / "dict.txt"),
+                           str(tmp_path))
+    for index, name in enumerate(["x", "y"]):
+        docs = [doc for doc, label in zip(documents, labels) if label == index]
+        text = tmp_path / f"{name}.txt"
+        text.write_text("".join("".join(" ".join(symbols[i] for i in line) + "\n" for line in doc)
+                                + "\n" for doc in docs), encoding="utf-8")
+        FileBinarizer.multiprocess_dataset(
+            str(text), "mmap", VocabularyDatasetBinarizer(dictionary, append_eos=True),
+            str(tmp_path / f"fairseq_{name}"), vocab_size=len(dictionary), num_workers=1)
+        lines = sum(len(doc) + 1 for doc in docs)
+        ids = sum(len(line) for doc in docs for line in doc)
+        unk = sum(line.count(3) for doc in docs for line in doc)
+        counts = {k: v for k, v in info[name].items() if not k.endswith("_sha256")}
+        assert counts == {"tokens": ids + lines, "lines": lines, "unk_tokens": unk}
         for ext in ("bin", "idx"):
-            assert (tmp_path / f"ours.{ext}").read_bytes() == \
-                (tmp_path / f"fairseq.{ext}").read_bytes()
+            ours = (tmp_path / f"{name}.{ext}").read_bytes()
+            assert ours == (tmp_path / f"fairseq_{name}.{ext}").read_bytes(), (name, ext)
+            # the checksums the manifest records are of what was written
+            assert info[name][f"{ext}_sha256"] == hashlib.sha256(ours).hexdigest()
+    assert not list(tmp_path.glob("*.partial"))
+
+
+@pytest.mark.parametrize("vocab_size", [300, 70_000])
+def test_mmap_writer_matches_fairseqs_builder(tmp_path, vocab_size):
+    """Both dtypes fairseq picks (uint16 below 65,500 symbols, uint32 above)."""
+    import torch
+    from fairseq.data import indexed_dataset
+
+    from data_prep.binarize import MMapWriter
+
+    rng = np.random.default_rng(0)
+    sizes = rng.integers(1, 9, size=200)
+    data = rng.integers(0, vocab_size, size=int(sizes.sum()))
+    dtype = indexed_dataset.best_fitting_int_dtype(vocab_size)
+    builder = indexed_dataset.make_builder(str(tmp_path / "ref.bin"), "mmap", vocab_size)
+    for item in np.split(data, np.cumsum(sizes)[:-1]):
+        builder.add_item(torch.from_numpy(item))
+    builder.finalize(str(tmp_path / "ref.idx"))
+    writer = MMapWriter(str(tmp_path / "ours"), dtype)
+    for part in (slice(0, 50), slice(50, 200)):  # two chunks of whole items
+        start, end = int(sizes[:part.start].sum()), int(sizes[:part.stop].sum())
+        writer.add(data[start:end], sizes[part])
+    writer.finalize()
+    for ext in ("bin", "idx"):
+        assert (tmp_path / f"ours.{ext}").read_bytes() == (tmp_path / f"ref.{ext}").read_bytes()
+
+
+def test_encode_keeps_unknown_pieces_as_their_surface_strings(tmp_path):
+    """Without byte fallback sentencepiece says <unk>; the ids route names each such piece by
+    the string encode(out_type=str) gives there, as the text route stored it."""
+    import sentencepiece as spm
+
+    from data_prep.bpe import SentencepieceLines, encode_documents, train_sentencepiece
+    from data_prep.encoded import Encoded, read_extra
+
+    words = ["alpha", "beta", "gamma", "delta", "omega", "sigma"]
+    rng = np.random.default_rng(0)
+    docs = tmp_path / "docs.txt"
+    train_text = "".join(" ".join(rng.choice(words, 6)) + "\n\n" for _ in range(200))
+    docs.write_text(train_text, encoding="utf-8")
+    train_sentencepiece(str(docs), str(tmp_path), 60, 0, 1, byte_fallback=False)
+    lines = ["alpha ☃ beta", "ж", "gamma ☃☃ ж", "☃ delta"]
+    docs.write_text("alpha beta\n\n" + "\n".join(lines[:2]) + "\n\n" + "\n".join(lines[2:])
+                    + "\n\n", encoding="utf-8")
+    model = spm.SentencePieceProcessor(model_file=str(tmp_path / "spm.model"))
+    table = SentencepieceLines(str(tmp_path / "spm.model")).piece_table()
+    for workers in (1, 2):
+        out = tmp_path / f"enc{workers}"
+        encode_documents(str(docs), SentencepieceLines(str(tmp_path / "spm.model")), str(out),
+                         workers)
+        encoded = Encoded.open(str(out))
+        symbols = table + read_extra(str(out))
+        ids = np.fromfile(f"{out}.ids", dtype=np.int32)
+        expected = [p for line in ["alpha beta", *lines] for p in model.encode(line, out_type=str)]
+        assert [symbols[i] for i in ids] == expected
+        assert read_extra(str(out)) == ["☃", "ж", "☃☃"]  # first occurrence order
+        assert encoded.docs.tolist() == [1, 2, 2]
+        assert encoded.tokens.tolist() == [len(model.encode("alpha beta")) + 2] + [
+            sum(len(model.encode(line)) + 1 for line in part) + 1
+            for part in (lines[:2], lines[2:])]
 
 
 def test_aligned_offsets_cut_at_line_or_document_starts(tmp_path):

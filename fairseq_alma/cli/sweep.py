@@ -20,11 +20,9 @@ from __future__ import annotations
 import argparse
 import getpass
 import json
-import os
 import re
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -54,27 +52,10 @@ from ..configs.score_script import render_score_script, task_srun_command
 from ..configs.sweep_plan import SweepJob, parse_grid_option, parse_seeds_option
 from ..configs.sweep_records import load_jobs, load_submissions, record_submission, run_status
 from ..errors import ClusterError, UsageError
+from ..slurm_commands import run_slurm as _slurm
 from ..stream.atomic import atomic_write_json, atomic_write_text
 from ..tables import format_table
 from .entry import OneLineArgumentParser, run_console
-
-
-def _slurm(command: list[str], timeout: float = 120) -> str:
-    conf = os.environ.get("SLURM_CONF")
-    if conf and not Path(conf).is_file():  # Slurm clients would retry for a minute
-        raise ClusterError(f"SLURM_CONF={conf} does not exist; fix or unset it")
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-    except FileNotFoundError:
-        raise ClusterError(f"{command[0]} not found: run this on a Slurm login node") from None
-    except subprocess.TimeoutExpired:
-        raise ClusterError(
-            f"{command[0]}: no answer in {timeout:.0f} s; is slurmctld up?"
-        ) from None
-    if done.returncode != 0:
-        message = " ".join(done.stderr.split()) or f"exit status {done.returncode}"
-        raise ClusterError(f"{shlex.join(command)} failed: {message}")
-    return done.stdout
 
 
 def query_queue(array_job_ids: set[str]) -> dict[int, tuple[str, str]] | None:
