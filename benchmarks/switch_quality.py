@@ -350,6 +350,9 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=UPDATES, help="updates per run (protocol: 1000)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "switch_quality.json")
     parser.add_argument("--report-only", action="store_true", help="only summarize finished runs")
+    parser.add_argument("--no-eval-capacity", action="store_true",
+                        help="skip the diagnosis of protocol 7b (capped capacity at evaluation) except "
+                             "for runs already scored that way; the JSON says which were")
     args = parser.parse_args()
     if args.jobs < 1 or args.updates < 10:
         parser.error(f"--jobs must be >= 1 and --updates >= 10 (got {args.jobs}, {args.updates})")
@@ -378,8 +381,14 @@ def main() -> None:
     for r in final_results:
         rows.setdefault(r["row"], []).append(r)
     switch_runs = [r for r in final_results if r["model"] == "switch"]
+    def study(result: dict) -> dict[str, float]:
+        cached = args.work / "runs" / result["name"] / "eval_capacity.json"
+        if args.no_eval_capacity:
+            return json.loads(cached.read_text()) if cached.exists() else {}
+        return eval_capacity_study(result, data, args.work)
+
     with futures.ThreadPoolExecutor(args.jobs) as pool:
-        studies = list(pool.map(lambda r: eval_capacity_study(r, data, args.work), switch_runs))
+        studies = list(pool.map(study, switch_runs))
     for r, study in zip(switch_runs, studies):
         r.update(study)
     table = summarize(rows)
@@ -401,7 +410,8 @@ def main() -> None:
                         "valid_ppl": r["valid_ppl"], "valid_curve": r["valid_curve"],
                         **{k: v for k, v in r.items() if k.startswith("ppl_eval_cf")}}
                        for rs in rows.values() for r in rs],
-              "summary": table, "verdict": text}
+              "summary": table, "verdict": text,
+              "eval_capacity_scored": sorted(r["name"] for r in switch_runs if "ppl_eval_cf1" in r)}
     args.out.write_text(json.dumps(report, indent=1))
     plot(rows, table, sweep, args.out.with_suffix(".png"))
     print(f"{'row':<20} {'lr':>7} {'seeds':>5} {'eval ppl':>16} {'dropped %':>9}")
