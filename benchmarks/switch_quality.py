@@ -7,10 +7,12 @@ the seed spread measured, instead of single-seed runs sharing one learning rate.
 
 PROTOCOL (fixed before any result was looked at; changing it means a new protocol, stated here)
 1. Corpus: the English documentation Debian's package manager installed (/usr/share/man, info
-   and doc; ``switch_quality_corpus.py`` says exactly what is kept), about 56 MB of text. It is
+   and doc; ``switch_quality_corpus.py`` says exactly what is kept), 55-56 MB of text (what a
+   machine has installed varies; the JSON records the corpus and split sizes of its run). It is
    not the embedded demo corpus. ``alma-data-prep`` with a 8,000-piece BPE, seed 1, ONE training
    mega-batch (i.i.d. training: this compares layers, not streams), ``--valid-size 150k
-   --eval-size 500k`` (whole documents: 151,715 and 524,999 tokens; 13.9M training tokens).
+   --eval-size 500k`` (whole documents: about 150k and 500k tokens; 13.7-13.9M training
+   tokens).
 2. Models: fairseq's ``switch_transformer_lm`` at d 128, 4 layers, 4 heads, FFN 512, every other
    block a Switch block (the paper's layout), dropout 0, everything else the toolkit's defaults
    (balance-loss weight 0.01, no jitter, nn.Linear router init, first-come-first-served
@@ -21,13 +23,24 @@ PROTOCOL (fixed before any result was looked at; changing it means a new protoco
 3. Training: 1,000 updates of 16 sequences x 128 tokens (2.0M tokens, under 15% of one pass over
    the training split, so the dense model is still improving at the end; the JSON keeps its
    validation curve to show it), Adam (0.9, 0.98), 10% linear warm-up then linear decay to 0.
-4. Learning rate: for each row, 5e-4, 1e-3 and 2e-3 with seed 1; the one with the lowest
-   validation perplexity at the last update wins (ties: the smaller). While a row's winner is
+4. Learning rate: for each row, 5e-4, 1e-3 and 2e-3 (since amendment 2 below: 4e-3, 8e-3 and
+   1.6e-2) with seed 1; the one with the lowest validation perplexity at the last update wins
+   (ties: the smaller). While a row's winner is
    the largest (smallest) rate it tried, its grid is extended by 2x (0.5x), up to 1.6e-2 (down
    to 1.25e-4), so every row's choice is an interior optimum or a stated bound. The evaluation
    split is never looked at for this choice.
    (Amended once, before any final run: the first sweep's dense optimum was its largest rate,
    2e-3, so the extension rule above was added and applies to every row alike.)
+   (Amended a second time, before any final run and without looking at the evaluation split:
+   the first sweep's work directory was lost with its machine after 5e-4 .. 8e-3 had finished
+   for every row; their validation perplexities are in the README. In all three rows every
+   rate up to 2e-3 was more than 35% worse on validation than 8e-3, so none of them can win,
+   and rerunning them would not fit the compute left. The rerun's starting grid is therefore
+   4e-3, 8e-3 and 1.6e-2 for every row, with the extension rule unchanged: a row whose best is
+   4e-3 goes on to 2e-3, and so on, so the choice is still an interior optimum or a bound
+   whatever the starting grid. The corpus was rebuilt on the new machine from the documentation
+   installed there; it is not byte-identical to the first one (``sources.json`` and the
+   token counts are in the JSON), so the first sweep's numbers do not carry over.)
 5. Seeds: each row's chosen learning rate with seeds 1, 2, 3 (the sweep's seed-1 run is seed 1).
 6. Extra rows (anything beyond the paper's defaults, named in ``flags``): switch at capacity
    factor 1.0 with ``--moe-batch-prioritized-routing`` (Switch §B: the most confident tokens
@@ -68,7 +81,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-LRS = (5e-4, 1e-3, 2e-3)
+LRS = (4e-3, 8e-3, 1.6e-2)  # protocol 4, amendment 2 (the first sweep began at 5e-4, 1e-3, 2e-3)
 SEEDS = (1, 2, 3)
 UPDATES = 1000
 MODEL_ARGS = ("--arch switch_transformer_lm --decoder-layers 4 --decoder-embed-dim 128 "
@@ -257,6 +270,17 @@ def prepare_data(work: Path) -> Path:
     return data
 
 
+def corpus_facts(work: Path, data: Path) -> dict:
+    """What this run trained and evaluated on: the corpus's sources (``sources.json``) and the
+    stream's split sizes (``manifest.json``), since the corpus depends on what is installed."""
+    sources = json.loads((work / "corpus" / "sources.json").read_text())
+    manifest = json.loads((data / "manifest.json").read_text())
+    return {"sources": sources,
+            "splits": {name: {"documents": split["documents"], "tokens": split["tokens"]}
+                       for name, split in manifest["splits"].items()},
+            "dictionary_size": manifest["dictionary"]["size"]}
+
+
 def summarize(rows: dict[str, list[dict]]) -> list[dict]:
     table = []
     for row, results in rows.items():
@@ -368,6 +392,7 @@ def main() -> None:
                  "is in the saturated regime the protocol excludes")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {"protocol": __doc__.split("PROTOCOL", 1)[1].split("Runs are subprocesses", 1)[0].strip(),
+              "corpus": corpus_facts(args.work, data),
               "updates": args.updates, "chosen_lr": chosen,
               "sweep": [{k: r[k] for k in ("row", "lr", "seed", "valid_ppl", "ppl", "dropped_pct")}
                         for rs in sweep.values() for r in rs],

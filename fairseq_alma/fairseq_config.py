@@ -113,6 +113,17 @@ def given(node: Any, section_name: str, key: str) -> Any:
     return target.get(key) if target is not None else None
 
 
+def stage_lr_settings(node: Any) -> tuple[str, float] | None:
+    """(``--stage-lr-schedule``, the peak ``--lr``) when the run's LR scheduler is
+    ``alma_stage_linear``, else None (the records then say nothing about a meta-schedule)."""
+    scheduler = section(node, "lr_scheduler")
+    if scheduler is None or scheduler.get("_name") != "alma_stage_linear":
+        return None
+    schedule = scheduler.get("stage_lr_schedule") or "restart"
+    lr = given(node, "optimization", "lr")
+    return str(getattr(schedule, "value", schedule)), float(lr[0])
+
+
 def refuse_flags(node: Any, section_name: str, keys: tuple[str, ...], why: str) -> None:
     """One-line error for the first of ``keys`` (flags of ``cfg.<section_name>``) that is set."""
     for key in keys:
@@ -138,6 +149,10 @@ TASK_NOT_FINGERPRINTED = ("data", "save_dir", "max_epoch", "tensorboard_logdir",
                           "max_tokens_valid", "required_batch_size_multiple", "update_freq",
                           "distributed_world_size", "data_buffer_size", "tpu", "use_plasma_view",
                           "plasma_path")
+# Settings added after run directories were written, by section, with their default: in the
+# fingerprint only when not at it, so a run directory written before a setting existed still
+# resumes, and one that used a setting refuses a command without it (or with another value).
+ADDED_SETTINGS = {"task": {"replay_ratio": 0.0}, "lr_scheduler": {"stage_lr_schedule": "restart"}}
 
 
 def run_fingerprint(node: Any) -> dict[str, Any]:
@@ -161,4 +176,9 @@ def run_fingerprint(node: Any) -> dict[str, Any]:
     task = section(node, "task")
     if task is not None:
         out["task"] = {key: plain(task.get(key)) for key in task if key not in TASK_NOT_FINGERPRINTED}
+    for name, defaults in ADDED_SETTINGS.items():
+        part = out.get(name)
+        for key, default in defaults.items():
+            if isinstance(part, dict) and key in part and part[key] == default:
+                del part[key]
     return out

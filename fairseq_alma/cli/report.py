@@ -17,6 +17,11 @@ by their seed (same ``run.json`` fingerprint once the seed is removed) and write
     after each arrival)
   fig4_replay.png  (Fig. 4: an arrow from each run without replay to the same run with replay;
     drawn when such pairs are given)
+  eval_matrix.md, eval_matrix.csv, eval_matrix.json  (alma-score --matrix JSON inputs: the
+    in-period, backward (forgetting) and forward perplexities of each setting; the JSON keeps
+    the stage x period matrices)
+  fig_eval_matrix.png  (each setting's stage x period matrix as a heatmap: rows = stages,
+    columns = periods, colour = log perplexity, values annotated)
 
 With several seeds a cell reads ``mean ± std`` (sample standard deviation), a ``seeds`` column
 counts them and the figures draw error bars; the JSON keeps every seed's numbers.
@@ -56,7 +61,7 @@ def _file_tag(label: str) -> str:
 
 def write_report(args: argparse.Namespace) -> list[str]:
     """Read, group, render; returns what was written, in order.  Bad input: ``UsageError``."""
-    from ..report import figures, tables
+    from ..report import eval_matrix, figures, tables
     from ..report.inputs import common_eval_slice, read_inputs
     from ..report.seeds import SeedGroup, group_by_seed, replay_pairs
 
@@ -99,6 +104,20 @@ def write_report(args: argparse.Namespace) -> list[str]:
                 f"fig3_error_curves_{_file_tag(size)}.png"
             members = [g for g in groups if g.first.num_experts == size]
             emit(name, lambda path, members=members: figures.plot_error_curves(members, path))
+    try:
+        matrices = eval_matrix.matrix_groups(groups)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    if matrices:
+        print("\nEach stage on every period (alma-score --matrix; README, Streams that drift)\n"
+              + eval_matrix.format_summary(matrices), end="", flush=True)
+        emit("eval_matrix.md", lambda path: path.write_text(
+            eval_matrix.format_summary(matrices, markdown=True), "utf-8"))
+        emit("eval_matrix.csv", lambda path: eval_matrix.write_csv(matrices, path))
+        emit("eval_matrix.json", lambda path: eval_matrix.write_json(matrices, path))
+        emit("fig_eval_matrix.png", lambda path: figures.plot_eval_matrix(matrices, path))
+    elif metric == "ppl":
+        print("eval matrix not drawn: no input was scored with alma-score --matrix", flush=True)
     pairs = replay_pairs(groups)
     if pairs:
         emit("fig4_replay.png", lambda path: figures.plot_replay(pairs, path))

@@ -13,6 +13,10 @@ Modes (§4.1, Table 2):
   gens    one run trained with --stage-init scratch and no --replay: its stage checkpoints are the
           members; after s stages the predictor averages members 1..s ("4@s", |θ| = s members).
 
+``--matrix`` (single mode) also scores every stage checkpoint on every period's held-out slice
+of the mega-batches (splits ``evalmb{k}``, lm/eval_matrix.py): the stage x period matrix and its
+in-period, backward and forward summaries (stream/period_matrix.py), printed and in ``--json``.
+
 Data-parallel: under ``torchrun --nproc_per_node N -m fairseq_alma.cli.score ...`` or ``srun``
 (with MASTER_ADDR/MASTER_PORT exported) the N processes share every checkpoint's evaluation
 batches and add their sums (lm/score_distributed.py); rank 0 alone prints and writes, and the
@@ -32,6 +36,7 @@ from ..errors import UsageError
 from ..lm.score_distributed import ScoreWorld, choose_backend, scoring_group, world_from_env
 from ..report.inputs import expand_run_dirs
 from ..stream.metrics import perplexity_from_nll
+from ..stream.period_matrix import PeriodMatrix, format_matrix
 from ..stream.series import ReportSeries, flops_convention
 from .entry import OneLineArgumentParser, run_console
 from .score_runs import StreamRun, check_members, load_run
@@ -149,6 +154,8 @@ def build_series(runs: list[StreamRun], args: argparse.Namespace,
             if first.waits:
                 extra["untrained_arrivals"] = _charge_untrained(
                     values, members, args.mode, settings, bool(untrained), scored.whole)
+            if args.matrix:
+                extra["eval_matrix"] = _eval_matrix(first, scorer, settings)
         extra["members_by_arrival"] = [predictors.get(r.stage, []) for r in records]
         flops, params, label = _costs(members, args.mode)
         prefix = {"ens": "Ens", "gens": "gEns"}.get(args.mode)
@@ -159,6 +166,18 @@ def build_series(runs: list[StreamRun], args: argparse.Namespace,
             flops_convention=flops_convention(records))
         out.append((series, extra))
     return out
+
+
+def _eval_matrix(run: StreamRun, scorer: Any, settings: Any) -> dict[str, Any]:
+    """--matrix: the run's stage checkpoints on every period (lm/eval_matrix.py), as JSON."""
+    from ..lm.eval_matrix import check_period_splits, score_matrix
+
+    b = len(run.records) - 1
+    facts = check_period_splits(settings.data, b)
+    arrivals = {r.stage: r.arrival for r in run.records if r.trained}
+    matrix, scored = score_matrix(scorer, {s: run.checkpoints[s] for s in run.stages}, arrivals,
+                                  settings, b)
+    return {**matrix.as_json(), **scored, **facts}
 
 
 _FLAGS: list[tuple[str, dict]] = [
@@ -185,6 +204,12 @@ _FLAGS: list[tuple[str, dict]] = [
     ("--fp16", {"action": "store_true",
                 "help": "score in half precision on CUDA (weights in fp16; log-probabilities "
                         "in fp32, sums in fp64); refused on CPU"}),
+    ("--matrix", {"action": "store_true",
+                  "help": "--mode single: also score every stage checkpoint on every period's "
+                          "held-out slice (splits evalmb0..evalmb{B-1} of a stream prepared with "
+                          "alma-data-prep --eval-per-megabatch SIZE): the stage x period matrix "
+                          "and its in-period, backward (forgetting) and forward summaries, "
+                          "printed and under each series' eval_matrix in --json"}),
     ("--setting", {"help": "series name in the table (default from the run's flags, e.g. "
                            "'SM_w1', 'Ens_w4 (4x steps)', 'gEns_w1')"}),
     ("--json", {"metavar": "FILE", "help": "write every number per arrival as JSON"}),
@@ -224,6 +249,10 @@ def _check_flags(args: argparse.Namespace) -> None:
         if given:
             raise UsageError(f"--from-log reuses the run's own evaluation; drop "
                              f"--{given[0].replace('_', '-')} or --from-log")
+    if args.matrix and (args.mode != "single" or args.from_log):
+        raise UsageError(f"--matrix scores single models on every period; it does not combine "
+                         f"with {'--from-log' if args.from_log else f'--mode {args.mode}'}: "
+                         f"score each run with --mode single --matrix")
     if args.mode == "gens" and len(args.run_dirs) != 1:
         raise UsageError(
             f"--mode gens takes ONE run dir (its stages are the members), got {len(args.run_dirs)}"
@@ -243,6 +272,11 @@ def _write_outputs(results: list[tuple[ReportSeries, dict]], args: argparse.Name
                               if "eval_slice_note" in extra)
         for note in notes:  # one line per distinct slice (runs may differ in block length)
             print(note, flush=True)
+        for one, extra in results:
+            if "eval_matrix" in extra:
+                matrix = PeriodMatrix.from_json(extra["eval_matrix"])
+                print("\n" + format_matrix(matrix, f"{one.setting} ({extra['runs'][0]})"),
+                      end="", flush=True)
         if args.json:  # the report's dict, plus how each number was obtained
             payload = tables.report_dict(series)
             for entry, (_, extra) in zip(payload["series"], results, strict=True):
@@ -250,6 +284,8 @@ def _write_outputs(results: list[tuple[ReportSeries, dict]], args: argparse.Name
                 members = extra.pop("members_by_arrival")
                 for arrival, used in zip(entry["arrivals"], members, strict=True):
                     arrival["members"] = used
+                if "eval_matrix" in extra:
+                    entry["eval_matrix"] = extra.pop("eval_matrix")
                 entry["scoring"] = extra
             atomic_write_json(args.json, payload)
         if args.csv:
@@ -308,6 +344,12 @@ def _score_runs(args: argparse.Namespace, use_cuda: bool) -> list[tuple[ReportSe
         groups = [[run] for run in runs] if args.mode == "single" else [runs]
         total = sum(len(initial_predictor(group, args.mode)) for group in groups)
         total += len(runs[0].stages) if args.mode == "gens" else sum(len(r.stages) for r in runs)
+        if args.matrix:  # before anything is scored: a stream without period splits stops here
+            from ..lm.eval_matrix import check_period_splits
+
+            for run in runs:
+                check_period_splits(settings_for(run, args).data, len(run.records) - 1)
+                total += len(run.stages) * (len(run.records) - 1)
         scorer = CheckpointScorer(use_cuda=use_cuda, total=total, fp16=args.fp16)
         logger.info("scoring %d checkpoint(s) on %s", total, scorer.device)
     results = build_series(runs, args, scorer)

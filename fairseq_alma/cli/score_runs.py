@@ -63,7 +63,10 @@ class StreamRun:
 
     def default_setting(self, prefix: str | None = None) -> str:
         """Table 2's names: 'SM_w1', 'Ens_w4 (4x steps)', 'gEns_w1'; ' replay' when replaying."""
-        return setting_name(self.records[-1].extra if self.cfg is None else self.cfg.task, prefix)
+        if self.cfg is None:
+            return setting_name(self.records[-1].extra, prefix)
+        scheduler = self.cfg.get("lr_scheduler") or {}
+        return setting_name(self.cfg.task, prefix, scheduler.get("stage_lr_schedule"))
 
 
 def load_run(run_dir: str, args: argparse.Namespace) -> StreamRun:

@@ -26,9 +26,11 @@ from typing import Any, Dict, List, Optional
 from ..lm.flops import model_flops
 from ..lm.nll import Batching, total_nll
 from ..lm.stage_checkpoints import keep_initial_checkpoint, keep_stage_checkpoint
+from ..optim.stage_lr_schedules import describe_schedule, stage_peak
 from ..ranks import world
 from ..stream.progress import StreamProgress
 from ..stream.records import ArrivalRecord
+from ..stream.replay import counted_replays
 from ..stream.run_dir import RunDirectory, fingerprint_hash
 from ..stream.schedule import ArrivalInfo
 from ..stream.stage_clock import StageClock
@@ -51,7 +53,7 @@ class StreamTraining:
     """The training side of ``AlmaStreamTask`` (module doc)."""
 
     def __init__(self, task: Any) -> None:
-        from ..fairseq_config import check_sharding, stream_training_settings
+        from ..fairseq_config import check_sharding, stage_lr_settings, stream_training_settings
         from ..fairseq_patches import install_atomic_copies, install_requeue_save
 
         self.task, self.cfg = task, task.cfg
@@ -71,6 +73,21 @@ class StreamTraining:
         self.clock = StageClock(task.budget)  # counted / skipped updates of the stage
         self.clock_unknown = False  # resumed from a checkpoint written before the clock was saved
         self.started_stage = 0  # the last stage whose start actions ran
+        self.lr_schedule = stage_lr_settings(self.cfg)  # (schedule, peak) of alma_stage_linear, or None
+        self.log_stream_settings()
+
+    def log_stream_settings(self) -> None:
+        """Say, before the first update, what partial replay and the LR meta-schedule will do."""
+        plan, budget = self.task.plan, self.task.budget
+        if plan.replay_ratio > 0:
+            replayed = plan.replay_slots(min(2, plan.num_stages), budget)
+            logger.info("alma_stream: --replay-ratio %g: %d of every stage's %d updates train on batches drawn "
+                        "from the mega-batches that arrived before the stage's new ones (stages 2-%d; stage 1 "
+                        "has none and trains on its new data only)", plan.replay_ratio, replayed, budget,
+                        plan.num_stages)
+        if self.lr_schedule is not None:
+            schedule, peak = self.lr_schedule
+            logger.info("alma_stream: %s", describe_schedule(schedule, peak, plan.num_stages))
 
     def open_run_dir(self) -> tuple:
         """Take the run directory (rank 0 locks it) and make sure it holds this run, or none:
@@ -222,7 +239,25 @@ class StreamTraining:
             valid={"valid_ppl": metrics["valid_ppl"], "valid_nll": metrics["valid_nll"]},
             extra={"infer_flops_per_sequence": float(infer) * self.cfg.tokens_per_sample,
                    "flops_convention": convention, "train_tokens_cum": train_tokens,
-                   "skipped_updates": self.clock.skipped_by_stage.get(info.stage, 0)})
+                   "skipped_updates": self.clock.skipped_by_stage.get(info.stage, 0),
+                   **self.stage_extras(info.stage)})
+
+    def stage_extras(self, stage: int) -> Dict[str, Any]:
+        """What a record says about the stage that answers it: its replayed counted updates
+        (measured from the slots its counted updates consumed, ``stream/replay.py``) and, with
+        ``alma_stage_linear``, its LR meta-schedule and peak LR."""
+        plan = self.task.plan
+        replayed = 0
+        if stage >= 1:
+            replayed = counted_replays(self.task.budget, plan.replay_slots(stage, self.task.budget),
+                                       self.clock.skipped_slots.get(stage, []))
+        extras: Dict[str, Any] = {"replay_ratio": plan.replay_ratio, "replayed_updates": replayed}
+        if self.lr_schedule is not None:
+            schedule, peak = self.lr_schedule
+            extras["stage_lr_schedule"] = schedule
+            if stage >= 1:  # the initialised model (stage 0) was trained with no LR
+                extras["stage_peak_lr"] = stage_peak(peak, stage, schedule)
+        return extras
 
     # ---- stage start ------------------------------------------------------------------------
     def before_update(self, update_num: int, optimizer: Any) -> None:

@@ -1,26 +1,37 @@
 """Per-stage LR schedule of ALMA's LM runs (App. B.2): warmup, then linear decay to 0, restarted
-at the start of every stage.
+at the start of every stage; ``--stage-lr-schedule`` chooses a meta-schedule across stages
+(``stage_lr_schedules.py``: ``restart``, the default and App. B.2's, ``cyclic``, ``decay``).
 
-Every stage of an ``alma_stream`` run has the same update budget B_u (``--updates-per-stage``,
-times ``--wait`` with ``--scale-updates-by-wait``), so the position inside the current stage is
-``num_updates mod B_u`` and the schedule is a pure function of fairseq's update counter: a run
+The LR is a pure function of the stream core's stage position (stage, counted updates done in
+it).  fairseq hands a scheduler only its counter of counted updates; the core's ``StageClock``
+stops the run whenever that counter is not the clock's position, so ``stage_position`` reads the
+position back from it exactly, fp16-skipped steps included (they advance neither), and a run
 resumed from any checkpoint gets exactly the learning rates of an uninterrupted run.
 """
 
+import logging
 from dataclasses import dataclass, field
 from typing import List
 
-from fairseq.dataclass import FairseqDataclass
+from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.optim.lr_scheduler import FairseqLRScheduler, register_lr_scheduler
 from omegaconf import II
 
 from ..errors import require
+from ..stream.stage_clock import stage_position
+from .stage_lr_schedules import STAGE_LR_SCHEDULES, scheduled_lr, stage_lr  # noqa: F401 (stage_lr: API)
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
 class AlmaStageLinearConfig(FairseqDataclass):
     warmup_updates: int = field(default=500, metadata={"help": "warmup updates at the start of every stage (paper: 500-4000)"})
     warmup_init_lr: float = field(default=0.0, metadata={"help": "learning rate at the first warmup step's start"})
+    stage_lr_schedule: ChoiceEnum(list(STAGE_LR_SCHEDULES)) = field(default="restart", metadata={"help": (
+        "LR meta-schedule across stages (fairseq_alma/optim/stage_lr_schedules.py): restart = every stage warms up "
+        "to --lr then decays linearly to 0 (ALMA App. B.2); cyclic = the same warmup, then a cosine decay to 0 "
+        "(TiC-LM's Cyclic Cosine); decay = restart with stage s peaking at --lr/sqrt(s)")})
     lr: List[float] = II("optimization.lr")
     updates_per_stage: int = II("task.updates_per_stage")
     scale_updates_by_wait: bool = II("task.scale_updates_by_wait")
@@ -32,20 +43,10 @@ def stage_budget(updates_per_stage: int, wait: int, scale_updates_by_wait: bool)
     return updates_per_stage * (wait if scale_updates_by_wait else 1)
 
 
-def stage_lr(position: int, budget: int, warmup: int, peak: float, init: float = 0.0) -> float:
-    """LR for the update at 0-based ``position`` inside a stage of ``budget`` updates.
-
-    Warmup reaches ``peak`` at position ``warmup - 1``; afterwards the LR falls linearly and
-    would reach exactly 0 at position ``budget`` (the first update of the next stage restarts).
-    """
-    if position < warmup:
-        return init + (peak - init) * (position + 1) / warmup
-    return peak * (budget - position) / max(1, budget - warmup)
-
-
 @register_lr_scheduler("alma_stage_linear", dataclass=AlmaStageLinearConfig)
 class AlmaStageLinearSchedule(FairseqLRScheduler):
-    """Warmup + linear decay to 0 within each ALMA stage (use with --task alma_stream)."""
+    """Warmup + decay to 0 within each ALMA stage, peak per ``--stage-lr-schedule`` (use with
+    --task alma_stream)."""
 
     def __init__(self, cfg: AlmaStageLinearConfig, optimizer) -> None:  # noqa: ANN001
         super().__init__(cfg, optimizer)
@@ -57,6 +58,7 @@ class AlmaStageLinearSchedule(FairseqLRScheduler):
             f"--warmup-updates must be in [0, {self.budget}) (the stage's update budget); got {cfg.warmup_updates}",
         )
         self.warmup = cfg.warmup_updates
+        self.schedule = str(getattr(cfg.stage_lr_schedule, "value", cfg.stage_lr_schedule))
         self.step_update(0)
 
     def step(self, epoch: int, val_loss: float = None) -> float:  # noqa: RUF013
@@ -64,6 +66,7 @@ class AlmaStageLinearSchedule(FairseqLRScheduler):
         return self.optimizer.get_lr()
 
     def step_update(self, num_updates: int) -> float:
-        lr = stage_lr(num_updates % self.budget, self.budget, self.warmup, self.peak, self.cfg.warmup_init_lr)
+        stage, position = stage_position(num_updates, self.budget)
+        lr = scheduled_lr(self.schedule, stage, position, self.budget, self.warmup, self.peak, self.cfg.warmup_init_lr)
         self.optimizer.set_lr(lr)
         return lr

@@ -10,6 +10,7 @@ with error bars (or a band) of one standard deviation; a single run has none.
   Fig. 5  LMs: average perplexity vs cumulative compute, vs parameters and vs number of experts
           (§6.2); the top row is the paper's average over trained arrivals, the bottom row the
           anytime perplexity, which charges the arrivals before the first training
+  issue 14  the stage x period matrix of ``alma-score --matrix`` as heatmaps (plot_eval_matrix)
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 
 from ..stream.atomic import atomic_write_bytes
 from ..stream.series import ReportSeries
+from .eval_matrix import MatrixGroup
 from .seeds import SeedGroup, Stat
 from .tables import Rows, as_groups, same_shape
 
@@ -250,4 +252,51 @@ def plot_replay(pairs: Sequence[tuple[SeedGroup, SeedGroup]], path: str | os.Pat
     _style_axis(axis, "cumulative training compute (TFLOPs)", ylabel, xs_all)
     axis.legend(fontsize=8)
     figure.suptitle("Impact of replay: without (arrow tail) and with replay (head) (ALMA Fig. 4)")
+    _save(figure, path)
+
+
+def plot_eval_matrix(groups: Sequence[MatrixGroup], path: str | os.PathLike) -> None:
+    """The stage x period matrices (``alma-score --matrix``) as heatmaps, one panel per setting:
+    rows = stage checkpoints, columns = periods (mega-batch p - 1's held-out slice), colour =
+    perplexity on a log scale (the summaries' log domain; each panel spans its own range), every
+    cell annotated (mean over seeds, ± std with several), the periods each stage trained on as
+    new outlined."""
+    import math
+
+    from matplotlib.colors import LogNorm
+    from matplotlib.patches import Rectangle
+
+    if not groups:
+        raise ValueError("no series scored with alma-score --matrix; nothing to draw")
+    columns = min(3, len(groups))
+    figure, axes = _figure(math.ceil(len(groups) / columns), columns)
+    panels = [axis for row in axes for axis in row]
+    for axis, g in zip(panels, groups):
+        cells, shape = g.cells(), g.shape
+        means = [[c.mean for c in row] for row in cells]
+        low, high = min(map(min, means)), max(map(max, means))
+        image = axis.imshow(means, cmap="viridis_r", aspect="auto",
+                            norm=LogNorm(vmin=low, vmax=high if high > low else low * 1.0001))
+        figure.colorbar(image, ax=axis, label="perplexity (log colour scale)")
+        if shape.num_periods <= 24:
+            for r, row in enumerate(cells):
+                for p, cell in enumerate(row):
+                    text = f"{cell.mean:.1f}" + (f"\n±{cell.std:.1f}" if cell.std else "")
+                    # viridis_r draws high perplexities dark: white text on them
+                    dark = math.log(cell.mean) > (math.log(low) + math.log(high)) / 2
+                    axis.text(p, r, text, ha="center", va="center", fontsize=7,
+                              color="white" if dark else "black")
+        for r in range(len(shape.stages)):
+            for period in shape.new_periods(r):
+                axis.add_patch(Rectangle((period - 1.46, r - 0.46), 0.92, 0.92, fill=False,
+                                         edgecolor="red", linewidth=1.5))  # inside the cell
+        axis.set_xticks(range(shape.num_periods), [str(p) for p in shape.periods])
+        axis.set_yticks(range(len(shape.stages)),
+                        [f"{s} (arrival {a})" for s, a in zip(shape.stages, shape.arrivals, strict=True)])
+        axis.set_xlabel("period p (held-out slice of mega-batch p − 1)")
+        axis.set_ylabel("stage checkpoint (arrival)")
+        axis.set_title(_name(g.group), fontsize=9)
+    for axis in panels[len(groups):]:
+        axis.set_visible(False)
+    figure.suptitle("Each stage on every period (red: the stage's new periods)")
     _save(figure, path)

@@ -8,7 +8,8 @@
 * An ``alma-score --json`` file gives its series as scored, Ens and gEns included; the run
   directories it names lend it their fingerprints, so seeds of an ensemble group too.  A series
   scored with ``--max-eval-tokens`` on part of the split keeps that slice: perplexities on
-  different tokens are not comparable, so ``common_eval_slice`` refuses to mix slices.
+  different tokens are not comparable, so ``common_eval_slice`` refuses to mix slices.  A series
+  scored with ``--matrix`` brings its stage x period matrix (``report/eval_matrix.py``).
 
 Nothing here imports fairseq or torch: reports are drawn on machines without them.  Every bad
 input is a one-line ``UsageError`` naming the path and what to pass instead.
@@ -43,14 +44,18 @@ def expand_run_dirs(paths: list[str]) -> list[str]:
     return out
 
 
-def setting_name(flags: Mapping[str, Any], prefix: str | None = None) -> str:
+def setting_name(flags: Mapping[str, Any], prefix: str | None = None, lr_schedule: Any = None) -> str:
     """Table 2's names from a run's stream flags: 'SM_w1', 'Ens_w4 (4x steps)', 'gMoE_w1',
-    ' replay' when replaying; vision runs name their method."""
+    ' replay' when replaying, ' replay r=0.25' with partial replay, ' lr decay' with a
+    ``--stage-lr-schedule`` other than ALMA's restart; vision runs name their method."""
     wait, replay = flags.get("wait") or 1, flags.get("replay")
+    ratio = flags.get("replay_ratio") or 0
     steps = flags.get("scale_updates_by_wait")
     prefix = prefix or flags.get("method") or ("gMoE" if flags.get("grow_experts") else "SM")
     name = f"{prefix}_w{wait}" + (f" ({wait}x steps)" if steps and wait > 1 else "")
-    return name + (" replay" if replay else "")
+    name += " replay" if replay else (f" replay r={ratio:g}" if ratio else "")
+    schedule = str(getattr(lr_schedule, "value", lr_schedule)) if lr_schedule else "restart"
+    return name + (f" lr {schedule}" if schedule != "restart" else "")
 
 
 def vision_size_label(record: ArrivalRecord) -> str:
@@ -86,6 +91,7 @@ def read_run_dir(path: Path) -> ReportedRun:
     if len(records) < 2 or [r.arrival for r in records] != list(range(len(records))):
         raise UsageError(f"{path / 'stream.jsonl'}: needs arrivals 0..B in order; finish the run "
                          f"(the same training command continues it)")
+    schedule = None  # --stage-lr-schedule (LM; absent from fingerprints when ALMA's restart)
     if records[0].eval_ppl is None:  # vision: its records carry the flags
         flags, size = records[-1].extra, vision_size_label(records[-1])
     elif fingerprint is None:
@@ -94,7 +100,8 @@ def read_run_dir(path: Path) -> ReportedRun:
     else:
         config = fingerprint.get("config") or {}
         flags, size = config.get("task") or {}, _lm_experts_label(config, growth)
-    name = setting_name(flags)
+        schedule = (config.get("lr_scheduler") or {}).get("stage_lr_schedule")
+    name = setting_name(flags, lr_schedule=schedule)
     if flags.get("stage_init") == "scratch":
         name += " (scratch init)"
     try:
@@ -130,7 +137,8 @@ def read_score_json(path: Path) -> list[ReportedRun]:
         fingerprint = {"mode": scoring.get("mode"), "members": fingerprints} if known else None
         seeds = [_seed(fp) for fp in fingerprints] if known else []
         seed = tuple(s[0] for s in seeds) if seeds and None not in seeds else None
-        out.append(ReportedRun(s, f"{path}:{s.setting}", fingerprint, seed, _eval_slice(scoring)))
+        out.append(ReportedRun(s, f"{path}:{s.setting}", fingerprint, seed, _eval_slice(scoring),
+                               entry.get("eval_matrix")))
     return out
 
 

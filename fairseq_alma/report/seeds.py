@@ -99,6 +99,7 @@ class ReportedRun:
     fingerprint: dict[str, Any] | None = None  # run.json's (Ens: its members', in order)
     seed: tuple[int, ...] | None = None  # the run's seed; an ensemble's members' seeds
     eval_slice: tuple[int, int] | None = None  # (scored, available) tokens; None: every token
+    eval_matrix: dict[str, Any] | None = None  # alma-score --matrix's (stage x period) entry
 
     @property
     def group_key(self) -> str | None:

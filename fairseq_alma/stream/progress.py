@@ -1,6 +1,7 @@
 """Where a stream stands, and what happens at the end of every stage (paper §3, §3.1).
 
-``StreamPlan`` is the stream a learner sees: B mega-batches, waiting time w, replay.  From it the
+``StreamPlan`` is the stream a learner sees: B mega-batches, waiting time w, replay (full, or a
+fixed fraction of each stage's updates: ``stream/replay.py``).  From it the
 schedule (``schedule.py``) says which stages train on which mega-batches, and the arrival table
 says which stage answers the evaluation after each arrival t = 0..B.
 
@@ -28,6 +29,7 @@ from typing import Any, TypeVar
 
 from ..errors import RunDirError, UsageError
 from .records import ArrivalRecord
+from .replay import check_replay_ratio, replay_slots
 from .run_dir import RunDirectory
 from .schedule import ArrivalInfo, Stage, arrival_table, build_schedule
 
@@ -36,11 +38,14 @@ Measured = TypeVar("Measured")
 
 @dataclass(frozen=True)
 class StreamPlan:
-    """The stream a learner sees: B mega-batches arriving one by one, waiting time w, replay."""
+    """The stream a learner sees: B mega-batches arriving one by one, waiting time w, replay
+    (``replay``: everything seen; ``replay_ratio``: that fraction of each stage's updates from
+    the mega-batches that arrived before the stage's new ones)."""
 
     num_megabatches: int
     wait: int = 1
     replay: bool = False
+    replay_ratio: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.num_megabatches, bool) or not isinstance(self.num_megabatches, int) \
@@ -51,10 +56,16 @@ class StreamPlan:
                 or not 1 <= self.wait <= self.num_megabatches:
             raise UsageError(f"--wait must be in [1, {self.num_megabatches}] (the stream's "
                              f"mega-batches); got {self.wait}")
+        check_replay_ratio(self.replay_ratio, self.replay)
+        if self.replay_ratio > 0 and self.num_megabatches // self.wait < 2:
+            raise UsageError(f"--replay-ratio {self.replay_ratio:g} has nothing to replay: with "
+                             f"--wait {self.wait} the stream of {self.num_megabatches} mega-batches "
+                             f"trains one stage, and a stage replays only earlier stages' data")
 
     @functools.cached_property
     def schedule(self) -> list[Stage]:
-        return build_schedule(self.num_megabatches, self.wait, self.replay)
+        return build_schedule(self.num_megabatches, self.wait, self.replay,
+                              partial_replay=self.replay_ratio > 0)
 
     @functools.cached_property
     def arrivals(self) -> list[ArrivalInfo]:
@@ -73,6 +84,11 @@ class StreamPlan:
     def stage(self, index: int) -> Stage:
         """Stage ``index`` (1-based)."""
         return self.schedule[index - 1]
+
+    def replay_slots(self, index: int, budget: int) -> int:
+        """Replay slots of stage ``index`` with ``budget`` updates: round(r x budget), or 0 for
+        a stage with no earlier mega-batches (stage 1) or without partial replay."""
+        return replay_slots(budget, self.replay_ratio) if self.stage(index).replay_megabatches else 0
 
 
 class StreamProgress:

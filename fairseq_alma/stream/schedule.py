@@ -12,6 +12,10 @@ i.e. stages s = 1 … floor(B / w), stage s training at arrival s·w.  The B mod
 that arrive after the last full group are never trained on (e.g. B = 4, w = 3: one stage at
 arrival 3, mega-batch 4 is only evaluated past) — Table 2's SM_w3 row has no 4th training point.
 
+Partial replay (``--replay-ratio r``, ``stream/replay.py``): a stage also replays mega-batches
+that arrived *before* its new ones (``replay_megabatches``); stage 1 has none, so it trains on
+its new data only.
+
 Mega-batch ids are 0-based (D_1 is id 0); arrivals and stages are counted from 1.
 """
 
@@ -30,12 +34,16 @@ class Stage:
         new_megabatches: 0-based ids of the mega-batches arrived since the previous stage.
         train_megabatches: ids this stage trains on: ``new_megabatches``, or with replay every
             mega-batch seen so far (0 … arrival - 1).
+        replay_megabatches: with partial replay (``--replay-ratio r > 0``), the ids that arrived
+            before ``new_megabatches`` (0 … arrival - wait - 1), from which the stage's replayed
+            updates draw; empty otherwise, and always for stage 1.
     """
 
     index: int
     arrival: int
     new_megabatches: tuple[int, ...]
     train_megabatches: tuple[int, ...]
+    replay_megabatches: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -65,8 +73,12 @@ def _check_stream_size(num_megabatches: int) -> None:
         raise ValueError(f"--num-megabatches must be an integer >= 1 (got {num_megabatches!r})")
 
 
-def build_schedule(num_megabatches: int, wait: int, replay: bool) -> list[Stage]:
+def build_schedule(num_megabatches: int, wait: int, replay: bool,
+                   partial_replay: bool = False) -> list[Stage]:
     """The stages of Algorithm 1 (with the loop bound fixed to ``t + w - 1 <= B``, see module doc).
+
+    ``partial_replay``: give every stage the mega-batches that arrived before its new ones as
+    ``replay_megabatches`` (the ratio itself is ``stream/replay.py``'s business).
 
     >>> [s.arrival for s in build_schedule(4, 1, replay=False)]
     [1, 2, 3, 4]
@@ -84,9 +96,9 @@ def build_schedule(num_megabatches: int, wait: int, replay: bool) -> list[Stage]
         arrival = index * wait
         new = tuple(range(arrival - wait, arrival))
         train = tuple(range(arrival)) if replay else new
-        stages.append(
-            Stage(index=index, arrival=arrival, new_megabatches=new, train_megabatches=train)
-        )
+        earlier = tuple(range(arrival - wait)) if partial_replay else ()
+        stages.append(Stage(index=index, arrival=arrival, new_megabatches=new,
+                            train_megabatches=train, replay_megabatches=earlier))
     return stages
 
 

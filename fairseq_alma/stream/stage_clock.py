@@ -9,6 +9,13 @@ stage (growth, fresh initialisation, the optimizer reset, the LR restart, the re
 drift into the previous stage's data.  The clock counts every update attempt, tells the trainer
 when the stage's budget of counted updates is done, checks that fairseq's update counter agrees
 with it, and is saved in the checkpoint so a resumed run continues it exactly.
+
+Because the clock stops the run whenever fairseq's counter is not ``expected_updates()``, the
+counter *is* the clock's position: ``stage_position(num_updates, budget)`` turns it back into
+(stage, counted updates), which is how the LR scheduler, which fairseq only hands the counter,
+keys on the stream's stage (``optim/alma_stage_linear.py``).  The clock also keeps *which*
+attempts of a stage were skipped (``skipped_slots``): with partial replay an attempt's batches
+are fixed by its slot, so the replayed counted updates follow from them (``stream/replay.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ class StageClock:
     counted: int = 0
     skipped: int = 0
     skipped_by_stage: dict[int, int] = field(default_factory=dict)
+    skipped_slots: dict[int, list[int]] = field(default_factory=dict)  # 0-based attempt numbers
 
     @property
     def done(self) -> bool:
@@ -46,6 +54,7 @@ class StageClock:
         if num_updates == before + 1:
             self.counted += 1
         elif num_updates == before:
+            self.skipped_slots.setdefault(self.stage, []).append(self.counted + self.skipped)
             self.skipped += 1
             self.skipped_by_stage[self.stage] = self.skipped
         else:
@@ -66,6 +75,7 @@ class StageClock:
     def state_dict(self) -> dict[str, Any]:
         state = asdict(self)
         state["skipped_by_stage"] = {str(k): v for k, v in self.skipped_by_stage.items()}
+        state["skipped_slots"] = {str(k): list(v) for k, v in self.skipped_slots.items()}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -75,3 +85,14 @@ class StageClock:
         self.stage, self.counted, self.skipped = (int(state[k]) for k in ("stage", "counted",
                                                                            "skipped"))
         self.skipped_by_stage = {int(k): int(v) for k, v in state["skipped_by_stage"].items()}
+        # absent in checkpoints written before partial replay (no replay then: nothing to place)
+        self.skipped_slots = {int(k): [int(u) for u in v]
+                              for k, v in state.get("skipped_slots", {}).items()}
+
+
+def stage_position(num_updates: int, budget: int) -> tuple[int, int]:
+    """(stage, counted updates done in it) for the next update, given fairseq's counter after
+    ``num_updates`` counted updates: the inverse of ``StageClock.expected_updates``.  After a
+    stage's last update this is (next stage, 0): the next update is the next stage's first."""
+    stage, counted = divmod(num_updates, budget)
+    return stage + 1, counted

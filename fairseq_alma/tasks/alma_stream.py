@@ -3,8 +3,9 @@
 A thin adapter between fairseq's training loop and the stream core (``fairseq_alma/stream``):
 
 * a stage is fairseq's epoch: ``load_dataset("train", epoch=s)`` returns the mega-batches stage
-  s trains on (``StreamPlan``: the w new ones, or all seen with --replay), and its batch
-  iterator yields exactly the stage's update budget (``lm/budget.py``);
+  s trains on (``StreamPlan``: the w new ones, or all seen with --replay; with --replay-ratio
+  also the earlier ones its replayed updates draw from), and its batch iterator yields exactly
+  the stage's update budget (``lm/budget.py``, ``stream/replay.py``);
 * stage-start actions (growth, fresh initialisation, optimizer reset) run at the stage's first
   update (``train_step``);
 * fairseq asks for stage s+1's data right after saving the end of stage s: there the core's
@@ -35,11 +36,12 @@ from fairseq.tasks.language_modeling import LanguageModelingConfig, LanguageMode
 from omegaconf import II
 
 from ..errors import DataError, require
-from ..lm.budget import fixed_budget_batches, spare_updates
+from ..lm.budget import fixed_budget_batches, interleave_slots, spare_updates
 from ..lm.growth import parse_growth_plan
 from ..optim.alma_stage_linear import stage_budget
 from ..ranks import all_ranks_stop
 from ..stream.progress import StreamPlan
+from ..stream.replay import check_replay_budget, slot_pattern
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +50,10 @@ logger = logging.getLogger(__name__)
 class AlmaStreamConfig(LanguageModelingConfig):
     wait: int = field(default=1, metadata={"help": "waiting time w: mega-batches aggregated per stage (paper §3)"})
     replay: bool = field(default=False, metadata={"help": "train each stage on every mega-batch seen so far"})
+    replay_ratio: float = field(default=0.0, metadata={"help": (
+        "partial replay: round(r x stage updates) of every stage's updates train on batches drawn from the "
+        "mega-batches that arrived before the stage's new ones (stage 1: none); 0 <= r < 1; not with --replay "
+        "(fairseq_alma/stream/replay.py; TiC-LM's fixed-ratio replay)")})
     updates_per_stage: int = field(default=120000, metadata={"help": "updates per stage U (paper §5: 120,000)"})
     scale_updates_by_wait: bool = field(
         default=False, metadata={"help": "U x w updates per stage (the paper's 'w3 (3x steps)' settings)"}
@@ -101,8 +107,9 @@ class AlmaStreamTask(LanguageModelingTask):
         super().__init__(cfg, dictionary)
         self.cfg = cfg  # LanguageModelingTask is a legacy task: it only sets self.args
         self.manifest = manifest
-        self.plan = StreamPlan(int(manifest["num_megabatches"]), cfg.wait, cfg.replay)
+        self.plan = StreamPlan(int(manifest["num_megabatches"]), cfg.wait, cfg.replay, float(cfg.replay_ratio))
         self.budget = stage_budget(cfg.updates_per_stage, cfg.wait, cfg.scale_updates_by_wait)
+        check_replay_budget(self.plan.replay_ratio, self.budget)
         self.growth_plan = parse_growth_plan(cfg.grow_experts, cfg.grow_at_stages, self.plan.num_stages)
         self.model: Any = None
         self.stage_tokens: Dict[int, int] = {}
@@ -150,14 +157,18 @@ class AlmaStreamTask(LanguageModelingTask):
             self.training.stage_boundary(epoch - 1)
 
     def _stage_dataset(self, stage: int) -> Any:
-        """The mega-batches ``stage`` trains on (new ones, or all seen with --replay), concatenated."""
-        parts = []
-        for k in self.plan.stage(stage).train_megabatches:
-            name = f"megabatch{k}"
-            if name not in self.datasets:
-                super().load_dataset(name, epoch=1, combine=False)
-            parts.append(self.datasets[name])
+        """The mega-batches ``stage`` trains on (new ones, or all seen with --replay), concatenated;
+        with --replay-ratio the earlier ones its replayed updates draw from follow them, so the
+        new ones keep the indices they have without replay."""
+        info = self.plan.stage(stage)
+        parts = [self._megabatch(k) for k in info.train_megabatches + info.replay_megabatches]
         return parts[0] if len(parts) == 1 else ConcatDataset(parts)
+
+    def _megabatch(self, k: int) -> Any:
+        name = f"megabatch{k}"
+        if name not in self.datasets:
+            super().load_dataset(name, epoch=1, combine=False)
+        return self.datasets[name]
 
     def dataset_split(self, name: str) -> Any:
         """A fixed split (eval, valid), loaded once."""
@@ -191,15 +202,27 @@ class AlmaStreamTask(LanguageModelingTask):
                        multiple: int, seed: int, num_shards: int) -> List[np.ndarray]:
         """The stage's batch list: budget x update_freq x workers batches, then spares for the
         steps fairseq may skip (fp16 overflow); the stage ends after its budget of counted
-        updates (``stream/stage_clock.py``), wherever that falls in the list."""
-        needed = self.budget * self.cfg.update_freq[-1] * num_shards
+        updates (``stream/stage_clock.py``), wherever that falls in the list.  With
+        --replay-ratio the replay slots (``stream/replay.py``) take their batches from the
+        earlier mega-batches, which follow the new ones in ``dataset``."""
+        per_slot = self.cfg.update_freq[-1] * num_shards
+        needed = self.budget * per_slot
+        new_examples = sum(len(self._megabatch(k)) for k in self.plan.stage(stage).train_megabatches)
 
         def make_batches(order: np.ndarray) -> List[np.ndarray]:
             return list(data_utils.batch_by_size(order, dataset.num_tokens, max_tokens=max_tokens,
                                                  max_sentences=max_sentences, required_batch_size_multiple=multiple))
 
-        spare = spare_updates(self.budget) * self.cfg.update_freq[-1] * num_shards
-        batches = fixed_budget_batches(len(dataset), make_batches, needed + spare, seed, stage)
+        def new_batches(count: int) -> List[np.ndarray]:
+            return fixed_budget_batches(new_examples, make_batches, count, seed, stage)
+
+        def replay_batches(count: int) -> List[np.ndarray]:  # uniformly over every earlier example
+            return fixed_budget_batches(len(dataset) - new_examples, lambda order: make_batches(order + new_examples),
+                                        count, seed, stage, source=1)
+
+        slots = slot_pattern(self.budget + spare_updates(self.budget), self.budget,
+                             self.plan.replay_slots(stage, self.budget))
+        batches = interleave_slots(slots, per_slot, new_batches, replay_batches)
         # compute of the counted updates only: steps fairseq skips (fp16 overflow) do not count
         self.stage_tokens[stage] = int(sum(dataset.sizes[b].sum() for b in batches[:needed]))
         return batches

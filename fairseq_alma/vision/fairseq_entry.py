@@ -61,6 +61,19 @@ def _optimizer(dataset: str, name: str, lr: float) -> OptimizerSpec:
     return paper if lr == 0 else OptimizerSpec(name, float(lr), paper.momentum, paper.weight_decay)
 
 
+def refuse_lm_only_stream_flags(task_cfg: Any) -> None:
+    """Partial replay and LR meta-schedules are LM-stream features: a vision stage trains whole
+    epochs with best-validation selection (no update budget to take a replayed fraction of) and
+    its optimizer's LR never passes through fairseq's LR scheduler.  Refused, never ignored."""
+    ratio = task_cfg.get("replay_ratio") or 0.0
+    require(ratio == 0.0, f"--replay-ratio {ratio:g} is for language-model streams; a vision stream "
+            f"trains on its new mega-batches, or on everything seen with --replay")
+    schedule = given(task_cfg, "lr_scheduler", "stage_lr_schedule")
+    schedule = str(getattr(schedule, "value", schedule)) if schedule is not None else "restart"
+    require(schedule == "restart", f"--stage-lr-schedule {schedule} is for language-model streams; a "
+            f"vision stream's optimizer keeps App. B.1's settings (--vision-optimizer, --vision-lr)")
+
+
 def vision_run(task_cfg: Any, model_cfg: Any) -> VisionRun:
     """The ``VisionRun`` that fairseq-train's flags describe (one-line errors name the flag)."""
     dataset = model_cfg.vision_dataset
@@ -106,6 +119,7 @@ class VisionStreamEntry(FairseqTask):
         refuse_flags(self.cfg, "common", ("fp16", "bf16", "memory_efficient_fp16", "memory_efficient_bf16", "amp"),
                      "does not apply to vision streams (the learner has its own precision); use "
                      "--vision-amp fp16|bf16 instead")
+        refuse_lm_only_stream_flags(self.cfg)
         run = vision_run(self.cfg, cfg)
         torch.set_num_threads(int(cfg.vision_threads))
         error, run_dir = None, None
