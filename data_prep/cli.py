@@ -16,7 +16,7 @@ from fairseq_alma.errors import DataError
 from fairseq_alma.tables import format_table
 
 from .pipeline import PrepOptions, encode_shard, prepare, prepare_tokenizer
-from .split import parse_size
+from .split import ORDERS, parse_size
 
 DESCRIPTION = """\
 Prepare an ALMA language-modeling stream (paper §5) from raw text.
@@ -32,11 +32,13 @@ within one document of rest/B; documents keep corpus order inside a split); bina
 (the bytes fairseq's binarizer writes) with ONE dictionary (pieces seen in the training
 mega-batches, by frequency, plus the rest of the BPE vocabulary). Sizes count BPE tokens as
 fairseq stores them, one end-of-line token per line and one blank-line separator per document
-included.
+included. --order given cuts the mega-batches from the corpus in input order instead (period
+k+1 in mega-batch k); --eval-per-megabatch holds a slice of every mega-batch out as evalmb{k}.
 
 Output in --out: manifest.json, dict.txt, spm.model, spm.vocab, megabatch0..B-1.bin/.idx,
-eval.bin/.idx, valid.bin/.idx (fairseq mmap format); intermediate files under work/. Running
-the same command again reuses finished steps; changed flags redo only what depends on them.
+eval.bin/.idx, valid.bin/.idx (and evalmb0..B-1.bin/.idx with --eval-per-megabatch; fairseq
+mmap format); intermediate files under work/. Running the same command again reuses finished
+steps; changed flags redo only what depends on them.
 
 --bpe gpt2 encodes with GPT-2's byte-level BPE (the paper's) from your own encoder.json and
 vocab.bpe instead of training sentencepiece (no spm.* files): tokens are GPT-2 ids, as fairseq's
@@ -116,6 +118,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--valid-size", type=_size, default=d.valid_size,
                    help="validation set size, fraction or token count as --eval-size "
                    f"(default: {d.valid_size}; the paper held out ~0.5M words)")
+    p.add_argument("--order", choices=ORDERS, default=d.order,
+                   help="which documents form mega-batch k: 'shuffle' = a seeded random share "
+                   "of the corpus, as in the paper; 'given' = the corpus in input order (INPUTs "
+                   "as listed, directories in sorted order, e.g. files named by date), so that "
+                   "mega-batch k holds period k+1 of a stream that drifts -- valid and eval "
+                   "are still the seeded sample of the whole corpus that 'shuffle' holds out "
+                   f"(default: {d.order})")
+    p.add_argument("--eval-per-megabatch", type=_size, default=d.eval_per_megabatch,
+                   metavar="SIZE",
+                   help="also hold out SIZE of every mega-batch k (whole documents, seeded; a "
+                   "fraction of that mega-batch, 0.1, or a token count, 50k) as the split "
+                   "evalmb{k}, never trained on, which alma-score --matrix scores every stage "
+                   "on (default: none)")
     p.add_argument("--clean", action="store_true",
                    help="delete the intermediate files in DIR/work at the end (a later run "
                    "with other split flags then re-encodes the corpus)")
@@ -178,6 +193,11 @@ def _run(args: argparse.Namespace, command: str, argv: list[str]) -> None:
     if (valid.fraction or 0) + (eval_size.fraction or 0) >= 1:
         raise DataError(f"--valid-size {args.valid_size} and --eval-size {args.eval_size} "
                             "leave nothing for the training mega-batches; lower them")
+    if args.eval_per_megabatch is not None:
+        per = parse_size(args.eval_per_megabatch)
+        if per.fraction is None and per.tokens is None:
+            raise DataError("--eval-per-megabatch cannot be 'megabatch' (it is a slice of one); "
+                            "give a fraction of each mega-batch (0.1) or a token count (50k)")
     options = PrepOptions(**vars(args))
     if slurm is not None:
         from .slurm_jobs import submit_jobs

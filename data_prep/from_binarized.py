@@ -32,7 +32,9 @@ from .manifest import MANIFEST_NAME
 from .pipeline import (
     PIPELINE_VERSION,
     PrepOptions,
+    order_key,
     output_dir,
+    per_megabatch_size,
     remove_files,
     remove_stale_megabatches,
     stream_manifest,
@@ -227,25 +229,26 @@ def prepare_from_binarized(options: PrepOptions, command: str) -> dict:
         dict_source = os.path.join(data_bin, "dict.txt")
         dict_sha = sha256_file(dict_source)
         sources = _sources(prefixes)
-        names = split_names(o.num_megabatches)
+        names = split_names(o.num_megabatches, o.eval_per_megabatch is not None)
         runner = StepRunner(o.out, lambda: withdraw_manifest(o.out))
         dict_info = runner.ensure("dictionary", {"version": PIPELINE_VERSION, "dict": dict_sha},
                                   ["dict.txt"], lambda: _copy_dictionary(dict_source, o.out))
         key = {"version": PIPELINE_VERSION, "dict": dict_sha,
                "sources": [[s.path, s.bytes, s.mtime_ns] for s in sources], "seed": o.seed,
                "num_megabatches": o.num_megabatches, "eval_size": o.eval_size,
-               "valid_size": o.valid_size}
+               "valid_size": o.valid_size, **order_key(o.order, o.eval_per_megabatch)}
 
         def build() -> dict:
             docs = read_documents(prefixes, dictionary)
-            if len(docs.tokens) < o.num_megabatches + 2:
+            needed = (2 if o.eval_per_megabatch is not None else 1) * o.num_megabatches + 2
+            if len(docs.tokens) < needed:
                 raise DataError(
                     f"{data_bin}: the train split has {len(docs.tokens)} documents (empty lines "
                     f"separate them) but --num-megabatches {o.num_megabatches} needs at least "
-                    f"{o.num_megabatches + 2}; binarize text with blank lines between documents "
-                    "or lower it")
+                    f"{needed}; binarize text with blank lines between documents or lower it")
             labels, stats = assign_documents(docs.tokens, o.seed, o.num_megabatches,
-                                             parse_size(o.valid_size), parse_size(o.eval_size))
+                                             parse_size(o.valid_size), parse_size(o.eval_size),
+                                             o.order, per_megabatch_size(o.eval_per_megabatch))
             info = write_shards(prefixes, docs, labels, names, len(dictionary),
                                 dictionary.eos(), o.out)
             for name, split in info.items():

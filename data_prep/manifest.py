@@ -55,14 +55,18 @@ def data_identity(manifest: dict) -> dict:
     return identity
 
 
-def expected_splits(num_megabatches: int) -> list[str]:
-    return [*(f"megabatch{k}" for k in range(num_megabatches)), "eval", "valid"]
+def expected_splits(num_megabatches: int, per_megabatch_eval: bool = False) -> list[str]:
+    """Every split a stream must hold: with ``--eval-per-megabatch`` (the manifest's
+    ``eval_per_megabatch`` set) also the held-out ``evalmb{k}`` of every mega-batch."""
+    periods = [f"evalmb{k}" for k in range(num_megabatches)] if per_megabatch_eval else []
+    return [*(f"megabatch{k}" for k in range(num_megabatches)), *periods, "eval", "valid"]
 
 
 def verify_stream_dir(data_dir: str, hashes: bool = False) -> dict:
     """Return the manifest after checking the dictionary and every shard against it.
 
-    Always: ``dict.txt``'s sha256, and every mega-batch / eval / valid ``.bin``/``.idx`` present
+    Always: ``dict.txt``'s sha256, and every mega-batch / eval / valid (and per-mega-batch
+    ``evalmb{k}``, where the manifest records ``eval_per_megabatch``) ``.bin``/``.idx`` present
     with its recorded size (cheap: catches a missing, truncated or swapped file).  With
     ``hashes``, also every shard's sha256 (reads all of them: catches a flipped byte); manifests
     written before shards had checksums are checked for sizes only.  Raises ``DataError``
@@ -76,7 +80,8 @@ def verify_stream_dir(data_dir: str, hashes: bool = False) -> dict:
     if sha256_file(dict_path) != dictionary.get("sha256"):
         raise DataError(f"{dict_path}: sha256 differs from {manifest_path}; the shards "
                         "were binarized with another dictionary -- re-run alma-data-prep")
-    for name in expected_splits(int(manifest["num_megabatches"])):
+    per_megabatch_eval = manifest.get("eval_per_megabatch") is not None
+    for name in expected_splits(int(manifest["num_megabatches"]), per_megabatch_eval):
         split = manifest["splits"].get(name)
         if split is None:
             raise DataError(f"{manifest_path}: no entry for split {name!r}")

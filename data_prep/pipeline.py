@@ -48,9 +48,12 @@ from .fileio import (
 from .gpt2_bpe import Gpt2Lines, check_gpt2_files, gpt2_vocabulary
 from .manifest import MANIFEST_FORMAT, MANIFEST_NAME
 from .split import (
+    ORDERS,
+    PERIOD_PREFIX,
     assign_documents,
     check_document_count,
     count_training_pieces,
+    SizeSpec,
     parse_size,
     split_names,
 )
@@ -84,6 +87,8 @@ class PrepOptions:
     num_shards: int = 1
     shard_index: int | None = None
     prepare_only: bool = False
+    order: str = ORDERS[0]
+    eval_per_megabatch: str | None = None
 
 
 class Pipeline:
@@ -92,7 +97,8 @@ class Pipeline:
         self.work = os.path.join(options.out, "work")
         self.runner = StepRunner(options.out, lambda: withdraw_manifest(options.out))
         self.sources = discover_sources(options.inputs)
-        self.names = split_names(options.num_megabatches)
+        self.names = split_names(options.num_megabatches,
+                                 options.eval_per_megabatch is not None)
         # Checked before any step runs: a bad GPT-2 file must not cost an extraction first.
         self.gpt2 = check_gpt2_files(options.gpt2_encoder_json, options.gpt2_vocab_bpe) \
             if options.bpe == "gpt2" else None
@@ -110,7 +116,8 @@ class Pipeline:
     def sentencepiece(self) -> dict:
         o = self.o
         # Before the costly steps; checked again on the encoded documents.
-        check_document_count(self.extract()["documents"], o.num_megabatches)
+        check_document_count(self.extract()["documents"], o.num_megabatches,
+                             o.eval_per_megabatch is not None)
         key = {"version": PIPELINE_VERSION, "docs": self.extract()["sha256"],
                "vocab_size": o.vocab_size, "sample_sentences": o.spm_sample_sentences,
                "threads": o.spm_threads, "byte_fallback": o.byte_fallback,
@@ -126,7 +133,8 @@ class Pipeline:
         if self.gpt2 is None:
             tokenizer = {"spm": self.sentencepiece()["sha256"]}
         else:
-            check_document_count(self.extract()["documents"], self.o.num_megabatches)
+            check_document_count(self.extract()["documents"], self.o.num_megabatches,
+                                 self.o.eval_per_megabatch is not None)
             tokenizer = {"gpt2": [self.gpt2["encoder_json_sha256"],
                                   self.gpt2["vocab_bpe_sha256"]]}
         return {"version": PIPELINE_VERSION, "docs": self.extract()["sha256"], **tokenizer,
@@ -190,7 +198,8 @@ class Pipeline:
     def _split_key(self) -> dict:
         o = self.o
         return {**self._encode_key(), "seed": o.seed, "num_megabatches": o.num_megabatches,
-                "eval_size": o.eval_size, "valid_size": o.valid_size}
+                "eval_size": o.eval_size, "valid_size": o.valid_size,
+                **order_key(o.order, o.eval_per_megabatch)}
 
     def split(self, need_outputs: bool = False) -> dict:
         def build() -> dict:
@@ -198,7 +207,8 @@ class Pipeline:
             encoded = Encoded.open(self.path(ENCODED))
             labels, stats = assign_documents(
                 encoded.tokens, self.o.seed, self.o.num_megabatches,
-                parse_size(self.o.valid_size), parse_size(self.o.eval_size))
+                parse_size(self.o.valid_size), parse_size(self.o.eval_size), self.o.order,
+                per_megabatch_size(self.o.eval_per_megabatch))
             with atomic_output(self.path(LABELS), "wb") as f:
                 labels.tofile(f)
             count_training_pieces(encoded, labels, self.names, self.symbols(),
@@ -233,6 +243,22 @@ class Pipeline:
             return info
         outputs = [f"{name}.{ext}" for name in self.names for ext in ("bin", "idx")]
         return self.runner.ensure("binarize", key, outputs, build)
+
+
+def order_key(order: str, eval_per_megabatch: str | None) -> dict:
+    """The split key's entries for ``--order`` and ``--eval-per-megabatch``: present only when
+    they differ from the defaults, so streams prepared before these flags existed keep their
+    stamps (a re-run reuses them) while any other value redoes the split and what follows."""
+    key: dict = {}
+    if order != ORDERS[0]:
+        key["order"] = order
+    if eval_per_megabatch is not None:
+        key["eval_per_megabatch"] = eval_per_megabatch
+    return key
+
+
+def per_megabatch_size(eval_per_megabatch: str | None) -> SizeSpec | None:
+    return None if eval_per_megabatch is None else parse_size(eval_per_megabatch)
 
 
 def shard_ranges(docs_path: str, num_shards: int) -> list[tuple[int, int]]:
@@ -282,10 +308,13 @@ def output_dir(out_dir: str, inputs: list[str]) -> Iterator[None]:
 
 
 def remove_stale_megabatches(out_dir: str, names: list[str]) -> None:
-    """Shards of a previous run with a larger B would look like part of this stream."""
+    """Shards of a previous run with a larger B (or with --eval-per-megabatch when this one
+    has none) would look like part of this stream."""
     keep = set(names)
-    for path in (glob.glob(os.path.join(out_dir, "megabatch*.*"))
-                 + glob.glob(os.path.join(out_dir, "work", "megabatch*"))):
+    stale = [pattern for prefix in ("megabatch", PERIOD_PREFIX)
+             for pattern in (os.path.join(out_dir, f"{prefix}*.*"),
+                             os.path.join(out_dir, "work", f"{prefix}*"))]
+    for path in (path for pattern in stale for path in glob.glob(pattern)):
         if os.path.basename(path).split(".")[0] not in keep:
             os.remove(path)
 
@@ -371,7 +400,8 @@ def stream_manifest(options: PrepOptions, splits: dict, dict_info: dict, tokeniz
     o = options
     return {
         "format": MANIFEST_FORMAT, "kind": "lm",
-        "num_megabatches": o.num_megabatches, "seed": o.seed,
+        "num_megabatches": o.num_megabatches, "seed": o.seed, "order": o.order,
+        "eval_per_megabatch": o.eval_per_megabatch,
         "splits": {name: {"tokens": info["tokens"], "documents": info["documents"],
                           "lines": info["lines"], "unk_tokens": info["unk_tokens"],
                           **_shard_facts(o.out, name, info)}

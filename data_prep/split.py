@@ -9,6 +9,19 @@ counts are as equal as document boundaries allow (each cut is the document bound
 its ideal position, so every part is within one document of total/B). Inside a split, documents
 keep their corpus order: membership is random, and the training task shuffles batches anyway,
 which lets every split be written in one sequential pass over any corpus size.
+
+``--order given`` (a stream that drifts: mega-batch i must hold period i) keeps the corpus
+order for the training mega-batches. Validation and evaluation are still the documents the
+seeded shuffle carves first -- exactly those ``shuffle`` holds out with the same seed -- so they
+are a uniform sample of the whole time span: neither leaks one period's future into another
+nor takes its tokens out of one period only. The remaining documents, in corpus order, are cut
+into B contiguous parts of equal token count (the same nearest-boundary rule).
+
+``--eval-per-megabatch SIZE`` then holds out, from every mega-batch k, whole documents drawn
+with their own seeded generator (``[seed, k]``) up to SIZE tokens (a fraction of that
+mega-batch or a token count) as the split ``evalmb{k}``: the held-out text of period k+1 that
+``alma-score --matrix`` scores every stage on. They are not trained on, and the dictionary's
+counts (``count_training_pieces``) never see them.
 """
 
 from __future__ import annotations
@@ -28,6 +41,8 @@ from .progress import Progress
 _SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgKMG]?)\s*$")
 SAME_AS_MEGABATCH = "megabatch"
+ORDERS = ("shuffle", "given")  # --order: the first is the default
+PERIOD_PREFIX = "evalmb"  # --eval-per-megabatch: evalmb{k} is held out of megabatch{k}
 
 
 @dataclass(frozen=True)
@@ -63,18 +78,28 @@ def parse_size(text: str) -> SizeSpec:
     return SizeSpec(tokens=int(tokens))
 
 
-def split_names(num_megabatches: int) -> list[str]:
-    """Split names in carving order (also the shard file names)."""
-    return ["valid", "eval", *(f"megabatch{k}" for k in range(num_megabatches))]
+def split_names(num_megabatches: int, per_megabatch_eval: bool = False) -> list[str]:
+    """Split names in carving order (also the shard file names); with
+    ``per_megabatch_eval`` the held-out ``evalmb{k}`` follow the mega-batches (appended, so
+    the indices of the others, which the labels store, do not move)."""
+    names = ["valid", "eval", *(f"megabatch{k}" for k in range(num_megabatches))]
+    if per_megabatch_eval:
+        names += [f"{PERIOD_PREFIX}{k}" for k in range(num_megabatches)]
+    return names
 
 
-def check_document_count(documents: int, num_megabatches: int) -> None:
-    """Every split needs a document: B mega-batches, eval and valid."""
-    if documents < num_megabatches + 2:
+def check_document_count(documents: int, num_megabatches: int,
+                         per_megabatch_eval: bool = False) -> None:
+    """Every split needs a document: B mega-batches, eval and valid (and with
+    ``--eval-per-megabatch`` a held-out document per mega-batch)."""
+    per_part = 2 if per_megabatch_eval else 1
+    needed = per_part * num_megabatches + 2
+    if documents < needed:
+        what = ("two per mega-batch (one held out by --eval-per-megabatch)" if per_megabatch_eval
+                else "one per mega-batch")
         raise DataError(
             f"the corpus has {documents} documents but --num-megabatches {num_megabatches} "
-            f"needs at least {num_megabatches + 2} (one per mega-batch, plus eval and valid); "
-            "add text or lower it")
+            f"needs at least {needed} ({what}, plus eval and valid); add text or lower it")
 
 
 def _nearest_cut(cum: np.ndarray, target: float, lo: int, hi: int) -> int:
@@ -106,25 +131,67 @@ def carve(tokens: np.ndarray, num_megabatches: int, valid: SizeSpec,
     if eval_target is None:  # paper §5: the evaluation mega-batch is as large as a training one
         eval_target = (total - int(cum[cuts[1]])) / (parts + 1)
     cuts.append(_nearest_cut(cum, int(cum[cuts[1]]) + eval_target, cuts[1] + 1, n - parts))
-    start = int(cum[cuts[2]])
+    return cuts + equal_parts(cum, cuts[2], parts)
+
+
+def equal_parts(cum: np.ndarray, first: int, parts: int) -> list[int]:
+    """The cuts after ``first`` that divide documents ``first..n`` (``cum``: cumulative tokens
+    of the whole sequence) into ``parts`` of nearly equal tokens: ``parts - 1`` inner cuts, then
+    ``n``. Each part gets at least one document (the caller checked there are enough)."""
+    n = len(cum) - 1
+    start, total = int(cum[first]), int(cum[-1])
+    cuts = [first]
     for k in range(1, parts):
         cuts.append(_nearest_cut(cum, start + k * (total - start) / parts, cuts[-1] + 1,
                                  n - parts + k))
-    cuts.append(n)
-    return cuts
+    return cuts[1:] + [n]
+
+
+def hold_out(tokens: np.ndarray, size: SizeSpec, name: str) -> int:
+    """How many of the (already shuffled) documents ``tokens`` of mega-batch ``name`` to hold
+    out for ``--eval-per-megabatch``: the document boundary nearest to the target, at least
+    one document held out and one kept."""
+    cum = np.concatenate([[0], np.cumsum(tokens, dtype=np.int64)])
+    total = int(cum[-1])
+    target = size.target(total)
+    assert target is not None, "--eval-per-megabatch cannot be 'megabatch'"
+    if len(tokens) < 2 or target >= total:
+        raise DataError(
+            f"--eval-per-megabatch ({target:,} tokens) leaves nothing of {name} ({total:,} "
+            f"tokens, {len(tokens)} documents) to train on; lower it or add text")
+    return _nearest_cut(cum, target, 1, len(tokens) - 1)
 
 
 def assign_documents(tokens: np.ndarray, seed: int, num_megabatches: int, valid: SizeSpec,
-                     eval_size: SizeSpec) -> tuple[np.ndarray, dict[str, dict]]:
-    """Shuffle with a local seeded generator and carve; return each document's split index
-    (into ``split_names``) and per-split document and token counts."""
-    order = np.random.default_rng(seed).permutation(len(tokens))
-    cuts = carve(tokens[order], num_megabatches, valid, eval_size)
-    labels = np.empty(len(tokens), dtype=np.int32)
+                     eval_size: SizeSpec, order: str = ORDERS[0],
+                     per_megabatch: SizeSpec | None = None) -> tuple[np.ndarray, dict[str, dict]]:
+    """Shuffle with a local seeded generator and carve (module doc: ``order`` and
+    ``per_megabatch``); return each document's split index (into ``split_names``) and
+    per-split document and token counts."""
+    if order not in ORDERS:
+        raise ValueError(f"order {order!r}: expected one of {ORDERS}")
+    check_document_count(len(tokens), num_megabatches, per_megabatch is not None)
+    sequence = np.random.default_rng(seed).permutation(len(tokens))
+    cuts = carve(tokens[sequence], num_megabatches, valid, eval_size)
+    if order == "given":  # held-out as shuffled; the training documents back in corpus order
+        sequence = np.concatenate([sequence[:cuts[2]], np.sort(sequence[cuts[2]:])])
+        cum = np.concatenate([[0], np.cumsum(tokens[sequence], dtype=np.int64)])
+        cuts = cuts[:3] + equal_parts(cum, cuts[2], num_megabatches)
+    names = split_names(num_megabatches, per_megabatch is not None)
+    members = {name: sequence[lo:hi] for name, lo, hi in zip(names, cuts, cuts[1:])}
+    if per_megabatch is not None:
+        for k in range(num_megabatches):
+            part = members[f"megabatch{k}"]
+            drawn = part[np.random.default_rng([seed, k]).permutation(len(part))]
+            held = hold_out(tokens[drawn], per_megabatch, f"megabatch{k}")
+            members[f"{PERIOD_PREFIX}{k}"] = np.sort(drawn[:held])
+            members[f"megabatch{k}"] = np.sort(drawn[held:])
+    labels = np.full(len(tokens), -1, dtype=np.int32)
     stats = {}
-    for index, (name, lo, hi) in enumerate(zip(split_names(num_megabatches), cuts, cuts[1:])):
-        labels[order[lo:hi]] = index
-        stats[name] = {"documents": hi - lo, "tokens": int(tokens[order[lo:hi]].sum())}
+    for index, name in enumerate(names):
+        labels[members[name]] = index
+        stats[name] = {"documents": len(members[name]), "tokens": int(tokens[members[name]].sum())}
+    assert labels.min() >= 0, "every document belongs to exactly one split"
     return labels, stats
 
 

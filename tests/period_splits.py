@@ -1,13 +1,13 @@
 """A stand-in for ``alma-data-prep --eval-per-megabatch SIZE`` on a prepared tiny stream.
 
-Why a test helper: the flag is being written in data_prep/ at the same time; until it lands,
-``alma-score --matrix`` is tested on a stream directory with the layout it promises.  For every
-mega-batch k the last ``documents`` documents of ``megabatch{k}`` move to a new split
+Why a test helper: it was written before the flag, and it keeps tests/test_eval_matrix.py's
+trainings on the stream they were checked on (the real flag's output is checked against what
+``alma-score --matrix`` and the alma_stream task need in tests/test_data_prep_periods.py).
+For every mega-batch k the last ``documents`` documents of ``megabatch{k}`` move to a new split
 ``evalmb{k}`` (held out: the mega-batch keeps the rest), both are rewritten with fairseq's own
 ``MMapIndexedDatasetBuilder``, and ``manifest.json`` lists ``evalmb{k}`` like the other splits
 (tokens, lines, documents, sizes and sha256 of .bin/.idx), the mega-batches' entries updated,
 and ``eval_per_megabatch`` set; ``verify_stream_dir(hashes=True)`` must pass afterwards.
-Replace it with the real flag once data_prep has it.
 """
 
 from __future__ import annotations

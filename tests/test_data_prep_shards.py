@@ -18,6 +18,7 @@ from slurm_cluster import slurm  # noqa: F401  (module-scoped cluster fixture)
 from data_prep.slurm_jobs import strip_slurm_flags
 
 ARGS = ["--vocab-size", "300", "--valid-size", "0.1", "--seed", "2", "-B", "3"]
+PERIODS = ["--order", "given", "--eval-per-megabatch", "0.2"]  # 3 more splits: evalmb0..2
 EXCLUDED = {"step_seconds", "created", "command"}  # how and when it ran
 EXCLUDED_OPTIONS = {"num_shards", "workers", "out"}  # flags that change speed, not bytes
 
@@ -42,11 +43,18 @@ def corpus(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def single(corpus, tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("single") / "out")
-    result = run_prep(corpus, "--out", out, *ARGS)
-    assert result.returncode == 0, result.stderr
-    return out
+def singles(corpus, tmp_path_factory):
+    """The single-process stream of ARGS, and of ARGS + each extra flag set, made on demand."""
+    made: dict[tuple[str, ...], str] = {}
+
+    def get(*extra: str) -> str:
+        if extra not in made:
+            out = str(tmp_path_factory.mktemp("single") / "out")
+            result = run_prep(corpus, "--out", out, *ARGS, *extra)
+            assert result.returncode == 0, result.stderr
+            made[extra] = out
+        return made[extra]
+    return get
 
 
 def outputs(out: str) -> dict[str, bytes]:
@@ -65,9 +73,9 @@ def comparable_manifest(out: str) -> dict:
     return manifest
 
 
-def assert_same_stream(out: str, reference: str) -> None:
+def assert_same_stream(out: str, reference: str, splits: int = 5) -> None:
     assert outputs(out) == outputs(reference)
-    assert len(outputs(out)) == 2 * 5 + 3  # 5 splits, dict.txt, spm.model, spm.vocab
+    assert len(outputs(out)) == 2 * splits + 3  # the splits, dict.txt, spm.model, spm.vocab
     assert comparable_manifest(out) == comparable_manifest(reference)
 
 
@@ -80,9 +88,10 @@ def _one_line_error(result: subprocess.CompletedProcess, *named: str) -> None:
         assert text in lines[-1], lines[-1]
 
 
-def test_shards_run_by_hand_give_the_single_runs_bytes(corpus, single, tmp_path):
+@pytest.mark.parametrize("extra, splits", [((), 5), (tuple(PERIODS), 8)])
+def test_shards_run_by_hand_give_the_single_runs_bytes(corpus, singles, tmp_path, extra, splits):
     out = str(tmp_path / "sharded")
-    shard = [corpus, "--out", out, *ARGS, "--num-shards", "3"]
+    shard = [corpus, "--out", out, *ARGS, *extra, "--num-shards", "3"]
     prepared = run_prep(*shard, "--prepare-only")
     assert prepared.returncode == 0, prepared.stderr
     assert "encode" not in prepared.stderr  # extraction and tokenizer only
@@ -97,9 +106,9 @@ def test_shards_run_by_hand_give_the_single_runs_bytes(corpus, single, tmp_path)
     for index, state in (("0", "up to date, reused"), ("1", "building"),
                          ("2", "up to date, reused")):
         assert f"encode-shard-{index}-of-3: {state}" in merged.stderr
-    assert_same_stream(out, single)
+    assert_same_stream(out, singles(*extra), splits)
     # The merged stream is an ordinary one: the same command without shards reuses it all.
-    plain = run_prep(corpus, "--out", out, *ARGS)
+    plain = run_prep(corpus, "--out", out, *ARGS, *extra)
     assert plain.returncode == 0 and "building" not in plain.stderr, plain.stderr
 
 
@@ -155,9 +164,11 @@ def test_strip_slurm_flags_removes_them_however_given(argv, kept):
 
 
 @pytest.mark.slurm
-def test_slurm_shards_give_the_single_runs_bytes(slurm, corpus, single, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("extra, splits", [((), 5), (tuple(PERIODS), 8)])
+def test_slurm_shards_give_the_single_runs_bytes(slurm, corpus, singles, tmp_path,  # noqa: F811
+                                                  extra, splits):
     out = tmp_path / "slurm_out"
-    result = run_prep(corpus, "--out", str(out), *ARGS, "--slurm-shards", "3",
+    result = run_prep(corpus, "--out", str(out), *ARGS, *extra, "--slurm-shards", "3",
                       env=slurm.env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("submitted: prepare job ")
@@ -172,5 +183,5 @@ def test_slurm_shards_give_the_single_runs_bytes(slurm, corpus, single, tmp_path
         assert "building" in logs[name] and "encoded" in logs[name], logs[name]
     merge = next(text for name, text in logs.items() if name.startswith("merge-"))
     assert "encode-shard-" in merge and "encode-shard-0-of-3: building" not in merge, merge
-    assert_same_stream(str(out), single)
+    assert_same_stream(str(out), singles(*extra), splits)
 

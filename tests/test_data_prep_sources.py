@@ -224,6 +224,27 @@ def test_from_binarized_gives_the_text_paths_shards(gpt2_stream, encoded_text, t
     assert again.returncode == 0 and "building" not in again.stderr, again.stderr
 
 
+def test_from_binarized_periods_give_the_text_paths_shards(corpus, gpt2_files, encoded_text,
+                                                          tmp_path):
+    """--order given and --eval-per-megabatch cut a data-bin as they cut the text."""
+    periods = ["--order", "given", "--eval-per-megabatch", "0.2", "-B", "3"]
+    text_out = str(tmp_path / "text")
+    result = run_prep(corpus, "--out", text_out, "--bpe", "gpt2", "--gpt2-encoder-json",
+                      gpt2_files[0], "--gpt2-vocab-bpe", gpt2_files[1], *SPLIT_FLAGS, *periods)
+    assert result.returncode == 0, result.stderr
+    data_bin = str(tmp_path / "bin")
+    fairseq_preprocess(encoded_text, data_bin, "--srcdict", os.path.join(text_out, "dict.txt"))
+    out = str(tmp_path / "cut")
+    result = run_prep("--from-binarized", data_bin, "--out", out, *SPLIT_FLAGS, *periods)
+    assert result.returncode == 0, result.stderr
+    manifest, text_manifest = _load(out), _load(text_out)
+    assert [name for name in manifest["splits"] if name.startswith("evalmb")] == \
+        ["evalmb0", "evalmb1", "evalmb2"]
+    assert manifest["splits"] == text_manifest["splits"]  # sizes, counts and sha256 of shards
+    assert (manifest["order"], manifest["eval_per_megabatch"]) == ("given", "0.2")
+    assert verify_stream_dir(out, hashes=True) == manifest
+
+
 def _split_documents(out: str, name: str) -> list[tuple[str, ...]]:
     """A split's documents as tuples of lines of symbols (dictionary-independent)."""
     from fairseq.data import Dictionary, data_utils

@@ -12,7 +12,7 @@ import pytest
 
 from data_prep.corpus import discover_sources, iter_documents
 from data_prep.demo_corpus import build_demo_corpus, documents_of_file
-from data_prep.split import SizeSpec, assign_documents, carve, parse_size
+from data_prep.split import SizeSpec, assign_documents, carve, parse_size, split_names
 from data_prep.steps import StepRunner
 from fairseq_alma.errors import DataError
 
@@ -85,6 +85,65 @@ def test_assign_documents_uses_a_local_seeded_generator():
     for index, name in enumerate(["valid", "eval", "megabatch0", "megabatch1", "megabatch2"]):
         assert stats[name]["documents"] == int((labels == index).sum())
         assert stats[name]["tokens"] == int(tokens[labels == index].sum())
+
+
+def _members(labels: np.ndarray, names: list[str]) -> dict[str, set[int]]:
+    return {name: set(np.flatnonzero(labels == index).tolist()) for index, name in enumerate(names)}
+
+
+def test_given_order_cuts_the_training_documents_in_corpus_order():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(2, 30, size=90)
+    valid, eval_size = SizeSpec(fraction=0.1), SizeSpec(tokens=200)
+    shuffled, _ = assign_documents(tokens, 5, 4, valid, eval_size)
+    given, stats = assign_documents(tokens, 5, 4, valid, eval_size, "given")
+    names = split_names(4)
+    # valid and eval: the very documents the shuffle holds out with this seed
+    for index in (0, 1):
+        assert np.array_equal(given == index, shuffled == index)
+    train = given[given >= 2]  # the training documents' mega-batches, in corpus order
+    assert np.all(np.diff(train) >= 0) and sorted(set(train.tolist())) == [2, 3, 4, 5]
+    counts = [stats[name]["tokens"] for name in names[2:]]
+    assert max(counts) - min(counts) <= 2 * tokens.max()  # equal within a document each side
+    assert not np.array_equal(given, shuffled)
+
+
+@pytest.mark.parametrize("order", ["shuffle", "given"])
+def test_eval_per_megabatch_holds_out_a_seeded_slice_of_each_megabatch(order):
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(2, 20, size=120)
+    args = (tokens, 3, 3, SizeSpec(fraction=0.05), SizeSpec(fraction=0.1))
+    plain, _ = assign_documents(*args, order)
+    labels, stats = assign_documents(*args, order, SizeSpec(fraction=0.25))
+    names = split_names(3, True)
+    assert names[-3:] == ["evalmb0", "evalmb1", "evalmb2"]
+    before, after = _members(plain, split_names(3)), _members(labels, names)
+    for name in ("valid", "eval"):
+        assert before[name] == after[name]
+    for k in range(3):
+        train, held = after[f"megabatch{k}"], after[f"evalmb{k}"]
+        assert train | held == before[f"megabatch{k}"] and not train & held and held
+        period = stats[f"megabatch{k}"]["tokens"] + stats[f"evalmb{k}"]["tokens"]
+        assert abs(stats[f"evalmb{k}"]["tokens"] - 0.25 * period) <= tokens.max() / 2
+        assert stats[f"evalmb{k}"]["tokens"] == int(tokens[sorted(held)].sum())
+    again, _ = assign_documents(*args, order, SizeSpec(fraction=0.25))
+    other, _ = assign_documents(tokens, 4, 3, SizeSpec(fraction=0.05), SizeSpec(fraction=0.1),
+                                order, SizeSpec(fraction=0.25))
+    assert np.array_equal(labels, again) and not np.array_equal(labels, other)
+    counted, _ = assign_documents(*args, order, SizeSpec(tokens=60))
+    for k in range(3):
+        held = tokens[counted == names.index(f"evalmb{k}")].sum()
+        assert abs(int(held) - 60) <= tokens.max() / 2
+
+
+def test_eval_per_megabatch_refuses_to_empty_a_megabatch():
+    tokens = np.full(12, 10)
+    with pytest.raises(DataError, match="--eval-per-megabatch .*megabatch"):
+        assign_documents(tokens, 1, 2, SizeSpec(tokens=10), SizeSpec(tokens=10), "shuffle",
+                         SizeSpec(tokens=10_000))
+    with pytest.raises(DataError, match="needs at least 6 .*--eval-per-megabatch"):
+        assign_documents(np.full(5, 10), 1, 2, SizeSpec(tokens=10), SizeSpec(tokens=10),
+                         "given", SizeSpec(fraction=0.5))
 
 
 def test_documents_are_blank_line_separated_blocks_with_whitespace_collapsed():
