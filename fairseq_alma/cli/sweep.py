@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import getpass
 import json
+import os
 import re
 import shlex
 import shutil
