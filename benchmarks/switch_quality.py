@@ -45,6 +45,17 @@ PROTOCOL (fixed before any result was looked at; changing it means a new protoco
 6. Extra rows (anything beyond the paper's defaults, named in ``flags``): switch at capacity
    factor 1.0 with ``--moe-batch-prioritized-routing`` (Switch §B: the most confident tokens
    keep their slot), at the learning rate chosen for switch cf 1.0, seeds 1-3.
+   (Amended a third time, after the main rows' finals and before any extra row ran: the
+   investigation list of what may hold Switch back has five candidates and the compute left
+   does not cover 3 seeds of each, so extra rows are screened first. Candidates, each alone on
+   top of switch cf 1.0 at its chosen rate: batch-prioritised routing; router jitter
+   ``--moe-jitter-eps 0.01`` (Switch's value); ``--moe-router-init-scale 0.1`` (Switch §2.6's
+   10x smaller initialisation, applied to the router); balance-loss weight 0.1 and 0.001 (10x
+   either side of the default 0.01). Each runs seed 1; a candidate whose seed-1 VALIDATION
+   perplexity is below switch cf 1.0's seed-1 validation perplexity at the same rate helps and
+   runs seeds 2 and 3, becoming a final row reported like the others; the rest are reported
+   under ``screening`` with their validation numbers and are not rows. The evaluation split is
+   not looked at for this decision either.)
 7. Reported: evaluation-split perplexity of the last checkpoint (``fairseq-eval-lm``), mean and
    sample standard deviation over seeds; the training drop rate (``dropped_pct``: % of tokens
    that found their expert full, averaged over the whole run).
@@ -92,8 +103,12 @@ ROWS = {  # row name -> (model, capacity factor, extra flags)
     "switch_cf1.0": ("switch", 1.0, ()),
     "switch_cf1.25": ("switch", 1.25, ()),
 }
-EXTRA_ROWS = {  # row name -> (model, cf, flags, row whose chosen LR it uses)
+EXTRA_ROWS = {  # row name -> (model, cf, flags, row whose chosen LR it uses); protocol 6
     "switch_cf1.0_bpr": ("switch", 1.0, ("--moe-batch-prioritized-routing",), "switch_cf1.0"),
+    "switch_cf1.0_jitter0.01": ("switch", 1.0, ("--moe-jitter-eps", "0.01"), "switch_cf1.0"),
+    "switch_cf1.0_router0.1": ("switch", 1.0, ("--moe-router-init-scale", "0.1"), "switch_cf1.0"),
+    "switch_cf1.0_balance0.1": ("switch", 1.0, ("--moe-balance-loss-weight", "0.1"), "switch_cf1.0"),
+    "switch_cf1.0_balance0.001": ("switch", 1.0, ("--moe-balance-loss-weight", "0.001"), "switch_cf1.0"),
 }
 
 
@@ -256,6 +271,26 @@ def specs_for(row: str, model: str, cf: float, flags: tuple[str, ...], lrs, seed
     return [RunSpec(row, model, cf, flags, lr, seed, updates) for lr in lrs for seed in seeds]
 
 
+def extra_specs(chosen: dict[str, float], seeds, updates: int) -> list[RunSpec]:
+    return [s for row, (m, cf, fl, lr_of) in EXTRA_ROWS.items()
+            for s in specs_for(row, m, cf, fl, (chosen[lr_of],), seeds, updates)]
+
+
+def screen(seed1: list[dict], done: list[dict]) -> tuple[list[str], list[dict]]:
+    """Protocol 6 (amendment 3): the extra rows whose seed-1 validation ppl beats their base row's
+    seed-1 run at the same rate, and one record per screened candidate (validation only)."""
+    passing, records = [], []
+    for r in seed1:
+        base_row = EXTRA_ROWS[r["row"]][3]
+        base = next(b for b in done if b["row"] == base_row and b["seed"] == 1 and b["lr"] == r["lr"])
+        helps = r["valid_ppl"] < base["valid_ppl"]
+        passing += [r["row"]] if helps else []
+        records.append({"row": r["row"], "flags": r["flags"], "lr": r["lr"], "seed": 1,
+                        "valid_ppl": r["valid_ppl"], "base_valid_ppl": base["valid_ppl"],
+                        "dropped_pct": r["dropped_pct"], "helps": helps})
+    return passing, records
+
+
 def prepare_data(work: Path) -> Path:
     """Corpus (``switch_quality_corpus.py``) and stream (``alma-data-prep``); both reuse finished steps."""
     corpus, data = work / "corpus", work / "data"
@@ -367,16 +402,24 @@ def main() -> None:
         chosen = {row: choose_lr(sweep[row]) for row in ROWS}
         print("chosen learning rates: " + ", ".join(f"{k} {v:g}" for k, v in chosen.items()), flush=True)
         finals = [s for row, (m, cf, fl) in ROWS.items() for s in specs_for(row, m, cf, fl, (chosen[row],), SEEDS, args.updates)]
-        finals += [s for row, (m, cf, fl, lr_of) in EXTRA_ROWS.items()
-                   for s in specs_for(row, m, cf, fl, (chosen[lr_of],), SEEDS, args.updates)]
-        print(f"seeds and extra rows: {len(finals)} runs", flush=True)
+        print(f"seeds: {len(finals)} runs", flush=True)
         final_results = run_all(finals, data, args.work, args.jobs)
+        chosen.update({row: chosen[lr_of] for row, (*_, lr_of) in EXTRA_ROWS.items()})
+        print(f"screening extra rows: {len(EXTRA_ROWS)} runs", flush=True)
+        seed1 = run_all(extra_specs(chosen, (1,), args.updates), data, args.work, args.jobs)
+        passing, screening = screen(seed1, [r for rs in sweep.values() for r in rs])
+        print("extra rows that help on validation: " + (", ".join(passing) or "none"), flush=True)
+        more = [s for s in extra_specs(chosen, SEEDS[1:], args.updates) if s.row in passing]
+        final_results += [r for r in seed1 if r["row"] in passing] + run_all(more, data, args.work, args.jobs)
     else:
         done = [json.loads(p.read_text()) for p in sorted((args.work / "runs").glob("*/result.json"))]
         sweep = {row: [r for r in done if r["row"] == row and r["seed"] == 1] for row in ROWS}
         chosen = {row: choose_lr(sweep[row]) for row in ROWS}
         chosen.update({row: chosen[lr_of] for row, (*_, lr_of) in EXTRA_ROWS.items()})
-        final_results = [r for r in done if r["lr"] == chosen.get(r["row"])]
+        seed1 = [r for r in done if r["row"] in EXTRA_ROWS and r["seed"] == 1 and r["lr"] == chosen[r["row"]]]
+        passing, screening = screen(seed1, done)
+        final_results = [r for r in done if r["lr"] == chosen.get(r["row"])
+                         and (r["row"] not in EXTRA_ROWS or r["row"] in passing)]
     rows: dict[str, list[dict]] = {}
     for r in final_results:
         rows.setdefault(r["row"], []).append(r)
@@ -410,6 +453,7 @@ def main() -> None:
                         "valid_ppl": r["valid_ppl"], "valid_curve": r["valid_curve"],
                         **{k: v for k, v in r.items() if k.startswith("ppl_eval_cf")}}
                        for rs in rows.values() for r in rs],
+              "screening": screening,
               "summary": table, "verdict": text,
               "eval_capacity_scored": sorted(r["name"] for r in switch_runs if "ppl_eval_cf1" in r)}
     args.out.write_text(json.dumps(report, indent=1))
@@ -423,6 +467,10 @@ def main() -> None:
                   if f"ppl_eval_cf{cf:g}_mean" in t]
         if capped:
             print(f"{t['row']}: eval ppl unlimited capacity {t['ppl_mean']:.2f}; " + ", ".join(capped))
+    for rec in screening:
+        print(f"screened {rec['row']}: seed-1 valid ppl {rec['valid_ppl']:.2f} vs switch_cf1.0 "
+              f"{rec['base_valid_ppl']:.2f}, dropped {rec['dropped_pct']:.1f}%: "
+              + ("helps, run with seeds 1-3 as a row" if rec["helps"] else "does not help, not a row"))
     print(text)
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 

@@ -173,6 +173,7 @@ def test_z_loss_optional():
         (dict(num_experts=2, activation_fn="tanh"), "--activation-fn must be one of relu, gelu, silu"),
         (dict(num_experts=2, activation_dropout=1.0), "--activation-dropout must be in [0, 1)"),
         (dict(num_experts=2, jitter_eps=-0.1), "--moe-jitter-eps must be in [0, 1)"),
+        (dict(num_experts=2, router_init_scale=0.0), "--moe-router-init-scale must be > 0"),
         (dict(num_experts=2, expert_kernel="fast"), "expert_kernel must be one of auto, segments, batched"),
         (dict(num_experts=2, activation_fn="gelu", expert_kernel="segments"), "'segments' fuses ReLU"),
     ],
@@ -181,6 +182,25 @@ def test_bad_config_values_are_one_line_usage_errors_naming_the_flag(kwargs, mes
     with pytest.raises(UsageError) as err:
         SwitchFFNConfig(8, 16, **kwargs)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_router_init_scale_scales_only_the_router_and_default_is_unchanged():
+    """Scale 1.0 must leave the default init (and the random stream after it) bit for bit, so
+    checkpoints and seeds of runs made before the flag existed reproduce; 0.1 scales the router
+    only: the experts draw the same numbers as without the flag."""
+    def build(**kwargs):
+        torch.manual_seed(3)
+        layer = SwitchFFN(SwitchFFNConfig(8, 16, 4, **kwargs))
+        return layer, torch.rand(1)
+
+    default, after_default = build()
+    scaled, after_scaled = build(router_init_scale=0.1)
+    bound = 1 / 8 ** 0.5  # nn.Linear's default: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+    assert default.router.weight.abs().max() <= bound and default.router.weight.abs().max() > bound / 2
+    assert torch.allclose(scaled.router.weight, 0.1 * default.router.weight, rtol=0, atol=1e-8)
+    for name in ("fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias"):
+        assert torch.equal(getattr(scaled, name), getattr(default, name)), name
+    assert torch.equal(after_default, after_scaled)
 
 
 def test_config_is_frozen_and_replace_validates():

@@ -79,6 +79,9 @@ class SwitchTransformerLMConfig(FairseqDataclass):
         },
     )
     moe_jitter_eps: float = field(default=0.0, metadata={"help": "multiplicative router jitter noise in training (0 = off)"})
+    moe_router_init_scale: float = field(default=1.0, metadata={"help": (
+        "multiply the router's initial weights by this (1.0 = nn.Linear's default init; Switch "
+        "§2.6 recommends a 10x smaller initialisation scale, e.g. 0.1)")})
     moe_batch_prioritized_routing: bool = field(default=False, metadata={"help": (
         "in training, an overflowing expert keeps the tokens with the highest router probability "
         "instead of the earliest (batch-prioritised routing); off in the paper")})
@@ -232,6 +235,7 @@ def switch_ffn_config(cfg: SwitchTransformerLMConfig) -> SwitchFFNConfig:
         activation_fn=str(cfg.activation_fn),
         activation_dropout=cfg.activation_dropout,
         jitter_eps=cfg.moe_jitter_eps,
+        router_init_scale=getattr(cfg, "moe_router_init_scale", 1.0),  # absent in older checkpoints
         batch_prioritized_routing=cfg.moe_batch_prioritized_routing,
         z_loss=True,
     )

@@ -123,8 +123,14 @@ class SwitchFFN(nn.Module):
             self._num_active = count
 
     def reset_parameters(self) -> None:
-        """nn.Linear's default init for every expert and the router (what fairseq's FFN uses)."""
+        """nn.Linear's default init for every expert and the router (what fairseq's FFN uses).
+
+        The router's weights are then scaled by ``cfg.router_init_scale`` (skipped at 1.0, so
+        the default init and its random stream are unchanged)."""
         nn.init.kaiming_uniform_(self.router.weight, a=math.sqrt(5))
+        if self.cfg.router_init_scale != 1.0:
+            with torch.no_grad():
+                self.router.weight.mul_(self.cfg.router_init_scale)
         for weight, bias in ((self.fc1_weight, self.fc1_bias), (self.fc2_weight, self.fc2_bias)):
             bound = 1.0 / math.sqrt(weight.shape[-1])
             for e in range(self.max_experts):

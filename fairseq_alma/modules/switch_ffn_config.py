@@ -50,6 +50,10 @@ class SwitchFFNConfig:
         activation_dropout: dropout after the activation inside each expert [--activation-dropout].
         jitter_eps: multiplicative router input noise U(1-eps, 1+eps) in training (Switch §2.4);
             0 disables it [--moe-jitter-eps].
+        router_init_scale: multiplies the router's initial weights (nn.Linear's default init);
+            1.0 keeps that init bit for bit. Switch §2.6 trains more stably with a 10x smaller
+            initialisation scale, so 0.1 tests whether a near-uniform router at the start helps
+            [--moe-router-init-scale].
         batch_prioritized_routing: in training, an overflowing expert keeps its most confident
             tokens, not its earliest [--moe-batch-prioritized-routing].
         z_loss: also return the ST-MoE router z-loss (the LM always asks for it).
@@ -66,6 +70,7 @@ class SwitchFFNConfig:
     activation_fn: str = "relu"
     activation_dropout: float = 0.0
     jitter_eps: float = 0.0
+    router_init_scale: float = 1.0
     batch_prioritized_routing: bool = False
     z_loss: bool = False
     expert_kernel: str = "auto"
@@ -96,6 +101,10 @@ class SwitchFFNConfig:
         rates = {"--activation-dropout": self.activation_dropout, "--moe-jitter-eps": self.jitter_eps}
         for flag, value in rates.items():
             require(_is_number(value) and 0 <= value < 1, f"{flag} must be in [0, 1) (got {value!r})")
+        require(
+            _is_number(self.router_init_scale) and self.router_init_scale > 0,
+            f"--moe-router-init-scale must be > 0, e.g. 0.1 (got {self.router_init_scale!r})",
+        )
         require(
             self.expert_kernel in EXPERT_KERNELS,
             f"expert_kernel must be one of {', '.join(EXPERT_KERNELS)} (got {self.expert_kernel!r})",
