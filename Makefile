@@ -73,8 +73,11 @@ check-torch:
 	@$(PY) -c "import torch, fairseq, fairseq_alma; print('torch', torch.__version__, '| fairseq', fairseq.__version__, '| fairseq_alma ok')"
 	@$(PY) -m fairseq_alma.cli.check_torch
 
+# The main job (Table 2 at toy scale), then the drifting-stream variant on the same corpus
+# (no replay vs 25% vs full replay, every stage scored on every period; outputs in DEMO_DIR/drift).
 demo: install
 	$(VENV)/bin/alma-demo --out $(DEMO_DIR)
+	$(VENV)/bin/alma-demo --drift --out $(DEMO_DIR)
 
 test: install test-deps
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests

@@ -64,14 +64,15 @@ USER_DIR = str(Path(__file__).resolve().parent.parent / "fairseq_alma")
 
 
 def prepare_stream(root: Path, out: Path, num_megabatches: int = 2, lines: int = 1200,
-                   vocab_size: int = 400, seed: int = 1) -> Path:
-    """``alma-data-prep`` of a generated corpus (documents of 4 sentences) into ``out``."""
+                   vocab_size: int = 400, seed: int = 1, extra: tuple[str, ...] = ()) -> Path:
+    """``alma-data-prep`` of a generated corpus (documents of 4 sentences) into ``out``;
+    ``extra``: more alma-data-prep flags (e.g. ``--eval-per-megabatch``)."""
     text = sentences(lines, seed=7)
     docs = ["\n".join(text[i : i + 4]) for i in range(0, len(text), 4)]
     (root / "corpus.txt").write_text("\n\n".join(docs) + "\n", encoding="utf-8")
     run([tool("alma-data-prep"), str(root / "corpus.txt"), "--out", str(out), "--vocab-size",
          str(vocab_size), "--num-megabatches", str(num_megabatches), "--eval-size", "0.1",
-         "--valid-size", "0.05", "--workers", "1", "--seed", str(seed)])
+         "--valid-size", "0.05", "--workers", "1", "--seed", str(seed), *extra])
     return out
 
 

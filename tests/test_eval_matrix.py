@@ -1,7 +1,7 @@
 """alma-score --matrix and its alma-report figure (issue 14, item 2: time-stratified evaluation).
 
 One tiny 3-mega-batch stream with a held-out slice of every mega-batch (``evalmb{k}``, made by
-tests/period_splits.py until alma-data-prep --eval-per-megabatch lands), three real trainings
+the real ``alma-data-prep --eval-per-megabatch 0.1``), three real trainings
 (SM_w1 with seeds 1 and 2, SM_w2), scored once by the real alma-score with --matrix.  Each cell
 is checked against an independent scoring loop (and one against stock fairseq-eval-lm), the
 summaries against hand computations from the matrix, alma-report's table and heatmap against
@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 import torch
 from lm_fixtures import USER_DIR, prepare_stream, run, tool
-from period_splits import add_period_splits
 
 from fairseq_alma.cli import report as report_cli
 from fairseq_alma.cli import score as score_cli
@@ -38,9 +37,8 @@ RUNS = {"w1_s1": "--seed 1", "w1_s2": "--seed 2", "w2": "--wait 2 --seed 1"}
 @pytest.fixture(scope="module")
 def stream(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("matrix")
-    prepare_stream(root, root / "plain", num_megabatches=3)  # kept without period splits
-    shutil.copytree(root / "plain", root / "data")
-    add_period_splits(root / "data")
+    prepare_stream(root, root / "plain", num_megabatches=3)  # the same stream without period splits
+    prepare_stream(root, root / "data", num_megabatches=3, extra=("--eval-per-megabatch", "0.1"))
     cmds = [[tool("fairseq-train"), str(root / "data"), "--user-dir", USER_DIR, *FLAGS,
              "--save-dir", str(root / name), *flags.split()] for name, flags in RUNS.items()]
     for start in range(0, len(cmds), 2):  # two at a time: CI has 2 cores
@@ -239,7 +237,7 @@ def test_a_missing_or_truncated_period_split_is_named(stream, tmp_path):
 
     data = tmp_path / "data"
     shutil.copytree(stream / "data", data)
-    assert check_period_splits(str(data), 3)["eval_per_megabatch"].startswith("12 documents")
+    assert check_period_splits(str(data), 3)["eval_per_megabatch"] == "0.1"
     with open(data / "evalmb1.bin", "r+b") as fh:
         fh.truncate(10)
     with pytest.raises(DataError, match=r"evalmb1\.bin: 10 bytes, the manifest says \d+"):

@@ -11,6 +11,10 @@ when its outputs already exist, so re-running after an interruption continues:
   4. ``alma-score`` per setting (single / ens / gens), then one Table-2 style table with both
      stream averages (the paper's over trained arrivals, and the anytime one over all arrivals),
      CSV/JSON and the Fig. 5 plot (average perplexity vs cumulative compute and vs parameters).
+
+``alma-demo --drift`` runs the drifting-stream variant instead (cli/drift_demo.py): the same
+corpus cut in module order, trained without replay, with 25% replay and with full replay, each
+scored on every period, and a plain-words verdict on which forgets least per unit of compute.
 """
 
 from __future__ import annotations
@@ -77,6 +81,31 @@ SCORES = [
 ]
 
 
+def prepare_stream(args: argparse.Namespace, corpus: Path, data: Path, logs: Path, total: int,
+                   what: str, prep_flags: tuple[str, ...] = ()) -> None:
+    """Steps 1 and 2 of both demos: the embedded corpus, then ``alma-data-prep`` into ``data``
+    (4 mega-batches, 4% evaluation, 2% validation; ``prep_flags`` add to that)."""
+    step(f"1/{total} build the demo corpus (Python stdlib prose, module by module)",
+         [tool("alma-demo-corpus"), "--out", str(corpus), "--max-mb", str(args.corpus_mb)], logs / "corpus.log")
+    step(f"2/{total} prepare {what}",
+         [tool("alma-data-prep"), str(corpus), "--out", str(data), "--vocab-size", str(args.vocab_size),
+          "--num-megabatches", "4", "--eval-size", "0.04", "--valid-size", "0.02", "--workers", str(args.workers),
+          *prep_flags],
+         logs / "data_prep.log")
+
+
+def train_settings(args: argparse.Namespace, data: Path, runs: Path, logs: Path,
+                   settings: list[tuple[str, list[str]]], first: int, total: int) -> None:
+    """One ``fairseq-train --task alma_stream`` over the whole stream per (name, flags)."""
+    warmup = str(max(1, args.updates_per_stage // 10))
+    for i, (name, flags) in enumerate(settings, start=first):
+        step(f"{i}/{total} train {name}: the whole stream in one fairseq-train",
+             [tool("fairseq-train"), str(data), "--user-dir", str(PACKAGE_DIR), *COMMON_TRAIN,
+              "--updates-per-stage", str(args.updates_per_stage), "--warmup-updates", warmup,
+              "--save-dir", str(runs / name), *flags],
+             logs / f"train_{name}.log")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="alma-demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="demo_out", help="working directory for every output (default: demo_out)")
@@ -84,11 +113,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab-size", type=int, default=2000, help="BPE vocabulary of the demo (paper: 50000)")
     parser.add_argument("--updates-per-stage", type=int, default=100, help="updates per stage U (paper: 120000)")
     parser.add_argument("--workers", type=int, default=2, help="worker processes for data preparation")
+    parser.add_argument("--drift", action="store_true",
+                        help="the drifting-stream demo instead (corpus in module order, no replay vs "
+                             "--replay-ratio 0.25 vs --replay, every stage scored on every period); "
+                             "its outputs go to OUT/drift/")
     args = parser.parse_args(argv)
     if args.updates_per_stage < 20:
         parser.error(f"--updates-per-stage must be >= 20 (got {args.updates_per_stage})")
 
     logging.getLogger().setLevel(logging.WARNING)  # importing fairseq set the root logger to DEBUG
+    if args.drift:
+        from .drift_demo import run_drift_demo
+
+        return run_console("alma-demo", lambda: run_drift_demo(args))
     return run_console("alma-demo", lambda: run_demo(args))
 
 
@@ -105,19 +142,8 @@ def run_demo(args: argparse.Namespace) -> int:
     reports.mkdir(parents=True, exist_ok=True)
     total = 2 + len(RUNS) + len(SCORES) + 1
 
-    step(f"1/{total} build the demo corpus (Python stdlib prose)",
-         [tool("alma-demo-corpus"), "--out", str(corpus), "--max-mb", str(args.corpus_mb)], logs / "corpus.log")
-    step(f"2/{total} prepare a 4-mega-batch stream (BPE, seeded split, binarize, manifest)",
-         [tool("alma-data-prep"), str(corpus), "--out", str(data), "--vocab-size", str(args.vocab_size),
-          "--num-megabatches", "4", "--eval-size", "0.04", "--valid-size", "0.02", "--workers", str(args.workers)],
-         logs / "data_prep.log")
-    warmup = str(max(1, args.updates_per_stage // 10))
-    for i, (name, flags) in enumerate(RUNS, start=3):
-        step(f"{i}/{total} train {name}: the whole stream in one fairseq-train",
-             [tool("fairseq-train"), str(data), "--user-dir", str(PACKAGE_DIR), *COMMON_TRAIN,
-              "--updates-per-stage", str(args.updates_per_stage), "--warmup-updates", warmup,
-              "--save-dir", str(runs / name), *flags],
-             logs / f"train_{name}.log")
+    prepare_stream(args, corpus, data, logs, total, "a 4-mega-batch stream (BPE, seeded split, binarize, manifest)")
+    train_settings(args, data, runs, logs, RUNS, 3, total)
     jsons = []
     for i, (setting, mode, dirs) in enumerate(SCORES, start=3 + len(RUNS)):
         target = reports / f"{setting.split()[0]}.json"

@@ -20,6 +20,12 @@ N(s) = a_{s-1}+1 .. a_s (the w mega-batches that arrived since the previous stag
   the stage's arrival, which no stage up to s trained on; rows at the end of the stream
   (a_s = B) are excluded.
 
+and, beside them, ``forgetting``: how much the LAST stage has lost on each period since the
+stage that trained on it as new, mean over those periods of bits[S][p] - bits[s_p][p]
+(Lopez-Paz & Ranzato 2017's backward transfer, negated, in bits; reported also as the ratio of
+perplexities 2 ** that).  ``backward`` says how well old periods are known; ``forgetting`` says
+how much of what was once known of them went, whatever the stage's general progress.
+
 Each row weighs the same whatever its number of periods, and each period of a row the same
 whatever its token count (the slices are of one requested size).  With ``--replay`` or
 ``--replay-ratio`` a stage also trained on its older periods; ``backward`` still means those
@@ -108,13 +114,24 @@ class PeriodMatrix:
                          "rows": [stage for stage, _ in values]}
         return out
 
+    def forgetting(self) -> dict[str, Any]:
+        """``forgetting`` (module doc): ``nll_bits`` (mean rise, bits per token; negative = the
+        last stage knows the old periods better than when it learned them), ``ppl_ratio`` and
+        the ``periods`` it averages over (None and [] when only one stage trained)."""
+        last = len(self.stages) - 1
+        rises = [(p, self._bits(last, p) - self._bits(row, p))
+                 for row in range(last) for p in self.new_periods(row)]
+        bits = _mean([rise for _, rise in rises]) if rises else None
+        return {"nll_bits": bits, "ppl_ratio": None if bits is None else 2.0 ** bits,
+                "periods": [p for p, _ in rises]}
+
     def as_json(self) -> dict[str, Any]:
         """What ``alma-score --json`` records under a series' ``eval_matrix``."""
         return {"rows": list(self.stages), "arrivals": list(self.arrivals),
                 "periods": self.periods,
                 "new_periods": [self.new_periods(r) for r in range(len(self.stages))],
                 "ppl": self.ppl, "nll_bits": [list(row) for row in self.nll_bits],
-                "summary": self.summary()}
+                "summary": self.summary(), "forgetting": self.forgetting()}
 
     @classmethod
     def from_json(cls, entry: dict[str, Any]) -> PeriodMatrix:
@@ -143,4 +160,9 @@ def format_matrix(matrix: PeriodMatrix, title: str) -> str:
         note = f"; excluded {', '.join(map(str, excluded))}: {why}" if excluded else ""
         lines.append(f"  {name} ppl {shown} (rows {', '.join(map(str, value['rows'])) or 'none'}"
                      f"{note})")
+    lost = matrix.forgetting()
+    if lost["periods"]:
+        lines.append(f"  forgetting: stage {matrix.stages[-1]} on periods "
+                     f"{', '.join(map(str, lost['periods']))} vs the stage that learned each: "
+                     f"{lost['nll_bits']:+.3f} bits/token (ppl x{lost['ppl_ratio']:.3f})")
     return "\n".join(lines) + "\n"
