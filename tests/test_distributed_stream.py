@@ -231,7 +231,10 @@ def test_zero_sharding_os_equals_legacy_ddp_and_resumes(data, two_rank_run, tmp_
     save = tmp_path / "run"
     commands = [cmd + OSS for cmd in rank_commands(data, save, free_port())]
     procs = start_ranks(commands, tmp_path / "first")
-    wait_for_file(save / "checkpoint_2_8.pt", procs)
+    # checkpoint_2_10.pt exists only after checkpoint_last.pt was copied from checkpoint_2_8.pt
+    # (fairseq writes the numbered file first, then copies it): waiting for checkpoint_2_8.pt
+    # itself raced that copy, and a kill in between resumed from update 6.
+    wait_for_file(save / "checkpoint_2_10.pt", procs)
     for proc in procs:
         proc.send_signal(signal.SIGKILL)
     for proc in procs:
