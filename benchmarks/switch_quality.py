@@ -369,7 +369,7 @@ def plot(rows: dict[str, list[dict]], table: list[dict], sweep: dict[str, list[d
                 color=[f"C{i}" for i in range(len(names))])
     low = min(t["ppl_mean"] - 2 * (t["ppl_std"] or 0) for t in table)
     axes[2].set(ylim=(low * 0.97, None), ylabel="evaluation ppl (mean ± std)", title="final, chosen LR")
-    axes[2].tick_params(axis="x", rotation=15)
+    plt.setp(axes[2].get_xticklabels(), rotation=35, ha="right", fontsize=8)  # 8 rows: long names
     for ax in axes[:2]:
         ax.legend(fontsize=8)
     fig.tight_layout()
