@@ -212,14 +212,29 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:,.0f}"
 
 
+def _megabytes(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be > 0 MB, e.g. 1000 (got {text})")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--corpus", action="append",
                         help="input text file or directory (repeatable; default: the demo corpus)")
-    parser.add_argument("--repeat-to", type=float, metavar="MB",
+    parser.add_argument("--repeat-to", type=_megabytes, metavar="MB",
                         help="first copy the corpus (documents reordered per copy) to >= MB MB")
     parser.add_argument("--scratch", help="directory for the outputs (default: a temp dir)")
     args = parser.parse_args()
+    if args.corpus:  # before minutes of work, as the one line alma-data-prep would print
+        from fairseq_alma.errors import AlmaError
+        try:
+            _sources(args.corpus)
+        except AlmaError as error:
+            parser.error(f"--corpus: {error}")
+    if args.scratch is not None and not os.path.isdir(args.scratch):
+        parser.error(f"--scratch {args.scratch}: no such directory; create it or leave it out")
     with tempfile.TemporaryDirectory(prefix="alma-prep-bench-", dir=args.scratch) as scratch:
         corpora = args.corpus
         if corpora is None:
@@ -227,7 +242,7 @@ def main() -> None:
             subprocess.run([*_script("alma-demo-corpus"), "--out", corpora[0]], check=True,
                            capture_output=True)
         described = ", ".join(args.corpus) if args.corpus else "demo corpus"
-        if args.repeat_to:
+        if args.repeat_to is not None:
             repeated = os.path.join(scratch, "repeated.txt")
             copies = build_repeated_corpus(corpora, args.repeat_to, repeated)
             corpora, described = [repeated], f"{copies} reordered copies of {described}"
@@ -256,7 +271,7 @@ def main() -> None:
                                "max process RSS MB"], rows), end="")
     worst = min(r["alone"] / r["wall"] for r in results.values())
     print(f"ratio target >= 0.6: {'met' if worst >= 0.6 else 'NOT met'} (lowest {worst:.2f}, on "
-          f"{size / 1e6:,.0f} MB; the target is for corpus scale, >= ~1 GB: see the docstring)")
+          f"{size / 1e6:,.1f} MB; the target is for corpus scale, >= ~1 GB: see the docstring)")
     steps = [[str(w), *(f"{r['steps'].get(s, 0):.1f}" for s in STEPS), f"{r['wall']:.1f}"]
              for w, r in sorted(results.items())]
     print("\nseconds per step\n" + format_table(["workers", *STEPS, "wall"], steps), end="")
