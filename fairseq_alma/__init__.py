@@ -17,7 +17,8 @@ except ModuleNotFoundError as err:  # only the fairseq-free parts are usable
         raise
 else:
     from . import criterions, models, optim, tasks  # noqa: F401  (registration side effects)
-    from .fairseq_patches import install_checkpoint_errors, install_console_errors
+    from .fairseq_patches import install_checkpoint_errors, install_console_errors, install_training_flags
 
     install_console_errors()
     install_checkpoint_errors()
+    install_training_flags()

@@ -75,14 +75,52 @@ def stream_training_settings(task_cfg: Any, stages: int, stop_after: int) -> Non
                "every rank reads checkpoint_last.pt when resuming")
 
 
-def refuse_tpu_bf16(node: Any) -> None:
-    """fairseq 0.12's ``--bf16`` is TPU mode: it needs torch_xla and dies on GPUs with
-    ``AttributeError: 'NoneType' object has no attribute 'xla_device'``; V100s have no bf16."""
-    for key in ("memory_efficient_bf16", "bf16"):  # fairseq sets bf16 with the first
-        if given(node, "common", key):
-            raise UsageError(f"--{key.replace('_', '-')} turns on fairseq 0.12's TPU mode (it needs "
-                             f"torch_xla and fails on GPUs); use --fp16 or --memory-efficient-fp16 "
-                             f"(V100), or --amp (bf16-capable GPUs)")
+def check_precision(node: Any) -> None:
+    """Precision flags this run cannot train correctly, refused before the first update.
+
+    ``--bf16``/``--memory-efficient-bf16`` train on CUDA GPUs (fairseq's trainer: model in bf16,
+    fp32 master weights in ``FP16Optimizer``, no loss scaler; the plugin undoes the TPU mode
+    fairseq 0.12's option parser attaches to the flag, ``fairseq_patches.install_training_flags``).
+    Not on CPU, where fairseq would run bf16 kernels no test covers, nor under fairscale's FSDP,
+    which fairseq 0.12 refuses later with a traceback; ``--tpu`` needs torch_xla."""
+    import torch
+
+    if given(node, "common", "tpu"):  # explicit --tpu (fairseq-train's --bf16 no longer sets it)
+        raise UsageError("--tpu (fairseq's TPU mode) needs torch_xla, which fairseq-alma does not "
+                         "support; train on GPUs (--bf16 or --fp16, without --tpu) or on CPU (--cpu)")
+    flag = next((f"--{key.replace('_', '-')}" for key in ("memory_efficient_bf16", "bf16")
+                 if given(node, "common", key)), None)
+    if flag is None:
+        return
+    if given(node, "common", "cpu") or not torch.cuda.is_available():
+        raise UsageError(f"{flag} trains on CUDA GPUs only (model in bf16, fp32 master weights); "
+                         f"on CPU train in fp32 (drop {flag})")
+    if str(given(node, "distributed_training", "ddp_backend") or "") == "fully_sharded":
+        raise UsageError(f"{flag} with --ddp-backend fully_sharded: fairseq 0.12's FSDP does not "
+                         f"support bf16; use --fp16 with fully_sharded, or {flag} with "
+                         f"--ddp-backend pytorch_ddp (or legacy_ddp)")
+
+
+def check_training_flags(cfg: Any) -> None:
+    """Flags a training run cannot honour, checked once on fairseq-train's whole config right
+    after fairseq parsed it and before anything runs (``fairseq_patches.install_training_flags``).
+
+    Why there and not where the model or task is built: both are built again from a
+    checkpoint's own config when it is scored, and a checkpoint trained with ``--bf16`` or
+    FSDP on a GPU must still score on a CPU."""
+    import torch
+
+    model = cfg.get("model") if hasattr(cfg, "get") else None
+    arch = str(model.get("_name") or "") if model is not None and hasattr(model, "get") else ""
+    if arch == "alma_vision":  # the vision learner checks its own flags (vision/fairseq_entry.py)
+        return
+    check_precision(cfg)
+    task = cfg.get("task")
+    check_sharding(cfg, growth=bool(task is not None and str(task.get("grow_experts") or "").strip()))
+    kernel = str(model.get("moe_expert_kernel") or "auto") if model is not None else "auto"
+    if kernel == "segments" and torch.cuda.is_available() and not given(cfg, "common", "cpu"):
+        raise UsageError("--moe-expert-kernel segments is the CPU kernel (it reads every block's expert "
+                         "loads back to the host); on a GPU use --moe-expert-kernel batched or auto")
 
 
 def check_sharding(node: Any, growth: bool) -> None:
@@ -105,6 +143,30 @@ def check_sharding(node: Any, growth: bool) -> None:
             raise UsageError("--grow-experts cannot grow experts inside FSDP's flattened, sharded "
                              "parameters; use --ddp-backend legacy_ddp or pytorch_ddp with "
                              "--zero-sharding os")
+
+
+def single_gpu_fsdp_group(node: Any) -> None:
+    """``--ddp-backend fully_sharded`` on one GPU: start a one-process NCCL group first.
+
+    Why: fairseq 0.12's single-GPU FSDP recipe hands fairscale a stand-in process group, but
+    fairscale 0.4.13's ``FullyShardedDataParallel`` also asks torch.distributed for a
+    reduce-scatter group while it wraps each block, and fails with "torch.distributed is not yet
+    initialized but process group is requested".  A group of one process over an in-memory
+    store (no port, no file) gives fairscale a real group; every collective on it is a copy.
+    Called by ``fairseq_patches.install_training_flags`` before fairseq-train starts; does
+    nothing off CUDA, with several processes, or once a group exists."""
+    import torch
+    import torch.distributed as dist
+
+    distributed = section(node, "distributed_training")
+    if distributed is None or str(distributed.get("ddp_backend") or "") != "fully_sharded":
+        return
+    if (distributed.get("distributed_world_size") or 1) > 1 or given(node, "common", "cpu"):
+        return
+    if not torch.cuda.is_available() or not dist.is_available() or dist.is_initialized():
+        return
+    dist.init_process_group("nccl", store=dist.HashStore(), world_size=1, rank=0)
+    logger.info("alma: --ddp-backend fully_sharded on one GPU: a one-process NCCL group for fairscale")
 
 
 def given(node: Any, section_name: str, key: str) -> Any:

@@ -27,6 +27,9 @@ The patches:
                              and the way out, not in torch's traceback.
 ``install_quiet_startup``    fairseq's use of hydra's deprecated APIs prints ~20 lines of
                              warnings at every start.
+``install_training_flags``   fairseq 0.12's option parser turns ``--bf16`` into TPU mode,
+                             although its trainer and FP16Optimizer train bf16 on GPUs; flags a
+                             training run cannot honour are refused before anything runs.
 """
 
 from __future__ import annotations
@@ -148,6 +151,85 @@ def install_console_errors() -> None:
     spec = getattr(main_module, "__spec__", None)
     if spec is not None and spec.name in CONSOLE_COMMANDS:  # python -m fairseq_cli.train
         _wrap_console_main(main_module, spec.name)
+
+
+# ---- bf16 on GPUs ------------------------------------------------------------------------
+BF16_FLAGS = ("--bf16", "--memory-efficient-bf16")
+OTHER_PRECISION_FLAGS = ("--fp16", "--memory-efficient-fp16", "--amp")
+CONSOLE_PROGRAMS = ("fairseq-train", "fairseq-eval-lm", "fairseq-validate", "alma-train")
+
+
+def _running_console_command() -> bool:
+    """Whether this process is one of fairseq's commands (or alma-train) parsing its flags."""
+    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return os.path.basename(sys.argv[0] if sys.argv else "") in CONSOLE_PROGRAMS or (
+        main_spec is not None and main_spec.name in CONSOLE_COMMANDS)
+
+
+def _flags_given(names: tuple[str, ...]) -> list[str]:
+    """Flags of ``names`` on the command line (fairseq's parser takes no abbreviations)."""
+    return [arg.split("=")[0] for arg in sys.argv[1:] if arg.split("=")[0] in names]
+
+
+class _TrainingConfig:
+    """fairseq's ``convert_namespace_to_omegaconf`` as the console commands call it (looked up
+    in their module when they run, after ``--user-dir`` imported the plugin), between parsing
+    the flags and running anything:
+
+    * ``--bf16``'s implied TPU mode is undone: ``options.parse_args_and_arch`` sets
+      ``args.tpu = True`` whenever ``--bf16`` is given (fairseq 0.12 only ran bf16 on TPUs), but
+      its ``Trainer`` and ``FP16Optimizer`` train bf16 on GPUs (model in bf16, fp32 master
+      weights, no loss scaler).  An explicit ``--tpu`` is kept, and refused below.
+    * fairseq-train only: the flags a run cannot honour end in one line and exit 2 before
+      anything starts (``fairseq_config.check_training_flags``), and FSDP on one GPU gets its
+      process group (``fairseq_config.single_gpu_fsdp_group``)."""
+
+    _alma_patch = True
+
+    def __init__(self, module_name: str, original: Any) -> None:
+        self.module_name, self.original = module_name, original
+
+    def __call__(self, args: Any) -> Any:
+        if getattr(args, "bf16", False) and getattr(args, "tpu", False) and not _flags_given(("--tpu",)):
+            args.tpu = False
+        cfg = self.original(args)
+        if self.module_name.endswith(".train"):
+            from .fairseq_config import check_training_flags, single_gpu_fsdp_group
+
+            try:
+                check_training_flags(cfg)
+            except AlmaError as err:
+                from .cli.entry import error_line
+
+                sys.stdout.flush()
+                print(error_line(ERROR_PROG, err), file=sys.stderr, flush=True)
+                raise SystemExit(err.exit_status) from None
+            single_gpu_fsdp_group(cfg)
+        return cfg
+
+
+def install_training_flags() -> None:
+    """``_TrainingConfig`` in the fairseq command this process runs; and ``--bf16`` or
+    ``--memory-efficient-bf16`` with ``--fp16``, ``--memory-efficient-fp16`` or ``--amp`` end in
+    one line and exit 2 while fairseq is still parsing (fairseq itself would raise "Cannot
+    combine --fp16 and --tpu" with a traceback)."""
+    if not _running_console_command():
+        return
+    bf16, other = _flags_given(BF16_FLAGS), _flags_given(OTHER_PRECISION_FLAGS)
+    if bf16 and other:
+        sys.stdout.flush()
+        print(f"{ERROR_PROG}: error: {bf16[0]} and {other[0]} are two precisions: use one "
+              f"(bf16 on A100/H100, --fp16 on V100)", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    modules = {name: sys.modules[name] for name in CONSOLE_COMMANDS if name in sys.modules}
+    main_module = sys.modules.get("__main__")
+    main_name = getattr(getattr(main_module, "__spec__", None), "name", None)
+    if main_name in CONSOLE_COMMANDS:
+        modules[main_name + ":__main__"] = main_module
+    for name, module in modules.items():
+        original = getattr(module, "convert_namespace_to_omegaconf", None)
+        if original is not None and not _patched(original):
+            module.convert_namespace_to_omegaconf = _TrainingConfig(name.split(":")[0], original)
 
 
 # ---- atomic checkpoint copies ------------------------------------------------------------

@@ -8,12 +8,12 @@ machines have none); ``make gpu-check`` runs them with the other ``cuda`` tests 
 from __future__ import annotations
 
 import json
-
 import math
+import re
 
 import pytest
 import torch
-from lm_fixtures import run, stream_cmd
+from lm_fixtures import USER_DIR, run, stream_cmd, tool
 from test_expert_parallel_train import train_cmd, train_losses, train_two_ranks
 
 from fairseq_alma.modules import SwitchFFN, SwitchFFNConfig
@@ -45,6 +45,40 @@ def test_fp16_stream_with_growth_on_one_gpu(stream_dir, tmp_path):
     assert [r["trained"] for r in records] == [False, True, True]
     assert all("skipped_updates" in r for r in records)
     assert records[2]["eval_ppl"] < records[0]["eval_ppl"]
+
+
+def _stage_params(save, stage):
+    state = torch.load(save / f"checkpoint_stage{stage}.pt", map_location="cpu", weights_only=False)
+    return state["model"]
+
+
+@pytest.mark.parametrize("flag", ["--bf16", "--memory-efficient-bf16"])
+def test_bf16_stream_with_growth_scores_in_fp32(stream_dir, tmp_path, flag):
+    """--bf16 trains on the GPU (bf16 model, fp32 master weights, no loss scaler; growth copies
+    the Adam moments in that layout); its bf16 stage checkpoints score in fp32 with alma-score
+    and with fairseq-eval-lm, and the two agree."""
+    save = tmp_path / flag.strip("-")
+    run(gpu_cmd(stream_dir, save, flag, "--moe-max-experts", "4", "--grow-experts", "2"))
+    records = _records(save)
+    assert [r["trained"] for r in records] == [False, True, True]
+    assert records[2]["eval_ppl"] < records[0]["eval_ppl"]
+    params = _stage_params(save, 2)
+    assert params["decoder.layers.1.ffn.fc1_weight"].dtype == torch.bfloat16
+    assert int(params["decoder.layers.1.ffn.num_active"]) == 4  # grown 2 -> 4
+    run([tool("alma-score"), str(save), "--json", str(tmp_path / "score.json")])
+    scored = json.loads((tmp_path / "score.json").read_text())["series"][0]["arrivals"][-1]["ppl"]
+    evaluated = run([tool("fairseq-eval-lm"), str(stream_dir), "--user-dir", USER_DIR, "--path",
+                     str(save / "checkpoint_stage2.pt"), "--gen-subset", "eval", "--tokens-per-sample", "32",
+                     "--batch-size", "8"])
+    stock = float(re.search(r"Perplexity: ([0-9.]+)", evaluated.stdout + evaluated.stderr).group(1))
+    assert scored == pytest.approx(stock, rel=0.005)
+    assert scored == pytest.approx(records[2]["eval_ppl"], rel=0.02)  # fp32 scoring of bf16 weights
+
+
+def test_bf16_and_fsdp_is_refused(stream_dir, tmp_path):
+    proc = run(gpu_cmd(stream_dir, tmp_path / "r", "--bf16", "--ddp-backend", "fully_sharded"), check=False)
+    assert proc.returncode == 2 and "--bf16 with --ddp-backend fully_sharded" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_memory_efficient_fp16_and_amp_streams(stream_dir, tmp_path):
@@ -100,6 +134,7 @@ PRECISIONS = {
     "fp32": (torch.float32, None, 1e-5),
     "fp16": (torch.float16, None, 1e-2),  # --fp16: model.half()
     "amp": (torch.float32, torch.float16, 1e-2),  # --amp: torch.autocast
+    "bf16": (torch.bfloat16, None, 4e-2),  # --bf16: model.bfloat16() (8 mantissa bits)
 }
 
 
@@ -173,3 +208,22 @@ def test_expert_parallel_over_nccl_with_fp16_and_torch_ddp(tiny_lm_bin, tmp_path
                            "--ddp-backend", "pytorch_ddp", gpus=True)
     losses = train_losses(logs[0])
     assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses), logs[0][-2000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_causal_attention_without_masks_on_the_gpu(monkeypatch, dtype):
+    """The decoder's mask-free causal attention (FlashAttention on the GPU) against fairseq's
+    masked attention: the same outputs at every real position of a right-padded batch."""
+    from test_switch_lm import build
+
+    torch.manual_seed(0)
+    model = build("switch_transformer_lm_tiny", 60, moe_experts=4, dropout=0.0).cuda().to(dtype).eval()
+    tokens = torch.randint(4, 60, (3, 16), device="cuda")
+    tokens[1, 11:] = model.decoder.padding_idx
+    real = tokens.ne(model.decoder.padding_idx)
+    with torch.no_grad():
+        model.train()  # the training path: checked on the device, no host read
+        fast = model(tokens)[0][real].float()
+        monkeypatch.setattr(type(model.decoder), "attention_needs_no_mask", lambda self, mask: False)
+        masked = model(tokens)[0][real].float()
+    assert ((fast - masked).norm() / masked.norm()).item() < 2e-2

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from fairseq_alma.errors import UsageError
 from fairseq_alma.modules import SwitchFFN, SwitchFFNConfig
 from fairseq_alma.modules.switch_decoder_layer import DenseFFN
+from fairseq_alma.modules.expert_padded import buffer_rows, padded_experts
 from fairseq_alma.modules.switch_routing import route_top1
 
 
@@ -174,8 +175,8 @@ def test_z_loss_optional():
         (dict(num_experts=2, activation_dropout=1.0), "--activation-dropout must be in [0, 1)"),
         (dict(num_experts=2, jitter_eps=-0.1), "--moe-jitter-eps must be in [0, 1)"),
         (dict(num_experts=2, router_init_scale=0.0), "--moe-router-init-scale must be > 0"),
-        (dict(num_experts=2, expert_kernel="fast"), "expert_kernel must be one of auto, segments, batched"),
-        (dict(num_experts=2, activation_fn="gelu", expert_kernel="segments"), "'segments' fuses ReLU"),
+        (dict(num_experts=2, expert_kernel="fast"), "--moe-expert-kernel must be one of auto, segments, batched"),
+        (dict(num_experts=2, activation_fn="gelu", expert_kernel="segments"), "--moe-expert-kernel segments fuses ReLU"),
     ],
 )
 def test_bad_config_values_are_one_line_usage_errors_naming_the_flag(kwargs, message):
@@ -243,10 +244,9 @@ def test_segment_fallback_equals_batched_path():
     logits[:4, 1] = 9.0
     routing = route_top1(logits, None)
     by_segment = layer._experts_by_segment(x, routing, layer._kept_counts(routing))
-    row = routing.expert * 40 + routing.slot
-    kept = routing.keep.nonzero().squeeze(1)
-    slot_token = torch.zeros(8 * 40, dtype=torch.long).index_copy(0, row[kept], kept)
-    batched = layer._experts_batched(x, slot_token, row, 8, 40)
+    row = buffer_rows(routing.expert, routing.rank, routing.keep, 40)
+    ones = torch.ones(40)
+    batched = padded_experts(x, ones, row, layer._expert_parameters(), 8, 40)
     assert torch.allclose(by_segment, batched, atol=1e-6)
     y = layer.dispatch(x, routing)
     for t in range(40):

@@ -217,3 +217,71 @@ def test_checkpoint_activations_keeps_every_gradient_and_counts_the_balance_loss
     assert grads[0].keys() == grads[1].keys() and any("router" in name for name in grads[0])
     for name in grads[0]:
         assert torch.allclose(grads[0][name], grads[1][name], rtol=1e-5, atol=1e-7), name
+
+
+# ---- causal attention without masks (switch_decoder_layer.py) --------------------------------
+def _masked(model, monkeypatch):
+    """The same model forced onto fairseq's masked attention (the general path)."""
+    monkeypatch.setattr(type(model.decoder), "attention_needs_no_mask", lambda self, mask: False)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_causal_attention_without_masks_equals_fairseq_masked_attention(monkeypatch, training):
+    """Right-padded batches: every real position's output, the loss over real positions and
+    every gradient equal fairseq's attention with the causal and key-padding masks."""
+    torch.manual_seed(0)
+    model = build("switch_transformer_lm_tiny", 60, moe_experts=4, dropout=0.0).train(training)
+    tokens = torch.randint(4, 60, (3, 16))
+    tokens[1, 11:] = model.decoder.padding_idx
+    tokens[2, 5:] = model.decoder.padding_idx
+    real = tokens.ne(model.decoder.padding_idx)
+    results = []
+    for masked in (False, True):
+        if masked:
+            _masked(model, monkeypatch)
+        model.zero_grad()
+        with torch.set_grad_enabled(True):
+            logits, extra = model(tokens)
+            loss = logits[real].logsumexp(-1).sum() + sum(aux.balance_loss for aux in extra["moe_aux"])
+            loss.backward()
+        results.append((logits[real].detach(), loss.detach(),
+                        {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (fast_logits, fast_loss, fast_grads), (ref_logits, ref_loss, ref_grads) = results
+    torch.testing.assert_close(fast_logits, ref_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast_loss, ref_loss, rtol=1e-6, atol=1e-6)
+    assert fast_grads.keys() == ref_grads.keys()
+    for name in ref_grads:
+        torch.testing.assert_close(fast_grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_padding_before_a_real_token_is_refused_in_training_and_masked_in_evaluation(monkeypatch):
+    torch.manual_seed(1)
+    model = build("switch_transformer_lm_tiny", 60, moe_experts=4, dropout=0.0)
+    tokens = torch.randint(4, 60, (2, 10))
+    tokens[1, :3] = model.decoder.padding_idx  # left padding
+    with pytest.raises(RuntimeError, match="padded at the end of each row"):
+        model.train()(tokens)
+    model.eval()
+    with torch.no_grad():
+        fast = model(tokens)[0]
+        _masked(model, monkeypatch)
+        masked = model(tokens)[0]
+    torch.testing.assert_close(fast, masked)  # evaluation fell back to the masked attention
+
+
+def test_a_checkpoint_trained_with_gpu_only_flags_builds_on_cpu():
+    """A checkpoint's saved config carries its training flags (--bf16, FSDP, the GPU kernel):
+    building its model to score it on a CPU must not refuse them (they are checked when
+    fairseq-train starts, fairseq_config.check_training_flags)."""
+    from fairseq_alma.fairseq_config import check_training_flags
+
+    model_cfg = OmegaConf.to_container(OmegaConf.structured(SwitchTransformerLMConfig(tokens_per_sample=64)))
+    model_cfg.update(_name="switch_transformer_lm", moe_expert_kernel="segments")
+    saved = OmegaConf.create({"model": model_cfg, "criterion": {"_name": "switch_cross_entropy"},
+                              "common": {"bf16": True, "memory_efficient_bf16": False, "cpu": False, "tpu": False,
+                                         "fp16": False, "memory_efficient_fp16": False, "fp16_no_flatten_grads": False},
+                              "distributed_training": {"ddp_backend": "fully_sharded", "zero_sharding": "none"},
+                              "task": {"grow_experts": ""}})
+    validate_config(saved.model)
+    with pytest.raises(UsageError, match="--bf16 trains on CUDA GPUs only"):
+        check_training_flags(saved)  # but fairseq-train refuses them on this CPU

@@ -244,6 +244,8 @@ def _precision(precision: str) -> tuple[torch.dtype, Any]:
     """(parameter and input dtype, context of the forward) of one precision mode."""
     if precision == "fp16":  # --fp16: model.half()
         return torch.float16, contextlib.nullcontext()
+    if precision == "bf16":  # --bf16: model.bfloat16()
+        return torch.bfloat16, contextlib.nullcontext()
     if precision == "autocast":  # --amp
         return torch.float32, torch.autocast("cuda", dtype=torch.float16)
     return torch.float32, contextlib.nullcontext()
@@ -251,7 +253,7 @@ def _precision(precision: str) -> tuple[torch.dtype, Any]:
 
 @pytest.mark.cuda
 @needs_gpu
-@pytest.mark.parametrize("precision", ["fp32", "fp16", "autocast"])
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "autocast", "bf16"])
 @pytest.mark.parametrize("prioritized", [False, True])
 def test_cuda_switch_training_step_never_synchronises(precision, prioritized):
     dtype, context = _precision(precision)
@@ -273,7 +275,7 @@ def test_cuda_switch_training_step_never_synchronises(precision, prioritized):
 
 @pytest.mark.cuda
 @needs_gpu
-@pytest.mark.parametrize("precision", ["fp32", "fp16", "autocast"])
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "autocast", "bf16"])
 def test_cuda_switch_evaluation_with_a_capacity_factor_never_synchronises(precision):
     dtype, context = _precision(precision)
     layer = SwitchFFN(SwitchFFNConfig(8, 16, 4, eval_capacity_factor=2.0)).cuda().to(dtype).eval()
@@ -290,7 +292,7 @@ def test_cuda_switch_evaluation_with_a_capacity_factor_never_synchronises(precis
 
 @pytest.mark.cuda
 @needs_gpu
-@pytest.mark.parametrize("precision", ["fp32", "fp16", "autocast"])
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "autocast", "bf16"])
 def test_cuda_lm_forward_never_synchronises(precision):
     """The whole model's training forward on padded tokens (its backward is not claimed: torch
     kernels outside the Switch layer, such as the embedding's backward, are not ours)."""

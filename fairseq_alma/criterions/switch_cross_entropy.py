@@ -22,8 +22,7 @@ from fairseq.logging import metrics
 from omegaconf import II
 
 from ..errors import require
-
-MOE_SUM_KEYS = ("tokens", "dropped", "entropy_sum", "load_max", "load_min", "unused")
+from ..modules.switch_routing import summed_diagnostics
 
 
 @dataclass
@@ -39,6 +38,21 @@ class SwitchCrossEntropyConfig(FairseqDataclass):
     moe_z_loss_weight: float = field(
         default=0.0, metadata={"help": "weight of the ST-MoE router z-loss (0 = off; ST-MoE uses 0.001)"}
     )
+
+
+def moe_diagnostics(aux_list: List[Any]) -> Dict[str, torch.Tensor]:
+    """The routing diagnostics of every MoE block, summed (``summed_diagnostics``): blocks with
+    the same expert count and capacity (all of one model's) in one batch of small ops."""
+    groups: Dict[Tuple[int, Any], List[Any]] = {}
+    for aux in aux_list:
+        groups.setdefault((aux.counts.numel(), aux.capacity), []).append(aux)
+    total: Dict[str, torch.Tensor] = {}
+    for (_, capacity), group in groups.items():
+        counts = torch.stack([aux.counts for aux in group])
+        entropy = torch.stack([aux.entropy_sum for aux in group])
+        for key, value in summed_diagnostics(counts, entropy, capacity).items():
+            total[key] = value if key not in total else total[key] + value
+    return total
 
 
 @register_criterion("switch_cross_entropy", dataclass=SwitchCrossEntropyConfig)
@@ -81,8 +95,8 @@ class SwitchCrossEntropyCriterion(CrossEntropyCriterion):
                 loss = loss + self.z_weight * torch.stack(z_terms).sum() * sample_size
             logging_output["moe_layers"] = len(aux_list)
             logging_output["moe_balance_sum"] = balances.detach().sum()
-            for key in MOE_SUM_KEYS:
-                logging_output[f"moe_{key}"] = sum(aux.diagnostics[key] for aux in aux_list).detach()
+            for key, value in moe_diagnostics(aux_list).items():
+                logging_output[f"moe_{key}"] = value
         return loss, sample_size, logging_output
 
     @staticmethod

@@ -41,7 +41,7 @@ def recorded_routing(layers: List[SwitchFFN]) -> Iterator[List[List[torch.Tensor
     handles = []
     for i, layer in enumerate(layers):
         def hook(module: SwitchFFN, args: tuple, output: tuple, i: int = i) -> None:
-            records[i].append(output[1].diagnostics["expert_ids"])
+            records[i].append(output[1].expert_ids)
         handles.append(layer.register_forward_hook(hook))
         layer.record_expert_ids = True
     try:

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import UsageError, require
-from ..fairseq_config import check_sharding, refuse_tpu_bf16, section
+from ..fairseq_config import section
 from ..modules.expert_parallel import build_switch_ffn
 from ..modules.expert_parallel_fairseq import prepare_expert_parallel
 from ..modules.switch_decoder_layer import DenseFFN, SwitchDecoderLayer
@@ -39,6 +39,8 @@ from .checkpoint_format import SWITCH_DECODER_UPGRADES, SWITCH_DECODER_VERSION, 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_TARGET_POSITIONS = 1024
+LEFT_PADDING_MESSAGE = ("switch_transformer_lm trains on batches padded at the end of each row "
+                        "(fairseq's language-model datasets); this batch has padding before a real token")
 # Criteria that consume extra["moe_aux"]; training with any other would silently drop the
 # balance loss, so build_model refuses it.
 MOE_AWARE_CRITERIA = ("switch_cross_entropy",)
@@ -85,6 +87,10 @@ class SwitchTransformerLMConfig(FairseqDataclass):
     moe_batch_prioritized_routing: bool = field(default=False, metadata={"help": (
         "in training, an overflowing expert keeps the tokens with the highest router probability "
         "instead of the earliest (batch-prioritised routing); off in the paper")})
+    moe_expert_kernel: ChoiceEnum(["auto", "batched", "segments"]) = field(default="auto", metadata={"help": (
+        "how the experts run: batched (one batched matmul over a capacity-sized buffer, no host "
+        "synchronisation; GPUs), segments (one matmul per expert over its tokens; CPU only, with "
+        "relu); auto picks segments on CPU with relu, batched otherwise")})
     checkpoint_activations: bool = field(default=False, metadata={"help": (
         "recompute each block's activations in the backward pass instead of keeping them "
         "(less memory, about a third more compute); non-reentrant torch.utils.checkpoint, so "
@@ -186,12 +192,11 @@ class SwitchTransformerDecoder(FairseqIncrementalDecoder):
         x = x.transpose(0, 1)  # (T, B, C)
 
         # Always a tensor, never ``mask if mask.any() else None``: that Python branch would read
-        # the mask back from the GPU (a stall before every forward).  An all-False mask changes
-        # no result; its price is that torch's attention then adds it to the causal mask as a
-        # (B*heads, T, T) tensor even for batches without padding.
+        # the mask back from the GPU (a stall before every forward); the Switch blocks need it
+        # to keep padding out of routing.
         padding_mask = prev_output_tokens.eq(self.padding_idx)  # (B, T)
-        seq_len = x.size(0)
-        attn_mask = None if incremental_state is not None else self.causal_mask(seq_len, x)
+        causal = incremental_state is None and self.attention_needs_no_mask(padding_mask)
+        attn_mask = None if incremental_state is not None or causal else self.causal_mask(x.size(0), x)
 
         moe_aux = []
         inner_states: List[Optional[Tensor]] = [x]
@@ -199,9 +204,9 @@ class SwitchTransformerDecoder(FairseqIncrementalDecoder):
             and torch.is_grad_enabled()
         for layer in self.layers:
             if recompute:  # non-reentrant: the aux losses keep their graph (reentrant would not)
-                x, aux = checkpoint(layer, x, attn_mask, padding_mask, None, use_reentrant=False)
+                x, aux = checkpoint(layer, x, attn_mask, padding_mask, None, causal, use_reentrant=False)
             else:
-                x, aux = layer(x, attn_mask, padding_mask, incremental_state)
+                x, aux = layer(x, attn_mask, padding_mask, incremental_state, causal)
             if aux is not None:
                 moe_aux.append(aux)
             inner_states.append(x)
@@ -209,6 +214,21 @@ class SwitchTransformerDecoder(FairseqIncrementalDecoder):
             x = self.layer_norm(x)
         x = x.transpose(0, 1)  # (B, T, C)
         return x, {"attn": [None], "inner_states": inner_states, "moe_aux": moe_aux}
+
+    def attention_needs_no_mask(self, padding_mask: Tensor) -> bool:
+        """Whether causal attention without any mask is exact for this batch: padding only at
+        the end of each row (switch_decoder_layer.py says why), which fairseq's language-model
+        datasets always give.  Training checks it on the device without waiting for it (a batch
+        padded elsewhere stops the run with the message below, never trains on a wrong
+        result); evaluation, which reads routing loads back anyway, checks it on the host and
+        falls back to masked attention."""
+        if padding_mask.size(1) < 2:
+            return True
+        padded_then_real = padding_mask[:, :-1] > padding_mask[:, 1:]  # (B, T - 1)
+        if self.training and torch.is_grad_enabled():
+            torch._assert_async(~padded_then_real.any(), LEFT_PADDING_MESSAGE)
+            return True
+        return not bool(padded_then_real.any())
 
     @staticmethod
     def causal_mask(seq_len: int, like: Tensor) -> Tensor:
@@ -238,6 +258,7 @@ def switch_ffn_config(cfg: SwitchTransformerLMConfig) -> SwitchFFNConfig:
         router_init_scale=getattr(cfg, "moe_router_init_scale", 1.0),  # absent in older checkpoints
         batch_prioritized_routing=cfg.moe_batch_prioritized_routing,
         z_loss=True,
+        expert_kernel=str(getattr(cfg, "moe_expert_kernel", "auto")),  # absent in older checkpoints
     )
 
 
@@ -249,8 +270,6 @@ def validate_config(cfg: SwitchTransformerLMConfig) -> None:
     dataclass): the check is then skipped.
     """
     switch_ffn_config(cfg)
-    refuse_tpu_bf16(cfg)
-    check_sharding(cfg, growth=False)  # before fsdp_wrap builds FSDP units it cannot run
     require(not (cfg.checkpoint_activations and cfg.moe_expert_parallel_size > 1),
             "--checkpoint-activations with --moe-expert-parallel-size > 1 is not supported (the "
             "recomputed all_to_all would have to run in the same order on every rank); drop one")

@@ -3,7 +3,18 @@
 Why our own block rather than fairseq's ``TransformerDecoderLayerBase``: fairseq's block computes
 its FFN inline (fc1/fc2) and returns no auxiliary output, so an MoE FFN and its balance loss
 cannot be slotted in without copying the whole forward.  This block reuses fairseq's
-MultiheadAttention (incremental decoding included) and keeps the FFN a swappable module.
+MultiheadAttention (its parameters, and its forward for incremental decoding and for batches
+that need a key-padding mask) and keeps the FFN a swappable module.
+
+Causal attention without masks (``attend_causally``): fairseq's attention adds a float causal
+mask, and with a key-padding mask torch expands both into a (batch x heads, T, T) tensor that
+every layer writes and reads, forward and backward; a float mask also rules out FlashAttention.
+For a batch whose padding is at the end of each row (fairseq's language-model datasets pad on
+the right), no real token ever sees a padding key under a causal mask, so
+``scaled_dot_product_attention(is_causal=True)`` with no mask gives every real position the
+same output; padding positions, which no loss or routing decision reads, attend to the tokens
+before them instead of nothing.  The decoder checks the padding is on the right
+(``SwitchTransformerDecoder.attention_needs_no_mask``).
 """
 
 from __future__ import annotations
@@ -69,19 +80,26 @@ class SwitchDecoderLayer(nn.Module):
         self_attn_mask: Optional[Tensor],
         self_attn_padding_mask: Optional[Tensor],
         incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None,
+        attend_causally: bool = False,
     ) -> tuple[Tensor, Optional[SwitchAux]]:
+        """x: (T, B, C).  ``attend_causally``: causal attention with no mask at all (module doc;
+        the caller guarantees padding only at the end of each row), else fairseq's attention
+        with ``self_attn_mask`` and the key-padding mask.  The FFN always gets the padding mask."""
         residual = x
         if self.normalize_before:
             x = self.self_attn_layer_norm(x)
-        x, _ = self.self_attn(
-            query=x,
-            key=x,
-            value=x,
-            key_padding_mask=self_attn_padding_mask,
-            incremental_state=incremental_state,
-            need_weights=False,
-            attn_mask=self_attn_mask,
-        )
+        if attend_causally and incremental_state is None:
+            x = causal_self_attention(self.self_attn, x, self.training)
+        else:
+            x, _ = self.self_attn(
+                query=x,
+                key=x,
+                value=x,
+                key_padding_mask=self_attn_padding_mask,
+                incremental_state=incremental_state,
+                need_weights=False,
+                attn_mask=self_attn_mask,
+            )
         x = residual + F.dropout(x, p=self.dropout, training=self.training)
         if not self.normalize_before:
             x = self.self_attn_layer_norm(x)
@@ -89,10 +107,31 @@ class SwitchDecoderLayer(nn.Module):
         residual = x
         if self.normalize_before:
             x = self.final_layer_norm(x)
-        # SwitchFFN flattens tokens in (B, T) order, so "first come" means batch-major order.
-        pad_bt = None if self_attn_padding_mask is None else self_attn_padding_mask  # (B, T)
-        y, aux = self.ffn(x.transpose(0, 1), pad_bt)  # (B, T, C)
-        x = residual + F.dropout(y.transpose(0, 1), p=self.dropout, training=self.training)
+        if self.is_moe:  # SwitchFFN flattens tokens in (B, T) order: "first come" is batch-major
+            y, aux = self.ffn(x.transpose(0, 1), self_attn_padding_mask)  # (B, T, C), mask (B, T)
+            y = y.transpose(0, 1)
+        else:  # position-wise: no reordering copy
+            y, aux = self.ffn(x)
+        x = residual + F.dropout(y, p=self.dropout, training=self.training)
         if not self.normalize_before:
             x = self.final_layer_norm(x)
         return x, aux
+
+
+def causal_self_attention(attention: MultiheadAttention, x: Tensor, training: bool) -> Tensor:
+    """(T, B, C) -> (T, B, C): ``attention``'s projections around causal scaled dot-product
+    attention with no mask (FlashAttention where torch has it).  The same computation as
+    fairseq's ``MultiheadAttention`` (three input projections, softmax(q k^T / sqrt(head_dim)),
+    attention dropout, output projection) without its masks (module doc)."""
+    length, batch, dim = x.shape
+    heads, head_dim = attention.num_heads, attention.head_dim
+
+    def project(linear: nn.Linear) -> Tensor:  # (B, heads, T, head_dim)
+        return F.linear(x, linear.weight, linear.bias).view(length, batch, heads, head_dim).permute(1, 2, 0, 3)
+
+    dropout = attention.dropout_module
+    p = dropout.p if training or dropout.apply_during_inference else 0.0
+    out = F.scaled_dot_product_attention(project(attention.q_proj), project(attention.k_proj),
+                                         project(attention.v_proj), dropout_p=p, is_causal=True)
+    out = out.permute(2, 0, 1, 3).reshape(length, batch, dim)  # (T, B, C)
+    return attention.out_proj(out)

@@ -19,37 +19,45 @@ Why this layout:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import UsageError
+from .expert_padded import buffer_rows, padded_experts
 from .expert_segments import GradientPool, relu_expert_segments
+from .router_kernel import RoutedTokens, route_tokens
 from .switch_ffn_config import SwitchFFNConfig
-from .switch_routing import (
-    Top1Routing,
-    balance_loss,
-    expert_counts,
-    route_top1,
-    router_z_loss,
-    routing_diagnostics,
-)
+from .switch_routing import Top1Routing, expert_capacity, summed_diagnostics
+
+Routing = Union[RoutedTokens, Top1Routing]  # the fused router's, or the reference's (tests)
 
 
 @dataclass
 class SwitchAux:
     """What one SwitchFFN call reports besides its output.
 
-    ``balance_loss`` keeps its graph (the criterion adds it to the training loss);
-    ``z_loss`` is None unless enabled; ``diagnostics`` are detached summable statistics.
+    ``balance_loss`` keeps its graph (the criterion adds it to the training loss); ``z_loss`` is
+    None unless enabled.  The routing statistics are kept raw (``counts``: tokens per expert,
+    padding last; ``entropy_sum``; the ``capacity``): the criterion turns every block's into the
+    logged diagnostics at once (``switch_routing.summed_diagnostics``), ``diagnostics`` gives
+    one block's.  ``expert_ids`` (T,) is set while ``record_expert_ids`` is on (growth).
     """
 
     balance_loss: Tensor
     z_loss: Optional[Tensor]
-    diagnostics: dict[str, Tensor] = field(default_factory=dict)
+    counts: Tensor
+    entropy_sum: Tensor
+    capacity: Optional[int]
+    expert_ids: Optional[Tensor] = None
+
+    @property
+    def diagnostics(self) -> dict[str, Tensor]:
+        """tokens, dropped, entropy_sum, load_max, load_min, unused (``routing_diagnostics``)."""
+        return summed_diagnostics(self.counts.unsqueeze(0), self.entropy_sum.reshape(1), self.capacity)
 
 
 def _activation(name: str, inplace: bool = False):
@@ -159,22 +167,27 @@ class SwitchFFN(nn.Module):
         """x: (..., d); padding_mask: same leading shape, True at padding.  Returns (y, aux)."""
         shape = x.shape
         tokens = x.reshape(-1, self.embed_dim)  # (T, d)
-        valid = None if padding_mask is None else ~padding_mask.reshape(-1)
-        logits = self.router_logits(tokens)  # (T, E) fp32
-        capacity_factor = self.cfg.capacity_factor if self.training else self.cfg.eval_capacity_factor
-        prioritized = self.training and self.cfg.batch_prioritized_routing
-        routing = route_top1(logits, capacity_factor, valid, batch_prioritized=prioritized)
-        y = self.dispatch(tokens, routing)
-        aux = SwitchAux(
-            balance_loss=balance_loss(routing, valid),
-            z_loss=router_z_loss(logits, valid) if self.cfg.z_loss else None,
-            diagnostics=routing_diagnostics(routing, valid),
+        cfg = self.cfg
+        capacity_factor = cfg.capacity_factor if self.training else cfg.eval_capacity_factor
+        routed = route_tokens(
+            tokens, self.router.weight, self.num_experts,
+            expert_capacity(tokens.shape[0], self.num_experts, capacity_factor),
+            padding=padding_mask,
+            jitter_eps=cfg.jitter_eps if self.training else 0.0,
+            prioritized=self.training and cfg.batch_prioritized_routing,
         )
-        if self.record_expert_ids:
-            aux.diagnostics["expert_ids"] = routing.expert.detach()  # (T,), padding = num_experts
+        y = self.dispatch(tokens, routed)
+        aux = SwitchAux(
+            balance_loss=routed.balance_loss,
+            z_loss=routed.z_loss if cfg.z_loss else None,
+            counts=routed.counts,
+            entropy_sum=routed.entropy_sum,
+            capacity=routed.capacity,
+            expert_ids=routed.expert.detach() if self.record_expert_ids else None,  # padding: E
+        )
         return y.reshape(shape), aux
 
-    def dispatch(self, tokens: Tensor, routing: Top1Routing) -> Tensor:
+    def dispatch(self, tokens: Tensor, routing: Routing) -> Tensor:
         """Run each kept token through its expert; dropped and padding tokens get 0.
 
         Two kernels, chosen by ``cfg.expert_kernel`` ("auto" picks by device):
@@ -185,12 +198,11 @@ class SwitchFFN(nn.Module):
           sizes back to the host once per call (``.tolist()``): free on CPU, which is the only
           device "auto" picks it for; the no-synchronisation guarantee is the batched path's.
         - ``batched`` (GPU, or other activations): every expert runs as one ``baddbmm`` over an
-          ``[E, C, d]`` buffer in which kept token t sits at row ``expert * C + slot``.  The
-          buffer is gathered straight from the tokens (empty slots repeat token 0: computed,
-          never read) and the outputs straight back to token order (dropped tokens read an
-          arbitrary row times a gate of 0).  With a capacity factor (always in training) C is
-          known from the shape and nothing is read back to the host, forward or backward, so
-          CUDA kernels queue without stalls; the buffer is E*C ~ capacity_factor x T rows.
+          ``[E, C, d]`` buffer in which kept token t sits at row ``1 + expert * C + slot``, in
+          one autograd function whose gather and scatter are each other's backward
+          (expert_padded.py).  With a capacity factor (always in training) C is known from the
+          shape and nothing is read back to the host, forward or backward, so CUDA kernels
+          queue without stalls; the buffer is E*C ~ capacity_factor x T rows.
         - Evaluation without a capacity limit (the default) reads the experts' loads back once:
           C is the busiest expert's load, and if that buffer would exceed 2x the tokens,
           experts run one by one over the same loads.  A sync-free bound would be C = T, i.e.
@@ -198,54 +210,54 @@ class SwitchFFN(nn.Module):
           evaluation batch; one read per layer of a forward-only pass costs far less.
         """
         keep = routing.keep
-        gate = (routing.gate * keep).to(tokens.dtype)  # (T,): 0 if dropped/padding
         if self._segment_kernel(tokens):
+            gate = (routing.gate * keep).to(tokens.dtype)  # (T,): 0 if dropped/padding
             return self._dispatch_segments(tokens, routing, gate)
-        num_tokens = tokens.shape[0]
         num_experts = self.num_experts
-        gate = gate.unsqueeze(-1)  # (T, 1)
         capacity = routing.capacity
         if capacity is None:  # evaluation without limit: the busiest expert sets the buffer depth
             counts = self._kept_counts(routing)  # the one host read (see the docstring)
             capacity = max(max(counts), 1)
-            if num_experts * capacity > 2 * num_tokens:
+            if num_experts * capacity > 2 * tokens.shape[0]:
+                gate = (routing.gate * keep).to(tokens.dtype).unsqueeze(-1)
                 return self._experts_by_segment(tokens, routing, counts) * gate
         if capacity == 0:  # tiny batches with a small capacity factor: every token dropped
             return tokens * 0.0
-        row = routing.expert.clamp(max=num_experts - 1) * capacity + routing.slot.clamp(max=capacity - 1)  # (T,)
-        # Kept tokens write their id to their own slot; dropped and padding tokens all write to
-        # one spare row past the end (no ``nonzero()``: its output size would sync on CUDA).
-        spare = num_experts * capacity
-        target = torch.where(keep, row, spare)  # (T,)
-        token_ids = torch.arange(num_tokens, device=tokens.device)
-        slot_token = torch.zeros(spare + 1, dtype=torch.long, device=tokens.device)
-        slot_token = slot_token.index_copy_(0, target, token_ids)[:spare]  # (E*C,) token id of each slot
-        y = self._experts_batched(tokens, slot_token, row, num_experts, capacity)  # (T, d)
-        return y * gate
+        row = buffer_rows(routing.expert, routing.rank, keep, capacity)  # (T,), 0 = dropped
+        dropout = self.cfg.activation_dropout if self.training else 0.0
+        return padded_experts(tokens, routing.gate, row, self._expert_parameters(), num_experts, capacity,
+                              self.cfg.activation_fn, dropout)
+
+    def kernel_for(self, tokens: Tensor) -> str:
+        """The expert kernel ``dispatch`` runs for ``tokens``: ``cfg.expert_kernel``, or for
+        "auto" ``segments`` on CPU with ReLU and ``batched`` everywhere else (the config
+        already refused "segments" with another activation)."""
+        if self.cfg.expert_kernel == "auto":
+            return "segments" if tokens.device.type == "cpu" and self.cfg.activation_fn == "relu" else "batched"
+        return self.cfg.expert_kernel
 
     def _segment_kernel(self, tokens: Tensor) -> bool:
-        """Whether ``dispatch`` uses the per-expert segment kernel (``cfg.expert_kernel``; the
-        config already refused "segments" with an activation other than ReLU)."""
-        if self.cfg.expert_kernel == "auto":
-            return tokens.device.type == "cpu" and self.cfg.activation_fn == "relu"
-        return self.cfg.expert_kernel == "segments"
+        return self.kernel_for(tokens) == "segments"
 
-    def _kept_expert(self, routing: Top1Routing) -> Tensor:
+    def _kept_expert(self, routing: Routing) -> Tensor:
         """(T,) expert of each kept token; dropped and padding tokens get the spare id E."""
         return torch.where(routing.keep, routing.expert, self.num_experts)
 
-    def _kept_counts(self, routing: Top1Routing) -> list[int]:
+    def _kept_counts(self, routing: Routing) -> list[int]:
         """Kept tokens per expert, read back to the host: the callers size Python-side loops
         and buffers with them (the CPU segment kernel, unlimited-capacity evaluation)."""
-        return expert_counts(self._kept_expert(routing), self.num_experts + 1)[: self.num_experts].tolist()
+        loads = routing.counts[: self.num_experts]
+        if routing.capacity is not None:
+            loads = loads.clamp(max=routing.capacity)
+        return loads.tolist()
 
-    def _group_by_expert(self, routing: Top1Routing, counts: list[int]) -> Tensor:
+    def _group_by_expert(self, routing: Routing, counts: list[int]) -> Tensor:
         """(K,) kept token ids grouped by expert, token order inside a group.  One stable sort
         puts dropped and padding tokens (spare id E) last; ``counts`` (``_kept_counts``) say
         where the kept ones end."""
         return torch.argsort(self._kept_expert(routing), stable=True)[: sum(counts)]
 
-    def _dispatch_segments(self, tokens: Tensor, routing: Top1Routing, gate: Tensor) -> Tensor:
+    def _dispatch_segments(self, tokens: Tensor, routing: Routing, gate: Tensor) -> Tensor:
         """The ``segments`` kernel: (T, d) tokens -> gate x expert output in token order."""
         counts = self._kept_counts(routing)
         index = self._group_by_expert(routing, counts)
@@ -278,15 +290,9 @@ class SwitchFFN(nn.Module):
             start += count
         return torch.cat(outputs) if outputs else rows * 0.0  # keep the graph even with no rows
 
-    def _experts_batched(self, tokens: Tensor, slot_token: Tensor, row: Tensor, num_experts: int, capacity: int) -> Tensor:
-        """Tokens (T, d) -> experts' outputs in token order (T, d), rows read at ``row``."""
-        d = self.embed_dim
-        w1, b1, w2, b2 = self._active_weights(num_experts)
-        buf = tokens.index_select(0, slot_token).view(num_experts, capacity, d)  # (E, C, d)
-        h = torch.baddbmm(b1.unsqueeze(1), buf, w1.transpose(1, 2))  # (E, C, f)
-        h = F.dropout(self.activation(h), p=self.cfg.activation_dropout, training=self.training)
-        out = torch.baddbmm(b2.unsqueeze(1), h, w2.transpose(1, 2))  # (E, C, d)
-        return out.view(num_experts * capacity, d).index_select(0, row)  # (T, d)
+    def _expert_parameters(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """fc1/fc2 weights and biases, every slot (kernels use the first ``num_experts``)."""
+        return self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias
 
     def _active_weights(self, num_experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """fc1/fc2 weights and biases of the active slots.  Without growth slack the parameters
@@ -297,7 +303,7 @@ class SwitchFFN(nn.Module):
             return params
         return tuple(p[:num_experts] for p in params)  # type: ignore[return-value]
 
-    def _experts_by_segment(self, tokens: Tensor, routing: Top1Routing, counts: list[int]) -> Tensor:
+    def _experts_by_segment(self, tokens: Tensor, routing: Routing, counts: list[int]) -> Tensor:
         """Experts one by one over kept tokens sorted by expert (``counts`` per expert, from
         ``_kept_counts``); (T, d) in token order, 0 elsewhere."""
         index = self._group_by_expert(routing, counts)

@@ -58,7 +58,8 @@ class SwitchFFNConfig:
             tokens, not its earliest [--moe-batch-prioritized-routing].
         z_loss: also return the ST-MoE router z-loss (the LM always asks for it).
         expert_kernel: "auto" (segments on CPU with ReLU, batched otherwise), "segments" (fused
-            ReLU CPU kernel, expert_segments.py) or "batched" (one baddbmm over [E, C, d]).
+            ReLU CPU kernel, expert_segments.py) or "batched" (one baddbmm over [E, C, d] in one
+            autograd function, expert_padded.py) [--moe-expert-kernel].
     """
 
     embed_dim: int
@@ -107,11 +108,11 @@ class SwitchFFNConfig:
         )
         require(
             self.expert_kernel in EXPERT_KERNELS,
-            f"expert_kernel must be one of {', '.join(EXPERT_KERNELS)} (got {self.expert_kernel!r})",
+            f"--moe-expert-kernel must be one of {', '.join(EXPERT_KERNELS)} (got {self.expert_kernel!r})",
         )
         if self.expert_kernel == "segments" and self.activation_fn != "relu":
             raise UsageError(
-                f"expert_kernel 'segments' fuses ReLU: use 'batched' or 'auto' with "
+                f"--moe-expert-kernel segments fuses ReLU: use batched or auto with "
                 f"--activation-fn {self.activation_fn}"
             )
 

@@ -48,6 +48,16 @@ class Top1Routing:
     probs: Tensor
     capacity: Optional[int]
 
+    @property
+    def rank(self) -> Tensor:
+        """(T,) 1-based slot, as ``router_kernel.RoutedTokens.rank``."""
+        return self.slot + 1
+
+    @property
+    def counts(self) -> Tensor:
+        """(E + 1,) tokens whose argmax is each expert; the last entry counts padding."""
+        return expert_counts(self.expert, self.probs.shape[-1] + 1)
+
 
 def expert_capacity(num_tokens: int, num_experts: int, capacity_factor: Optional[float]) -> Optional[int]:
     """Slots per expert: ``C = int(capacity_factor * ceil(tokens / E))`` (Switch eq. 3).
@@ -190,3 +200,26 @@ def routing_diagnostics(routing: Top1Routing, valid: Optional[Tensor] = None) ->
         "load_min": share.min(),
         "unused": (counts == 0).sum().float(),
     }
+
+
+DIAGNOSTIC_KEYS = ("tokens", "dropped", "entropy_sum", "load_max", "load_min", "unused")
+
+
+def summed_diagnostics(counts: Tensor, entropy_sum: Tensor, capacity: Optional[int]) -> dict[str, Tensor]:
+    """``routing_diagnostics`` of L routing calls at once, summed over them, from what the fused
+    router keeps (``router_kernel.RoutedTokens``): ``counts`` (L, E + 1), tokens per expert with
+    padding last; ``entropy_sum`` (L,); one ``capacity`` for all (None: no limit).
+
+    Why from counts: every diagnostic but the entropy is a function of the per-expert counts, so
+    a model's MoE blocks (same E, same T) get theirs in ~15 small ops per step instead of ~12 per
+    block; they are only logged, so nothing here needs a gradient.
+    """
+    loads = counts[:, :-1].float()  # (L, E)
+    experts = loads.shape[1]
+    tokens = loads.sum(1)  # (L,)
+    kept = tokens if capacity is None else loads.clamp(max=capacity).sum(1)
+    low, high = torch.aminmax(loads, dim=1)
+    share = experts / tokens.clamp(min=1)
+    stats = torch.stack([tokens, tokens - kept, entropy_sum.float(), high * share, low * share,
+                         (loads == 0).sum(1).float()])  # (6, L)
+    return dict(zip(DIAGNOSTIC_KEYS, stats.sum(1).detach().unbind()))

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One GPU session's checks and measurements, in the order that matters when time runs out:
+# install offline (../shared/gpu-node/README.md: wheels in .whl/, the node's own CUDA torch),
+# a correctness smoke test, the Switch layer benchmark, the end-to-end training throughput, the
+# cuda test suite, then a profile of one training step.  Everything is logged under OUTDIR
+# (run.log, switch_ffn_cuda.json, train_throughput.json, cuda_tests.log, profile.log).
+#
+# Usage: bash benchmarks/gpu_node.sh OUTDIR [SECONDS]      (SECONDS: the whole budget, default 450)
+#        STREAM=DIR  a prepared alma-data-prep stream for train_throughput.py (default: it builds one)
+#        PY=python   the Python that holds the node's CUDA torch (default python3); SKIP_INSTALL=1
+set -uo pipefail
+out=${1:?usage: gpu_node.sh OUTDIR [SECONDS]}
+budget=${2:-450}
+mkdir -p "$out"
+exec > >(tee -a "$out/run.log") 2>&1
+start=$SECONDS
+export PYTHONUNBUFFERED=1 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
+py=${PY:-python3}
+
+left() { echo $(( budget - (SECONDS - start) )); }
+step() {  # step NAME CAP command...: run with timeout min(CAP, time left), say how it ended
+    local name=$1 cap=$2; shift 2
+    local limit; limit=$(left); (( limit > cap )) && limit=$cap
+    if (( limit < 10 )); then echo "== $name: skipped, $(left)s left"; return 0; fi
+    echo "== $name (at $((SECONDS - start))s, limit ${limit}s)"
+    timeout "$limit" "$@"; local rc=$?
+    echo "== $name: exit $rc after $((SECONDS - start))s"
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader || true
+[ -n "${SKIP_INSTALL:-}" ] || step install 90 bash -c "$py -m pip install -q --no-index --no-deps --no-compile .whl/*.whl && \
+    $py -m pip install -q --no-index --no-deps --no-build-isolation -e . && \
+    $py -c 'import torch, fairseq, fairseq_alma; print(\"torch\", torch.__version__, \"fairseq\", fairseq.__version__, torch.cuda.get_device_name())'"
+step smoke 60 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py \
+    tests/test_switch_no_sync.py -k "float64 or float32_under_cuda or cuda_switch or cuda_lm"
+step switch_ffn 120 $py benchmarks/switch_ffn.py --device cuda --ops --json "$out/switch_ffn_cuda.json"
+step train_throughput 240 $py benchmarks/train_throughput.py ${STREAM:+--data "$STREAM"} \
+    --json "$out/train_throughput.json"
+parallel=(); $py -c "import xdist" 2>/dev/null && parallel=(-p xdist.plugin -n 6)  # fairseq-train runs side by side
+step cuda_tests 240 $py -m pytest "${parallel[@]}" -m cuda -rs -q -p no:cacheprovider tests \
+    > "$out/cuda_tests.log" 2>&1
+tail -30 "$out/cuda_tests.log"
+step profile 90 bash -c "$py benchmarks/profile_lm_step.py --precision fp16 && \
+    $py benchmarks/profile_lm_step.py --precision bf16" > "$out/profile.log" 2>&1
+grep -v "^    " "$out/profile.log" | tail -12
+echo "== done at $((SECONDS - start))s"
