@@ -8,7 +8,8 @@ of the criterion's loss (no optimizer, no data loading):
 * ``launch ms``: host time until the step's last kernel is queued (no synchronisation inside);
   when it is close to ``step ms`` the step is bound by the host, not the GPU;
 * ``kernels ms``: summed device time of the step's kernels (torch profiler), and the kernels
-  that take most of it (``--top``).
+  that take most of it (``--top``); then the operations that take most host time (self CPU
+  time under the profiler, which adds its own overhead to every op).
 
 Usage: python benchmarks/profile_lm_step.py [--precision fp16|bf16|fp32] [--top 12]
        python benchmarks/profile_lm_step.py --tiny     # CPU: checks the script runs
@@ -120,6 +121,11 @@ def main() -> None:
               f"   kernels {total:8.2f} ms   ({sum(e.count for e in kernels)} kernel launches)", flush=True)
         for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[: args.top]:
             print(f"    {e.self_device_time_total / 1000:7.2f} ms  x{e.count:<4} {e.key[:110]}", flush=True)
+        host = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[: args.top]
+        print(f"  host time ({sum(e.self_cpu_time_total for e in prof.key_averages()) / 1000:.2f} ms of ops):",
+              flush=True)
+        for e in host:
+            print(f"    {e.self_cpu_time_total / 1000:7.2f} ms  x{e.count:<4} {e.key[:110]}", flush=True)
         del model, criterion
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -13,7 +13,8 @@ cuDNN/cuBLAS warm-up); a run's speed is the harmonic mean of the rest (= tokens 
 windows holding equal token counts).  Once a run has logged its windows it is killed: what
 follows (the stage's checkpoint and evaluation) is not training speed.  Configurations run one
 after the other in one job on one device, stock first in each precision; ratios are to stock
-``transformer_lm`` in the same precision.  Targets: Switch E=8 >= 0.90x and E=1 >= 0.97x.
+``transformer_lm`` in the same precision and round (``--rounds``: the median over rounds, with
+the range).  Targets: Switch E=8 >= 0.90x and E=1 >= 0.97x.
 
 Data: ``--data`` (an ``alma-data-prep`` stream), or the demo corpus (``alma-demo-corpus``, nothing
 downloaded) prepared into a 2-mega-batch stream with an 8,000-piece vocabulary in a temporary
@@ -122,6 +123,8 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=4, help="timed windows per run (after the first)")
     parser.add_argument("--vocab", type=int, default=8000, help="BPE pieces of the demo stream")
     parser.add_argument("--corpus-mb", type=float, default=3.0, help="size of the demo corpus")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds of every configuration, interleaved; a "
+                        "ratio is taken within its round and the median over rounds is reported")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per run before giving up")
     parser.add_argument("--tiny", action="store_true", help="CPU, 2 layers of d 64: checks the script runs")
     parser.add_argument("--json", help="also write the results to this JSON file")
@@ -146,21 +149,28 @@ def main() -> None:
     results: dict = {"device": device, "torch": torch.__version__, "rows": []}
     with tempfile.TemporaryDirectory(prefix="alma-throughput-") as scratch:
         data = args.data or prepare(scratch, args.vocab, args.corpus_mb)
-        speed: dict[tuple[str, str], float] = {}
-        for precision in precisions:
-            for model in models:
-                save = os.path.join(scratch, f"run-{precision}-{len(speed)}")
-                cmd = train_command(args, data, model, precision, save)
-                windows = measure(cmd, args.windows, args.timeout)
-                speed[precision, model] = statistics.harmonic_mean(windows)
-                print(f"  {precision} {model:<15} {speed[precision, model]:>10,.0f} tokens/s "
-                      f"(windows: {', '.join(f'{w:,.0f}' for w in windows)})", flush=True)
+        rounds: list[dict[tuple[str, str], float]] = []
+        for round_index in range(args.rounds):
+            speed: dict[tuple[str, str], float] = {}
+            for precision in precisions:
+                for model in models:
+                    save = os.path.join(scratch, f"run-{round_index}-{precision}-{len(speed)}")
+                    cmd = train_command(args, data, model, precision, save)
+                    windows = measure(cmd, args.windows, args.timeout)
+                    speed[precision, model] = statistics.harmonic_mean(windows)
+                    print(f"  round {round_index + 1} {precision} {model:<15} {speed[precision, model]:>10,.0f} "
+                          f"tokens/s (windows: {', '.join(f'{w:,.0f}' for w in windows)})", flush=True)
+            rounds.append(speed)
     table = []
-    for (precision, model), wps in speed.items():
-        base = speed.get((precision, "transformer_lm"))
-        ratio = wps / base if base else None
-        results["rows"].append({"precision": precision, "model": model, "wps": wps, "ratio_to_stock": ratio})
-        table.append([precision, model, f"{wps:,.0f}", "-" if ratio is None else f"{ratio:.2f}x"])
+    for key in rounds[0]:
+        precision, model = key
+        wps = statistics.median(r[key] for r in rounds)
+        ratios = [r[key] / r[(precision, "transformer_lm")] for r in rounds if (precision, "transformer_lm") in r]
+        ratio = statistics.median(ratios) if ratios else None
+        results["rows"].append({"precision": precision, "model": model, "wps": wps, "ratio_to_stock": ratio,
+                                "wps_by_round": [r[key] for r in rounds], "ratio_by_round": ratios})
+        spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
+        table.append([precision, model, f"{wps:,.0f}", "-" if ratio is None else f"{ratio:.2f}x{spread}"])
     print(format_table(["precision", "model", "tokens/s (fairseq wps)", "x transformer_lm"], table, left=2),
           end="", flush=True)
     if args.json:

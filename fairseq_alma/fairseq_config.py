@@ -97,8 +97,7 @@ def check_precision(node: Any) -> None:
                          f"on CPU train in fp32 (drop {flag})")
     if str(given(node, "distributed_training", "ddp_backend") or "") == "fully_sharded":
         raise UsageError(f"{flag} with --ddp-backend fully_sharded: fairseq 0.12's FSDP does not "
-                         f"support bf16; use --fp16 with fully_sharded, or {flag} with "
-                         f"--ddp-backend pytorch_ddp (or legacy_ddp)")
+                         f"support bf16; use {flag} with --ddp-backend pytorch_ddp (or legacy_ddp)")
 
 
 def check_training_flags(cfg: Any) -> None:
@@ -116,6 +115,13 @@ def check_training_flags(cfg: Any) -> None:
         return
     check_precision(cfg)
     task = cfg.get("task")
+    if task is not None and task.get("_name") == "alma_stream" and \
+            str(given(cfg, "distributed_training", "ddp_backend") or "") == "fully_sharded":
+        raise UsageError("--ddp-backend fully_sharded cannot train an alma_stream run: the stream evaluates, "
+                         "counts and grows the model after every arrival outside fairscale's sharded, "
+                         "flattened parameters (on an H100 it failed at the first evaluation); use "
+                         "--ddp-backend pytorch_ddp or legacy_ddp, with --zero-sharding os to shard the "
+                         "optimizer state")
     check_sharding(cfg, growth=bool(task is not None and str(task.get("grow_experts") or "").strip()))
     kernel = str(model.get("moe_expert_kernel") or "auto") if model is not None else "auto"
     if kernel == "segments" and torch.cuda.is_available() and not given(cfg, "common", "cpu"):
@@ -139,34 +145,16 @@ def check_sharding(node: Any, growth: bool) -> None:
         if not torch.cuda.is_available() or given(node, "common", "cpu"):
             raise UsageError("--ddp-backend fully_sharded needs CUDA (fairscale's FSDP); use "
                              "--ddp-backend legacy_ddp (and --zero-sharding os) on CPU")
+        if (given(node, "distributed_training", "distributed_world_size") or 1) <= 1:
+            raise UsageError("--ddp-backend fully_sharded on one GPU: fairscale 0.4.13 cannot save "
+                             "the optimizer state of a one-process FSDP run (it fails at the first "
+                             "checkpoint, seen on an H100); one GPU needs no sharding: use "
+                             "--ddp-backend pytorch_ddp, with --memory-efficient-fp16 or "
+                             "--checkpoint-activations to cut memory")
         if growth:
             raise UsageError("--grow-experts cannot grow experts inside FSDP's flattened, sharded "
                              "parameters; use --ddp-backend legacy_ddp or pytorch_ddp with "
                              "--zero-sharding os")
-
-
-def single_gpu_fsdp_group(node: Any) -> None:
-    """``--ddp-backend fully_sharded`` on one GPU: start a one-process NCCL group first.
-
-    Why: fairseq 0.12's single-GPU FSDP recipe hands fairscale a stand-in process group, but
-    fairscale 0.4.13's ``FullyShardedDataParallel`` also asks torch.distributed for a
-    reduce-scatter group while it wraps each block, and fails with "torch.distributed is not yet
-    initialized but process group is requested".  A group of one process over an in-memory
-    store (no port, no file) gives fairscale a real group; every collective on it is a copy.
-    Called by ``fairseq_patches.install_training_flags`` before fairseq-train starts; does
-    nothing off CUDA, with several processes, or once a group exists."""
-    import torch
-    import torch.distributed as dist
-
-    distributed = section(node, "distributed_training")
-    if distributed is None or str(distributed.get("ddp_backend") or "") != "fully_sharded":
-        return
-    if (distributed.get("distributed_world_size") or 1) > 1 or given(node, "common", "cpu"):
-        return
-    if not torch.cuda.is_available() or not dist.is_available() or dist.is_initialized():
-        return
-    dist.init_process_group("nccl", store=dist.HashStore(), world_size=1, rank=0)
-    logger.info("alma: --ddp-backend fully_sharded on one GPU: a one-process NCCL group for fairscale")
 
 
 def given(node: Any, section_name: str, key: str) -> Any:

@@ -123,3 +123,56 @@ def test_expert_parallel_trainer_members_exist_and_are_wrapped():
     assert "self._build_optimizer()" in inspect.getsource(Trainer)
     fairseq_patches.install_expert_parallel_trainer()
     assert fairseq_patches._patched(Trainer._build_optimizer)
+
+
+def test_training_config_undoes_the_tpu_mode_of_bf16_after_parsing(monkeypatch):
+    """fairseq's parser sets ``tpu`` with ``--bf16``; the console commands convert the namespace
+    through the name in their module after parsing, which the patch wraps (an explicit --tpu
+    stays, and fairseq_config.check_precision refuses it)."""
+    from argparse import Namespace
+
+    import fairseq.options
+    import fairseq_cli.train as train_cli
+
+    assert "args.tpu = True" in inspect.getsource(fairseq.options.parse_args_and_arch)
+    source = inspect.getsource(train_cli.cli_main)
+    assert source.index("parse_args_and_arch") < source.index("convert_namespace_to_omegaconf(args)")
+    seen = []
+    wrapped = fairseq_patches._TrainingConfig("fairseq_cli.eval_lm", lambda args: seen.append(args.tpu) or args)
+    monkeypatch.setattr("sys.argv", ["fairseq-train", "data", "--bf16"])
+    wrapped(Namespace(bf16=True, tpu=True))
+    monkeypatch.setattr("sys.argv", ["fairseq-train", "data", "--bf16", "--tpu"])
+    wrapped(Namespace(bf16=True, tpu=True))
+    assert seen == [False, True]
+
+
+def test_flat_bf16_master_params_replace_fairseqs_per_parameter_copies(monkeypatch):
+    """fairseq builds one fp32 copy per parameter under --bf16 (what the patch replaces) and
+    constructs the optimizer as the patch does; the flat copy is chosen only on CUDA without
+    the flags that need per-parameter copies."""
+    import torch
+    from fairseq.optim.fp16_optimizer import FP16Optimizer
+    from omegaconf import OmegaConf
+
+    fairseq_patches.install_flat_bf16_master()
+    fairseq_patches.install_flat_bf16_master()  # idempotent
+    original = inspect.getsource(FP16Optimizer.__dict__["build_optimizer"].__func__.__wrapped__)
+    assert 'if getattr(cfg.common, "bf16", False):\n            flatten = False' in original
+    assert "return cls(cfg, params, fp32_optimizer, fp32_params, **kwargs)" in original
+    assert "flatten" in inspect.signature(FP16Optimizer.build_fp32_params).parameters
+
+    def cfg(**common):
+        return OmegaConf.create({"common": {"bf16": True, "tpu": False, "fp16_no_flatten_grads": False, **common},
+                                 "distributed_training": {"zero_sharding": "none"}})
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    assert not fairseq_patches.flat_bf16_master(cfg(), params)  # no CUDA here
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert fairseq_patches.flat_bf16_master(cfg(), params)
+    assert not fairseq_patches.flat_bf16_master(cfg(bf16=False), params)
+    assert not fairseq_patches.flat_bf16_master(cfg(fp16_no_flatten_grads=True), params)
+    sharded = cfg()
+    sharded.distributed_training.zero_sharding = "os"
+    assert not fairseq_patches.flat_bf16_master(sharded, params)
+    params[0].expert = True  # an expert-parallel shard
+    assert not fairseq_patches.flat_bf16_master(cfg(), params)

@@ -11,6 +11,7 @@ from fairseq_alma.modules.router_kernel import route_tokens
 from fairseq_alma.modules.switch_routing import (
     balance_loss,
     expert_capacity,
+    moe_losses,
     route_top1,
     router_z_loss,
     routing_diagnostics,
@@ -55,7 +56,9 @@ def test_fused_router_equals_the_reference_in_values_and_gradients(case):
     x1, w1 = x.clone().requires_grad_(), weight.clone().requires_grad_()
     torch.manual_seed(0)
     routed = route_tokens(x1, w1, experts, capacity, padding, jitter, prioritized)
-    loss = (routed.gate.double() * upstream).sum() + 0.3 * routed.balance_loss + 0.7 * routed.z_loss
+    fused_balance, fused_z = (term[0] for term in moe_losses(
+        routed.counts.unsqueeze(0), routed.prob_sums.unsqueeze(0), routed.lse_square_sum.reshape(1)))
+    loss = (routed.gate.double() * upstream).sum() + 0.3 * fused_balance + 0.7 * fused_z
     loss.backward()
 
     torch.manual_seed(0)
@@ -71,9 +74,10 @@ def test_fused_router_equals_the_reference_in_values_and_gradients(case):
     assert torch.equal(routed.slot[valid].long(), routing.slot[valid])
     assert torch.equal(routed.counts, routing.counts.to(routed.counts.dtype))
     torch.testing.assert_close(routed.gate.double(), routing.gate.double(), rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(routed.balance_loss.double(), balance.double(), rtol=1e-6, atol=0)
-    torch.testing.assert_close(routed.z_loss.double(), z.double(), rtol=1e-6, atol=0)
-    fused = summed_diagnostics(routed.counts.unsqueeze(0), routed.entropy_sum.reshape(1), capacity)
+    torch.testing.assert_close(fused_balance.double(), balance.double(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(fused_z.double(), z.double(), rtol=1e-6, atol=0)
+    entropy = torch.special.entr(routed.probs).sum().reshape(1)
+    fused = summed_diagnostics(routed.counts.unsqueeze(0), entropy, capacity)
     for key, value in diagnostics.items():
         torch.testing.assert_close(fused[key].double(), value.double(), rtol=1e-5, atol=1e-5, msg=key)
     # gradients: the fused router runs in float32, the reference in float64
@@ -94,9 +98,10 @@ def test_nan_at_padding_reaches_no_loss_and_no_token_gradient():
     x[padding] = float("nan")
     x.requires_grad_()
     routed = route_tokens(x, torch.randn(4, 8), 4, 5, padding)
-    assert torch.isfinite(routed.balance_loss) and torch.isfinite(routed.z_loss)
-    assert torch.isfinite(routed.entropy_sum) and not routed.keep[padding].any()
-    (routed.gate.sum() + routed.balance_loss + routed.z_loss).backward()
+    balance, z = moe_losses(routed.counts.unsqueeze(0), routed.prob_sums.unsqueeze(0), routed.lse_square_sum.reshape(1))
+    assert torch.isfinite(balance).all() and torch.isfinite(z).all()
+    assert torch.isfinite(routed.probs).all() and not routed.keep[padding].any()
+    (routed.gate.sum() + balance.sum() + z.sum()).backward()
     assert torch.isfinite(x.grad[~padding]).all() and not x.grad[padding].any()
 
 
@@ -143,6 +148,35 @@ def test_padded_experts_equal_per_token_experts_with_every_gradient():
     for mine, want in zip(got, [x.grad, gate.grad] + [w.grad for w in weights]):
         torch.testing.assert_close(mine, want)
     assert not got[2][experts:].any() and not got[5][experts:].any()
+
+
+def test_routing_seq_first_rows_batch_major_equals_routing_the_transposed_batch():
+    """seq_first: (T, B, d) rows routed in (B, T) order without moving them give, token for
+    token, what routing the (B, T, d) copy gives: outputs, losses, every gradient; with padding,
+    batch-prioritised routing and dropped tokens."""
+    from fairseq_alma.modules import SwitchFFN, SwitchFFNConfig
+
+    for prioritized in (False, True):
+        torch.manual_seed(5)
+        cfg = SwitchFFNConfig(8, 16, 4, capacity_factor=0.75, z_loss=True, expert_kernel="batched",
+                              batch_prioritized_routing=prioritized)
+        layer = SwitchFFN(cfg)
+        x_bt = torch.randn(3, 10, 8)
+        padding = torch.zeros(3, 10, dtype=torch.bool)
+        padding[2, 7:] = True
+        grads, outs = [], []
+        for seq_first in (False, True):
+            layer.zero_grad()
+            x = (x_bt.transpose(0, 1).contiguous() if seq_first else x_bt.clone()).requires_grad_()
+            y, aux = layer(x, padding, seq_first=seq_first)
+            y_bt = y.transpose(0, 1) if seq_first else y
+            (y_bt * torch.arange(8.0)).sum().add(aux.balance_loss + aux.z_loss).backward()
+            dx = x.grad.transpose(0, 1) if seq_first else x.grad
+            outs.append((y_bt, aux.balance_loss, aux.z_loss, aux.diagnostics["dropped"]))
+            grads.append([dx] + [p.grad.clone() for p in layer.parameters()])
+        assert outs[0][3] > 0  # tokens were dropped: the order mattered
+        for a, b in zip(outs[0] + tuple(grads[0]), outs[1] + tuple(grads[1])):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("mode", ["bf16", "autocast-bf16"])

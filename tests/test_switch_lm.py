@@ -285,3 +285,22 @@ def test_a_checkpoint_trained_with_gpu_only_flags_builds_on_cpu():
     validate_config(saved.model)
     with pytest.raises(UsageError, match="--bf16 trains on CUDA GPUs only"):
         check_training_flags(saved)  # but fairseq-train refuses them on this CPU
+
+
+def test_fully_sharded_on_one_gpu_is_refused(monkeypatch):
+    from fairseq_alma.fairseq_config import check_training_flags
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = OmegaConf.create({"model": {"_name": "switch_transformer_lm"}, "task": {"_name": "language_modeling"},
+                            "common": {"cpu": False, "tpu": False, "bf16": False, "fp16": True,
+                                       "memory_efficient_fp16": False, "memory_efficient_bf16": False,
+                                       "fp16_no_flatten_grads": False},
+                            "distributed_training": {"ddp_backend": "fully_sharded", "zero_sharding": "none",
+                                                     "distributed_world_size": 1}})
+    with pytest.raises(UsageError, match="fully_sharded on one GPU: fairscale 0.4.13 cannot save"):
+        check_training_flags(cfg)
+    cfg.distributed_training.distributed_world_size = 2
+    check_training_flags(cfg)  # several GPUs: fairseq's FSDP
+    cfg.task._name = "alma_stream"
+    with pytest.raises(UsageError, match="cannot train an alma_stream run"):
+        check_training_flags(cfg)

@@ -12,7 +12,7 @@ diagnostics go through fairseq ``metrics``: they appear in the progress log and 
 
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from fairseq.criterions import register_criterion
@@ -22,7 +22,7 @@ from fairseq.logging import metrics
 from omegaconf import II
 
 from ..errors import require
-from ..modules.switch_routing import summed_diagnostics
+from ..modules.switch_routing import moe_losses, summed_diagnostics
 
 
 @dataclass
@@ -40,19 +40,30 @@ class SwitchCrossEntropyConfig(FairseqDataclass):
     )
 
 
-def moe_diagnostics(aux_list: List[Any]) -> Dict[str, torch.Tensor]:
-    """The routing diagnostics of every MoE block, summed (``summed_diagnostics``): blocks with
-    the same expert count and capacity (all of one model's) in one batch of small ops."""
-    groups: Dict[Tuple[int, Any], List[Any]] = {}
-    for aux in aux_list:
-        groups.setdefault((aux.counts.numel(), aux.capacity), []).append(aux)
-    total: Dict[str, torch.Tensor] = {}
-    for (_, capacity), group in groups.items():
+def moe_terms(aux_list: List[Any]) -> Tuple[torch.Tensor, Optional[torch.Tensor], Dict[str, torch.Tensor]]:
+    """(balance losses (L,), z-losses (L,) or None, summed diagnostics) of a model's MoE blocks,
+    formed from the fused router's sums (``switch_routing.moe_losses``/``summed_diagnostics``):
+    blocks of the same shape (all of one model's) in one batch of small ops, not per block."""
+    groups: Dict[Tuple[Any, ...], List[int]] = {}
+    for i, aux in enumerate(aux_list):
+        groups.setdefault((aux.counts.numel(), aux.capacity, tuple(aux.probs.shape)), []).append(i)
+    balance: List[Any] = [None] * len(aux_list)
+    z: List[Any] = [None] * len(aux_list)
+    with_z = all(aux.lse_square_sum is not None for aux in aux_list)
+    diagnostics: Dict[str, torch.Tensor] = {}
+    for (_, capacity, _), members in groups.items():
+        group = [aux_list[i] for i in members]
         counts = torch.stack([aux.counts for aux in group])
-        entropy = torch.stack([aux.entropy_sum for aux in group])
+        lse_sums = torch.stack([aux.lse_square_sum for aux in group]) if with_z else counts.new_zeros(len(group))
+        balances, zs = moe_losses(counts, torch.stack([aux.prob_sums for aux in group]), lse_sums)
+        entropy = torch.special.entr(torch.stack([aux.probs for aux in group])).sum((1, 2))
         for key, value in summed_diagnostics(counts, entropy, capacity).items():
-            total[key] = value if key not in total else total[key] + value
-    return total
+            diagnostics[key] = value if key not in diagnostics else diagnostics[key] + value
+        if len(groups) == 1:
+            return balances, zs if with_z else None, diagnostics
+        for j, i in enumerate(members):
+            balance[i], z[i] = balances[j], zs[j]
+    return torch.stack(balance), torch.stack(z) if with_z else None, diagnostics
 
 
 @register_criterion("switch_cross_entropy", dataclass=SwitchCrossEntropyConfig)
@@ -87,15 +98,14 @@ class SwitchCrossEntropyCriterion(CrossEntropyCriterion):
             "sample_size": sample_size,
         }
         if aux_list:
-            balances = torch.stack([aux.balance_loss for aux in aux_list])
+            balances, z_losses, diagnostics = moe_terms(aux_list)
             balance = balances.sum() if self.balance_reduction == "sum" else balances.mean()
             loss = loss + self.balance_weight * balance * sample_size
-            z_terms = [aux.z_loss for aux in aux_list if aux.z_loss is not None]
-            if self.z_weight > 0 and z_terms:
-                loss = loss + self.z_weight * torch.stack(z_terms).sum() * sample_size
+            if self.z_weight > 0 and z_losses is not None:
+                loss = loss + self.z_weight * z_losses.sum() * sample_size
             logging_output["moe_layers"] = len(aux_list)
             logging_output["moe_balance_sum"] = balances.detach().sum()
-            for key, value in moe_diagnostics(aux_list).items():
+            for key, value in diagnostics.items():
                 logging_output[f"moe_{key}"] = value
         return loss, sample_size, logging_output
 
@@ -106,13 +116,17 @@ class SwitchCrossEntropyCriterion(CrossEntropyCriterion):
         if calls == 0:
             return
 
-        def total(key: str) -> float:
-            return float(sum(log.get(key, 0) for log in logging_outputs))
+        def total(key: str) -> torch.Tensor:  # a tensor: no host read here (fairseq reads at logging)
+            value = sum(log.get(key, 0) for log in logging_outputs)
+            return value if torch.is_tensor(value) else torch.tensor(float(value))
 
-        tokens = max(total("moe_tokens"), 1.0)
+        # averaging weights must be host numbers (fairseq's meter tests ``n > 0``): the tokens
+        # routed per block are the step's non-padding tokens, ntokens, in every block
+        token_weight = max(sum(log.get("ntokens", 0) for log in logging_outputs) * calls, 1)
+        tokens = total("moe_tokens").clamp(min=1)
         metrics.log_scalar("moe_balance", total("moe_balance_sum") / calls, calls, round=4)
-        metrics.log_scalar("moe_dropped_pct", 100.0 * total("moe_dropped") / tokens, tokens, round=2)
-        metrics.log_scalar("moe_entropy", total("moe_entropy_sum") / tokens, tokens, round=3)
+        metrics.log_scalar("moe_dropped_pct", 100.0 * total("moe_dropped") / tokens, token_weight, round=2)
+        metrics.log_scalar("moe_entropy", total("moe_entropy_sum") / tokens, token_weight, round=3)
         metrics.log_scalar("moe_load_max", total("moe_load_max") / calls, calls, round=3)
         metrics.log_scalar("moe_load_min", total("moe_load_min") / calls, calls, round=3)
         metrics.log_scalar("moe_unused", total("moe_unused") / calls, calls, round=2)

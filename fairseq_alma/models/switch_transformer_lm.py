@@ -243,6 +243,15 @@ class SwitchTransformerDecoder(FairseqIncrementalDecoder):
         return self.max_target_positions
 
 
+def _z_loss_wanted(cfg: Any) -> bool:
+    """Whether the blocks compute the router z-loss: when the criterion weighs it
+    (``--moe-z-loss-weight`` > 0), or when the criterion cannot be seen (a bare model config:
+    the layer then reports it); with weight 0 (the default) it would be computed for nothing."""
+    criterion = section(cfg, "criterion")
+    weight = criterion.get("moe_z_loss_weight") if criterion is not None and hasattr(criterion, "get") else None
+    return weight is None or float(weight) > 0
+
+
 def switch_ffn_config(cfg: SwitchTransformerLMConfig) -> SwitchFFNConfig:
     """The Switch FFN of every MoE block, from the model flags (validated: one-line errors)."""
     return SwitchFFNConfig(
@@ -257,7 +266,7 @@ def switch_ffn_config(cfg: SwitchTransformerLMConfig) -> SwitchFFNConfig:
         jitter_eps=cfg.moe_jitter_eps,
         router_init_scale=getattr(cfg, "moe_router_init_scale", 1.0),  # absent in older checkpoints
         batch_prioritized_routing=cfg.moe_batch_prioritized_routing,
-        z_loss=True,
+        z_loss=_z_loss_wanted(cfg),
         expert_kernel=str(getattr(cfg, "moe_expert_kernel", "auto")),  # absent in older checkpoints
     )
 

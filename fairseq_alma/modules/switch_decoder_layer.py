@@ -107,10 +107,9 @@ class SwitchDecoderLayer(nn.Module):
         residual = x
         if self.normalize_before:
             x = self.final_layer_norm(x)
-        if self.is_moe:  # SwitchFFN flattens tokens in (B, T) order: "first come" is batch-major
-            y, aux = self.ffn(x.transpose(0, 1), self_attn_padding_mask)  # (B, T, C), mask (B, T)
-            y = y.transpose(0, 1)
-        else:  # position-wise: no reordering copy
+        if self.is_moe:  # "first come" is batch-major: routed in (B, T) order, tokens unmoved
+            y, aux = self.ffn(x, self_attn_padding_mask, seq_first=True)  # (T, B, C), mask (B, T)
+        else:
             y, aux = self.ffn(x)
         x = residual + F.dropout(y, p=self.dropout, training=self.training)
         if not self.normalize_before:

@@ -7,13 +7,16 @@ Why this layout:
 - Dispatch is by index, never by a tokens x experts x capacity one-hot tensor (the fairseq
   ``moe`` branch's dense dispatch is 4x slower than a dense FFN on CPU): on CPU kept tokens are
   sorted by expert and each expert runs one matmul on its segment (expert_segments.py); on GPU
-  all experts run as one batched matmul over an ``[E, C, d]`` buffer (see ``dispatch``).
+  all experts run as one batched matmul over an ``[E, C, d]`` buffer (expert_padded.py).
+- On a GPU the layer costs what it launches: routing and the loss sums are one autograd node
+  (router_kernel.py), the experts another, about 60 launches per forward+backward where plain
+  autograd took about 120 (``benchmarks/switch_ffn.py --ops``).
 - The batched path never reads a tensor back to the host in training, so CUDA kernels queue
   without stalls: the capacity comes from the token count in the shape (switch_routing.py) and
   padding is masked with tensors.  Only unlimited-capacity evaluation reads the experts' loads
   once; the CPU segment kernel reads its group sizes, which costs nothing on CPU.
 - Router logits and softmax are float32 even under --fp16/--amp (Switch §2.4: selective
-  precision), and the balance loss is *returned*, never stored on the module.
+  precision), and the losses' sums are *returned* (``SwitchAux``), never stored on the module.
 """
 
 from __future__ import annotations
@@ -31,33 +34,62 @@ from .expert_padded import buffer_rows, padded_experts
 from .expert_segments import GradientPool, relu_expert_segments
 from .router_kernel import RoutedTokens, route_tokens
 from .switch_ffn_config import SwitchFFNConfig
-from .switch_routing import Top1Routing, expert_capacity, summed_diagnostics
+from .switch_routing import Top1Routing, expert_capacity, moe_losses, summed_diagnostics
 
 Routing = Union[RoutedTokens, Top1Routing]  # the fused router's, or the reference's (tests)
 
 
 @dataclass
 class SwitchAux:
-    """What one SwitchFFN call reports besides its output.
+    """What one SwitchFFN call reports besides its output: the fused router's sums.
 
-    ``balance_loss`` keeps its graph (the criterion adds it to the training loss); ``z_loss`` is
-    None unless enabled.  The routing statistics are kept raw (``counts``: tokens per expert,
-    padding last; ``entropy_sum``; the ``capacity``): the criterion turns every block's into the
-    logged diagnostics at once (``switch_routing.summed_diagnostics``), ``diagnostics`` gives
-    one block's.  ``expert_ids`` (T,) is set while ``record_expert_ids`` is on (growth).
+    The balance loss, the z-loss and the logged diagnostics are formed from these sums once per
+    step for every block together (``switch_routing.moe_losses``/``summed_diagnostics``, used by
+    the ``switch_cross_entropy`` criterion), which costs no launches per block; the properties
+    give one block's.  ``prob_sums`` (E,) and ``lse_square_sum`` keep their graph;
+    ``lse_square_sum`` is None unless the z-loss is enabled.  ``counts`` (E + 1,): tokens per
+    expert, padding last; ``probs`` (T, E): router probabilities (0 at padding), detached;
+    ``expert_ids`` (T,) is set while ``record_expert_ids`` is on (growth).
     """
 
-    balance_loss: Tensor
-    z_loss: Optional[Tensor]
+    prob_sums: Tensor
+    lse_square_sum: Optional[Tensor]
     counts: Tensor
-    entropy_sum: Tensor
+    probs: Tensor
     capacity: Optional[int]
     expert_ids: Optional[Tensor] = None
 
     @property
+    def balance_loss(self) -> Tensor:
+        """The Switch balance loss ``E * sum_i f_i P_i`` of this block (``balance_loss``)."""
+        return moe_losses(self.counts.unsqueeze(0), self.prob_sums.unsqueeze(0), self.prob_sums.new_zeros(1))[0][0]
+
+    @property
+    def z_loss(self) -> Optional[Tensor]:
+        """The router z-loss of this block (``router_z_loss``), or None when not enabled."""
+        if self.lse_square_sum is None:
+            return None
+        return moe_losses(self.counts.unsqueeze(0), self.prob_sums.unsqueeze(0), self.lse_square_sum.reshape(1))[1][0]
+
+    @property
     def diagnostics(self) -> dict[str, Tensor]:
         """tokens, dropped, entropy_sum, load_max, load_min, unused (``routing_diagnostics``)."""
-        return summed_diagnostics(self.counts.unsqueeze(0), self.entropy_sum.reshape(1), self.capacity)
+        return summed_diagnostics(self.counts.unsqueeze(0), torch.special.entr(self.probs).sum().reshape(1),
+                                  self.capacity)
+
+
+_PLACES: dict[tuple[int, int, torch.device], Tensor] = {}
+
+
+def _batch_major_places(length: int, batch: int, device: torch.device) -> Tensor:
+    """(T * B,) long: the batch-major place (b * T + t) of each row of a (T, B) token grid; made
+    once per shape and device (a training run has one or two shapes)."""
+    key = (length, batch, device)
+    places = _PLACES.get(key)
+    if places is None:
+        places = torch.arange(length * batch, device=device).view(batch, length).t().reshape(-1)
+        _PLACES[key] = places
+    return places
 
 
 def _activation(name: str, inplace: bool = False):
@@ -163,27 +195,48 @@ class SwitchFFN(nn.Module):
             weight = self.router.weight[: self.num_experts].float()
             return F.linear(x, weight)
 
-    def forward(self, x: Tensor, padding_mask: Optional[Tensor] = None) -> tuple[Tensor, SwitchAux]:
-        """x: (..., d); padding_mask: same leading shape, True at padding.  Returns (y, aux)."""
+    def forward(self, x: Tensor, padding_mask: Optional[Tensor] = None,
+                seq_first: bool = False) -> tuple[Tensor, SwitchAux]:
+        """x: (..., d); padding_mask: same leading shape, True at padding.  Returns (y, aux).
+
+        ``seq_first``: x is (T, B, d) as fairseq's decoder holds it and padding_mask (B, T);
+        tokens are routed in batch-major order ("first come" = the order of (B, T)) without
+        being moved: only the routing order is permuted, the tokens and outputs stay where
+        they are (no transposed copy in and out of the layer)."""
         shape = x.shape
-        tokens = x.reshape(-1, self.embed_dim)  # (T, d)
+        tokens = x.reshape(-1, self.embed_dim)  # (T, d) in x's own order
+        positions = padding = None
+        if seq_first:
+            length, batch = shape[0], shape[1]
+            positions = _batch_major_places(length, batch, x.device)
+            if padding_mask is not None:
+                padding = padding_mask.t().reshape(-1)  # (T * B,) in x's order
+        elif padding_mask is not None:
+            padding = padding_mask.reshape(-1)
         cfg = self.cfg
         capacity_factor = cfg.capacity_factor if self.training else cfg.eval_capacity_factor
         routed = route_tokens(
             tokens, self.router.weight, self.num_experts,
             expert_capacity(tokens.shape[0], self.num_experts, capacity_factor),
-            padding=padding_mask,
+            padding=padding,
             jitter_eps=cfg.jitter_eps if self.training else 0.0,
             prioritized=self.training and cfg.batch_prioritized_routing,
+            positions=positions,
+            with_z=cfg.z_loss,
         )
         y = self.dispatch(tokens, routed)
+        expert_ids = None
+        if self.record_expert_ids:  # in (B, T) order, padding: E
+            expert_ids = routed.expert.detach()
+            if seq_first:
+                expert_ids = expert_ids.view(shape[0], shape[1]).t().reshape(-1)
         aux = SwitchAux(
-            balance_loss=routed.balance_loss,
-            z_loss=routed.z_loss if cfg.z_loss else None,
+            prob_sums=routed.prob_sums,
+            lse_square_sum=routed.lse_square_sum,
             counts=routed.counts,
-            entropy_sum=routed.entropy_sum,
+            probs=routed.probs,
             capacity=routed.capacity,
-            expert_ids=routed.expert.detach() if self.record_expert_ids else None,  # padding: E
+            expert_ids=expert_ids,
         )
         return y.reshape(shape), aux
 

@@ -205,6 +205,20 @@ def routing_diagnostics(routing: Top1Routing, valid: Optional[Tensor] = None) ->
 DIAGNOSTIC_KEYS = ("tokens", "dropped", "entropy_sum", "load_max", "load_min", "unused")
 
 
+def moe_losses(counts: Tensor, prob_sums: Tensor, lse_square_sums: Tensor) -> tuple[Tensor, Tensor]:
+    """(balance, z-loss), each (L,), of L routing calls from the sums the fused router keeps
+    (``router_kernel.RoutedTokens``): ``counts`` (L, E + 1) tokens per expert with padding last,
+    ``prob_sums`` (L, E) router probabilities summed over non-padding tokens, ``lse_square_sums``
+    (L,) summed squared logsumexp.  Over n non-padding tokens, balance = E * sum_i f_i P_i with
+    f_i = counts_i / n and P_i = prob_sums_i / n (``balance_loss``), z = lse_square_sums / n
+    (``router_z_loss``).  Gradients flow through the sums; counts are constants, as in the
+    Switch reference."""
+    loads = counts[:, :-1].float()  # (L, E)
+    tokens = loads.sum(1).clamp(min=1)  # (L,) n
+    balance = (loads * prob_sums).sum(1) * (loads.shape[1] / tokens.square())
+    return balance, lse_square_sums / tokens
+
+
 def summed_diagnostics(counts: Tensor, entropy_sum: Tensor, capacity: Optional[int]) -> dict[str, Tensor]:
     """``routing_diagnostics`` of L routing calls at once, summed over them, from what the fused
     router keeps (``router_kernel.RoutedTokens``): ``counts`` (L, E + 1), tokens per expert with
