@@ -463,22 +463,11 @@ _UNREADABLE = (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFil
                KeyError, IndexError, AttributeError)
 
 
-def recovery_hint(path: str) -> str:
-    """What to do about an unreadable checkpoint, given what else the run directory holds."""
-    name, directory = os.path.basename(path), os.path.dirname(os.path.abspath(path))
-    if name.startswith("checkpoint_stage"):
-        return ("restore it from a copy, or train the stream again with --restart-stream (the old "
-                "files are moved aside)")
-    newer = sorted((p for p in os.listdir(directory) if p.startswith("checkpoint_") and
-                    p.count("_") == 2 and p.endswith(".pt")),
-                   key=lambda p: os.path.getmtime(os.path.join(directory, p)), reverse=True)
-    start_over = ("move it aside and run the same command to train the stream again from its "
-                  "start (stage checkpoints hold no optimizer state to resume from), or use "
-                  "--restart-stream")
-    if newer:
-        return (f"copy {newer[0]} (the newest interval checkpoint) over it and run the same "
-                f"command, or {start_over}")
-    return start_over
+def _unreadable(path: str, err: BaseException) -> CheckpointError:
+    from .stream.run_view import recovery_hint
+
+    reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
+    return CheckpointError(f"{path}: not a readable checkpoint ({reason}); {recovery_hint(path)}")
 
 
 def install_checkpoint_errors() -> None:
@@ -498,18 +487,21 @@ def install_checkpoint_errors() -> None:
 
     def load_checkpoint_to_cpu(path: str, arg_overrides: Any = None,
                                load_on_all_ranks: bool = False) -> Any:
-        from .stream.run_dir import damaged_record
+        from .checkpoint_load import TRUST_FLAG, unsafe_type
+        from .stream.run_view import checked_checkpoint
 
-        bad = damaged_record(path)
-        if bad is not None:
-            raise CheckpointError(f"{path}: damaged (record {bad} fails its CRC check); "
-                                  f"{recovery_hint(path)}")
+        checked_checkpoint(path)
         try:
             return original(path, arg_overrides, load_on_all_ranks)
+        except pickle.UnpicklingError as err:  # torch's weights_only refusal (checkpoint_load.py)
+            if "weights_only" in str(err) or "Unsupported global" in str(err):
+                raise CheckpointError(f"{path}: holds {unsafe_type(err)}, which fairseq-alma's "
+                                      f"checkpoints never hold; loading it would run code from the "
+                                      f"file: load it only if you trust where it came from "
+                                      f"({TRUST_FLAG})") from None
+            raise _unreadable(path, err) from None
         except _UNREADABLE as err:
-            reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
-            raise CheckpointError(f"{path}: not a readable checkpoint ({reason}); "
-                                  f"{recovery_hint(path)}") from None
+            raise _unreadable(path, err) from None
 
     checkpoint_utils.load_checkpoint_to_cpu = _mark(load_checkpoint_to_cpu)
 

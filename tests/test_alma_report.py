@@ -183,3 +183,71 @@ def test_help_lists_the_figures():
     for figure in ("fig2_cer_tradeoffs.png", "fig3_error_curves", "fig4_replay.png",
                    "fig5_tradeoffs.png", "table2.md", "anytime"):
         assert figure in proc.stdout
+
+
+@pytest.mark.slow
+def test_an_unfinished_run_is_refused_naming_what_is_missing(lm_runs, tmp_path):
+    """A run stopped after stage 1 of 3 is not published as a shorter stream (alone, or next
+    to a finished seed): one line naming the missing arrivals and how to finish it."""
+    import shutil
+
+    stopped = tmp_path / "stopped"
+    shutil.copytree(lm_runs / "runs" / "sm_s2", stopped)
+    lines = (stopped / "stream.jsonl").read_text().splitlines(keepends=True)
+    (stopped / "stream.jsonl").write_text("".join(lines[:2]))
+    for argv in ([stopped], [lm_runs / "runs" / "sm_s1", stopped]):
+        proc = _report(*argv, "--out", tmp_path / "out")
+        errors = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(errors) == 1, proc.stderr
+        assert "training not finished: arrivals 0..1 of B = 3 (arrivals 2..3 missing)" in errors[0]
+        assert "run the same training command again" in errors[0]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_numbers_obtained_differently_are_never_one_row(lm_runs, tmp_path):
+    """Seeds scored on another split are two rows that say so; a run given as its directory and
+    as its own alma-score JSON is refused; different updates per stage never share a name."""
+    runs = lm_runs / "runs"
+    run([tool("alma-score"), str(runs / "sm_s2"), "--subset", "valid", "--cpu", "--json",
+         str(tmp_path / "valid.json")])
+    proc, _ = _report_ok(runs / "sm_s1", tmp_path / "valid.json", out=tmp_path / "split")
+    rows = {s["setting"] for s in json.loads((tmp_path / "split" / "table2.json").read_text())["series"]}
+    assert rows == {"SM_w1 [split=eval]", "SM_w1 [split=valid]"}, rows
+    run([tool("alma-score"), str(runs / "sm_s1"), "--cpu", "--json", str(tmp_path / "own.json")])
+    proc = _report(runs / "sm_s1", tmp_path / "own.json", "--out", tmp_path / "twice")
+    assert proc.returncode == 2 and "is given twice" in proc.stderr and "own.json" in proc.stderr
+    longer = tmp_path / "u6"
+    run([tool("fairseq-train"), str(lm_runs / "data"), "--user-dir", USER_DIR, *LM_FLAGS, "--seed", "1",
+         "--updates-per-stage", "6", "--save-dir", str(longer)])
+    proc, _ = _report_ok(runs / "sm_s1", longer, out=tmp_path / "budget")
+    rows = {s["setting"] for s in json.loads((tmp_path / "budget" / "table2.json").read_text())["series"]}
+    assert len(rows) == 2 and all(row.startswith("SM_w1 [") for row in rows), rows
+    assert sorted("config.task.updates_per_stage=4" in row for row in rows) == [False, True]
+    assert sorted("config.task.updates_per_stage=6" in row for row in rows) == [False, True]
+
+
+@pytest.mark.slow
+def test_one_anytime_number_everywhere(lm_runs, tmp_path):
+    """anytime_ppl = 2 ** anytime_nll in the CSV and the JSON, for single runs and for seed
+    groups, whose anytime_nll is the mean of each seed's, recomputed here from stream.jsonl."""
+    import csv
+
+    out = tmp_path / "report"
+    _report_ok(lm_runs / "runs", out=out)
+    data = json.loads((out / "table2.json").read_text())
+    with open(out / "table2.csv", newline="") as handle:
+        table = {(row["setting"], row["num_experts"]): row for row in csv.DictReader(handle)}
+    for series in data["series"]:
+        summary = series["summary"]
+        assert summary["anytime_ppl"] == pytest.approx(2 ** summary["anytime_nll"], rel=1e-12)
+        row = table[(series["setting"], series["num_experts"])]
+        assert float(row["anytime_ppl"]) == pytest.approx(2 ** float(row["anytime_nll"]), rel=1e-12)
+        assert float(row["anytime_nll"]) == pytest.approx(summary["anytime_nll"], rel=1e-12)
+        assert series["arrivals"][-1]["anytime_nll_so_far"] == pytest.approx(summary["anytime_nll"])
+    group = next(s for s in data["series"] if s["setting"] == "SM_w1")
+    per_seed = [statistics.fmean(math.log2(r.eval_ppl) for r in read_records(Path(run) / "stream.jsonl")[1:])
+                for run in group["runs"]]
+    assert group["summary"]["anytime_nll"] == pytest.approx(statistics.fmean(per_seed))
+    assert group["summary_std"]["anytime_nll"] == pytest.approx(statistics.stdev(per_seed))
+    assert group["summary_std"]["anytime_ppl"] is None  # its spread is anytime_nll's, in bits

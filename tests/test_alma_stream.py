@@ -145,3 +145,21 @@ def test_fairseq_transformer_lm_trains_a_stream(stream_dir, tmp_path):
     assert records[2]["eval_ppl"] < records[0]["eval_ppl"] and records[2]["params_active"] > 0
     assert records[1]["infer_flops_per_token"] > 0
     assert records[1]["infer_flops_per_sequence"] == records[1]["infer_flops_per_token"] * 32
+
+
+def test_the_same_command_on_a_finished_run_changes_no_byte(stream_dir, reference_run, tmp_path):
+    """Every arrival recorded and every stage checkpoint kept: the training command again
+    exits 0 and leaves every file as it was (it rewrote the last record's wall_time before)."""
+    import hashlib
+    import shutil
+
+    save = tmp_path / "run"
+    shutil.copytree(reference_run[0], save)
+
+    def digest() -> dict:
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(save.iterdir())}
+
+    before = digest()
+    proc = run(stream_cmd(stream_dir, save, *RESUMABLE))
+    assert "nothing to train" in proc.stdout + proc.stderr
+    assert digest() == before

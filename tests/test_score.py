@@ -276,7 +276,7 @@ def _without(stream: Path, tmp_path: Path, run_name: str, drop: str = "",
     ("gens_continue", "--stage-init scratch"),
     ("ens_other_b", "has B = 2 mega-batches but"),
     ("missing_checkpoint", "checkpoint_stage1.pt: missing (stage 1, trained at arrival 2)"),
-    ("unfinished", "arrivals 0..2 but the stream"),
+    ("unfinished", "training not finished: arrivals 0..2 of B = 3 (arrival 3 missing)"),
     ("from_log_ens", "--from-log works with --mode single only"),
 ])
 def test_bad_input_is_one_line(stream, tmp_path, capsys, case, needle):

@@ -213,7 +213,8 @@ def test_unfinished_run_is_skipped_with_its_ensemble(
     stream.write_text("".join(stream.read_text().splitlines(keepends=True)[:2]))  # arrivals 0, 1
     out = cli(slurm, workdir, "alma-sweep", "score", str(copy), "--dry-run")
     assert "1 scoring task(s) for 1 finished run(s)" in out, out
-    assert (f"skipped seed2: training not finished: arrivals 0..1 of B = 2 in {stream}\n"
+    assert (f"skipped seed2: {stream}: training not finished: arrivals 0..1 of B = 2 (arrival 2 "
+            "missing); run the same training command again to finish it\n"
             "skipped ens-seeds1-2: waits for seed2 (not finished)\n") in out, out
     assert "#SBATCH --array=0%1\n" in out
 

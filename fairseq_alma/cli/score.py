@@ -217,6 +217,11 @@ _FLAGS: list[tuple[str, dict]] = [
     ("--plot", {"metavar": "FILE.png",
                 "help": "Fig. 5: average perplexity vs cumulative compute and vs parameters"}),
     ("--cpu", {"action": "store_true", "help": "score on CPU even if CUDA is available"}),
+    ("--trust-checkpoint", {"action": "store_true",
+                            "help": "unpickle checkpoints fully (a pickle can run code when it is "
+                                    "loaded): only for files from a source you trust; by default "
+                                    "only tensors and plain values are read, and a checkpoint "
+                                    "holding anything else is refused naming the type"}),
     ("--distributed-backend", {"choices": ("gloo", "nccl"),
                                "help": "under torchrun/srun with several processes: how they add "
                                        "their sums (default: nccl on CUDA, gloo on CPU)"}),
@@ -316,7 +321,10 @@ def run(args: argparse.Namespace, world: ScoreWorld | None = None) -> int:
     rank 0; every user mistake raises ``UsageError``."""
     import torch
 
+    from ..checkpoint_load import trust_checkpoints
+
     world = world or ScoreWorld()
+    trust_checkpoints(getattr(args, "trust_checkpoint", False))
     args.run_dirs = expand_run_dirs(args.run_dirs)
     _check_flags(args)
     use_cuda = torch.cuda.is_available() and not args.cpu

@@ -14,11 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError, DataError, RunDirError, UsageError
-from ..fairseq_patches import recovery_hint
-from ..stream.records import ArrivalRecord, read_records
-from ..stream.run_dir import RunDirectory, damaged_record, fingerprint_hash
+from ..errors import DataError, RunDirError, UsageError
 from ..report.inputs import setting_name, vision_size_label
+from ..stream.records import ArrivalRecord
+from ..stream.run_view import RunView
 from ..stream.series import flops_convention
 
 logger = logging.getLogger("fairseq_alma.cli.score")
@@ -73,43 +72,29 @@ def load_run(run_dir: str, args: argparse.Namespace) -> StreamRun:
     """Read and check one run dir (records, stage checkpoints of this run, complete stream)."""
     from omegaconf import OmegaConf
 
-    path = Path(run_dir)
-    if not path.is_dir():
-        raise UsageError(f"RUN_DIR {run_dir}: not a directory; pass an alma_stream --save-dir")
-    if not (path / "stream.jsonl").is_file():
-        raise UsageError(f"{path / 'stream.jsonl'}: missing; pass the --save-dir of a "
-                         f"fairseq-train --task alma_stream run")
-    try:
-        records = read_records(path / "stream.jsonl")
-    except RunDirError as err:
-        raise UsageError(str(err)) from None
-    if len(records) < 2 or [r.arrival for r in records] != list(range(len(records))):
-        raise UsageError(f"{path / 'stream.jsonl'}: needs arrivals 0..B in order; re-run the "
+    view = RunView.open(run_dir)
+    records = view.records
+    if len(records) < 2:
+        raise UsageError(f"{view.stream_log}: needs arrivals 0..B in order; re-run the "
                          f"training command to complete it")
-    run = StreamRun(path, records, {})
+    run = StreamRun(view.path, records, {})
     if run.metric == "error":
         if not args.from_log:
-            raise UsageError(f"{path}: a vision stream (test_error): only --from-log reads it")
+            raise UsageError(f"{view.path}: a vision stream (test_error): only --from-log reads it")
         return run
     if not run.stages:
-        raise UsageError(f"{path / 'stream.jsonl'}: no stage has trained yet; nothing to score")
-    for record in records:
-        if record.trained:
-            ckpt = path / f"checkpoint_stage{record.stage}.pt"
-            if not ckpt.is_file():
-                raise UsageError(f"{ckpt}: missing (stage {record.stage}, trained at arrival "
-                                 f"{record.arrival}); re-run the training command to restore it")
-            run.checkpoints[record.stage] = str(ckpt)
-    initial = path / "checkpoint_stage0.pt"
-    run.initial = str(initial) if initial.is_file() and run.waits and not args.from_log else None
-    run.fingerprint = RunDirectory.for_reading(path).read_fingerprint()
-    expected = fingerprint_hash(run.fingerprint) if run.fingerprint is not None else None
+        raise UsageError(f"{view.stream_log}: no stage has trained yet; nothing to score")
+    run.checkpoints = {stage: str(path) for stage, path in view.trained_checkpoints().items()}
+    initial = view.initial_checkpoint()
+    run.initial = str(initial) if initial is not None and run.waits and not args.from_log else None
+    run.fingerprint = view.fingerprint
+    expected = view.run_hash()
     kept = {**run.checkpoints, **({0: run.initial} if run.initial else {})}
     for stage, ckpt in sorted(kept.items()):
         state = _read_checkpoint(ckpt)
         alma = state.get("alma") or {}
         if expected and alma.get("run") and alma["run"] != expected:
-            raise RunDirError(f"{ckpt} belongs to another run than {path / 'run.json'} (a "
+            raise RunDirError(f"{ckpt} belongs to another run than {view.run_file} (a "
                               f"restarted or mixed --save-dir); train this stream again with "
                               f"--restart-stream, or score the run it came from")
         run.dictionaries[stage] = alma.get("dictionary")
@@ -117,41 +102,33 @@ def load_run(run_dir: str, args: argparse.Namespace) -> StreamRun:
     run.cfg = OmegaConf.create(state["cfg"])
     counts = [int(v) for k, v in state["model"].items() if k.endswith("num_active")]
     run.experts = max(counts) if counts else run.cfg.model.get("moe_experts")
-    _check_complete(run, args.data or run.cfg.task.data, args.from_log)
+    _check_complete(view, args.data or run.cfg.task.data, args.from_log)
     return run
 
 
 def _read_checkpoint(path: str) -> dict:
-    """A stage checkpoint, memory-mapped (only what is read is paged in)."""
-    import torch
+    """A stage checkpoint, memory-mapped (only what is read is paged in), never unpickling
+    anything but tensors and plain values (``checkpoint_load.py``)."""
+    from ..checkpoint_load import load_checkpoint
 
-    bad = damaged_record(path)
-    if bad is not None:
-        raise CheckpointError(f"{path}: damaged (record {bad} fails its CRC check); "
-                              f"{recovery_hint(path)}")
-    try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    except Exception as err:  # noqa: BLE001 - any unreadable file gets the same one-line error
-        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
-        raise CheckpointError(f"{path}: not a readable checkpoint ({reason}); "
-                              f"{recovery_hint(path)}") from None
+    return load_checkpoint(path, mmap=True)
 
 
-def _check_complete(run: StreamRun, data: str, from_log: bool) -> None:
-    """An unfinished run has fewer arrivals than its stream's B: scoring it would mislabel t."""
+def _check_complete(view: RunView, data: str, from_log: bool) -> None:
+    """An unfinished run has fewer arrivals than its stream's B: scoring it would mislabel t.
+    B is the data's (the stream it is scored on), else the run's fingerprint's."""
     from data_prep.manifest import load_manifest
 
     try:
         b = int(load_manifest(data.split(os.pathsep)[0])["num_megabatches"])
     except DataError as err:
-        if from_log:  # logs copied without their data: still readable, completeness unchecked
-            logger.warning("%s; cannot check that %s is complete", err, run.path)
+        if from_log and view.num_megabatches is None:  # logs copied without their data
+            logger.warning("%s; cannot check that %s is complete", err, view.path)
             return
-        raise UsageError(f"{err} (the data of {run.path}; point --data at it)") from None
-    arrivals = len(run.records) - 1
-    if arrivals != b:
-        raise UsageError(f"{run.path / 'stream.jsonl'}: arrivals 0..{arrivals} but the stream in "
-                         f"{data} has B = {b}; finish the run (same fairseq-train command)")
+        if not from_log:
+            raise UsageError(f"{err} (the data of {view.path}; point --data at it)") from None
+        b = view.num_megabatches
+    view.require_finished(b)
 
 
 def check_members(runs: list[StreamRun], mode: str) -> None:

@@ -28,9 +28,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import AlmaError, RunDirError
+from ..errors import AlmaError
 from ..stream.atomic import atomic_write_json
-from ..stream.records import ArrivalRecord, read_records
+from ..stream.records import ArrivalRecord
+from ..stream.run_view import RunView
 from ..stream.series import ReportSeries, series_from_records
 from ..report import figures, tables
 from .demo import PACKAGE_DIR, tool
@@ -64,19 +65,10 @@ def train_command(run: Run, args: argparse.Namespace, save_dir: Path) -> list[st
     ]
 
 
-def complete_records(path: Path, num_megabatches: int) -> list[ArrivalRecord] | None:
-    """The run's records if all B + 1 arrivals are there, else None (run or continue it)."""
-    try:
-        records = read_records(path)
-    except RunDirError:
-        return None
-    return records if len(records) == num_megabatches + 1 else None
-
-
 def run_stream(run: Run, args: argparse.Namespace, out: Path) -> list[ArrivalRecord]:
     """Run (or reuse, or continue) one stream; return its records.  Exits on failure."""
     save_dir = out / "runs" / run.name
-    done = complete_records(save_dir / "stream.jsonl", args.num_megabatches)
+    done = RunView(save_dir).finished_records(args.num_megabatches)
     if done is not None:
         print(f"   {run.name}: complete, reused", flush=True)
         return done
@@ -87,7 +79,7 @@ def run_stream(run: Run, args: argparse.Namespace, out: Path) -> list[ArrivalRec
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     with open(log, "w", encoding="utf-8") as handle:
         proc = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, check=False)
-    records = complete_records(save_dir / "stream.jsonl", args.num_megabatches)
+    records = RunView(save_dir).finished_records(args.num_megabatches)
     if proc.returncode != 0 or records is None:
         text = log.read_text(encoding="utf-8", errors="replace")
         tail = "\n".join(text.splitlines()[-10:])

@@ -30,10 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ..errors import DataError, RunDirError, UsageError
+from ..errors import DataError, UsageError
 from ..report.seeds import SEED_KEYS, canonical, without_keys
-from ..stream.records import read_records
-from ..stream.run_dir import RunDirectory
+from ..stream.run_view import RunView
 from .sweep_records import read_json
 
 PLAN_FILE = "score_jobs.json"  # the scoring tasks and every submission of them
@@ -72,40 +71,34 @@ class Skipped:
 
 
 def unfinished_reason(job: Mapping[str, Any]) -> str | None:
-    """Why the run of ``job`` (a jobs.json entry) cannot be scored yet; None when it can."""
-    run_dir = Path(job["run_dir"])
-    stream = run_dir / "stream.jsonl"
-    if not stream.is_file():
-        return f"{stream} does not exist (not trained yet)"
+    """Why the run of ``job`` (a jobs.json entry) cannot be scored yet; None when it can (the
+    rule every reader of a run directory uses: ``stream/run_view.py``)."""
+    view = RunView(job["run_dir"])
+    if not view.stream_log.is_file():
+        return f"{view.stream_log} does not exist (not trained yet)"
     try:
-        records = read_records(stream)
-    except RunDirError as err:
-        return str(err)
-    if [r.arrival for r in records] != list(range(len(records))):
-        return f"{stream}: arrivals are not 0..B in order"
-    if records and records[0].eval_ppl is None:
-        return "a vision stream (test_error): alma-score scores language models; use alma-report"
-    data = str(job["argv"][0]).split(os.pathsep)[0]  # fairseq-train's DATA, made absolute
-    try:
-        from data_prep.manifest import load_manifest
+        if view.metric == "error":
+            return "a vision stream (test_error): alma-score scores language models; use alma-report"
+        data = str(job["argv"][0]).split(os.pathsep)[0]  # fairseq-train's DATA, made absolute
+        try:
+            from data_prep.manifest import load_manifest
 
-        megabatches = int(load_manifest(data)["num_megabatches"])
-    except DataError as err:
-        return f"cannot tell whether the stream is complete: {err}"
-    if len(records) - 1 != megabatches:
-        reached = f"arrivals 0..{len(records) - 1}" if records else "no arrival"
-        return f"training not finished: {reached} of B = {megabatches} in {stream}"
-    for record in records:
-        ckpt = run_dir / f"checkpoint_stage{record.stage}.pt"
-        if record.trained and not ckpt.is_file():
-            return f"{ckpt} is missing (stage {record.stage})"
+            megabatches = int(load_manifest(data)["num_megabatches"])
+        except DataError as err:
+            return f"cannot tell whether the stream is complete: {err}"
+        reason = view.unfinished_reason(megabatches)
+        if reason is not None:
+            return reason
+        view.trained_checkpoints()
+    except UsageError as err:
+        return str(err)
     return None
 
 
 def grows_ensemble(job: Mapping[str, Any]) -> bool:
     """True for a run whose stages form a gEns (``--stage-init scratch``, no ``--replay``), read
     from its run.json, the settings it really trained with (alma-score checks the same)."""
-    fingerprint = RunDirectory.for_reading(job["run_dir"]).read_fingerprint() or {}
+    fingerprint = RunView(job["run_dir"]).fingerprint or {}
     task = (fingerprint.get("config") or {}).get("task") or {}
     return task.get("stage_init") == "scratch" and not task.get("replay")
 
@@ -117,9 +110,7 @@ def input_signature(run_dirs: Sequence[str], mode: str, options: Sequence[str]) 
     """A short hash of what a task scores (module doc): changes when a member is retrained."""
     files = []
     for run_dir in run_dirs:
-        path = Path(run_dir)
-        for file in [path / "run.json", path / "stream.jsonl",
-                     *sorted(path.glob("checkpoint_stage*.pt"))]:
+        for file in RunView(run_dir).signature_files():
             try:
                 stat = file.stat()
             except FileNotFoundError:
@@ -153,7 +144,7 @@ def _fingerprint_mismatch(members: Sequence[Mapping[str, Any]]) -> str | None:
     way alma-report groups seeds); names the first two that do not."""
     keys = []
     for job in members:
-        fingerprint = RunDirectory.for_reading(job["run_dir"]).read_fingerprint()
+        fingerprint = RunView(job["run_dir"]).fingerprint
         keys.append(None if fingerprint is None else canonical(without_keys(fingerprint,
                                                                             SEED_KEYS)))
     for job, key in zip(members[1:], keys[1:]):

@@ -16,6 +16,7 @@ from typing import Any, Mapping
 
 from ..errors import UsageError
 from ..stream.atomic import atomic_write_json
+from ..stream.run_view import RunView
 
 # Slurm job states (squeue %T) grouped the way status reports them.
 _QUEUE_RUNNING = {"RUNNING", "COMPLETING", "SUSPENDED", "STAGE_OUT", "SIGNALING", "RESIZING"}
@@ -109,9 +110,9 @@ def run_status(
 ) -> RunStatus:
     """Status of one job. ``queue`` maps array task index -> (Slurm state, job id) for this
     sweep's queued jobs, or is None when squeue could not be asked."""
-    run_dir = Path(job["run_dir"])
-    events = read_jsonl(run_dir / "slurm_events.jsonl")
-    stream = read_jsonl(run_dir / "stream.jsonl")
+    view = RunView(job["run_dir"])
+    events = read_jsonl(view.slurm_events)
+    stream = read_jsonl(view.stream_log)  # lenient: a run still training may be mid-write
     last = events[-1] if events else None
     slurm_job = None
     if last is not None and last.get("array_job_id") is not None:

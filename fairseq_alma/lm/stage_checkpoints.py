@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
+from ..checkpoint_load import load_checkpoint
 from ..stream.run_dir import RunDirectory
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ def keep_stage_checkpoint(run_dir: RunDirectory, stage: int, alma_info: dict[str
     if not source.exists():
         logger.warning("no %s to keep as the end of stage %d", source, stage)
         return None
-    state = torch.load(source, map_location="cpu", weights_only=False)
+    state = load_checkpoint(source)  # this run's own file, read as any checkpoint is
     if not _is_end_of_stage(state, stage):
         logger.warning("%s is not the end of stage %d; stage checkpoint not written", source, stage)
         return None

@@ -98,17 +98,48 @@ class StreamTraining:
         from ..fairseq_config import run_fingerprint
         from ..ranks import raise_unless_all_ok
 
-        error, run_dir, fingerprint = None, None, {}
+        error, run_dir, fingerprint, finished = None, None, {}, False
         try:
             run_dir = RunDirectory.for_training(self.cfg.save_dir, rank=world()[1])
             fingerprint = {"config": run_fingerprint(self.cfg), "data": data_identity(self.task.manifest)}
             run_dir.check_fingerprint(fingerprint, restart=self.cfg.restart_stream)
-            run_dir.claim(fingerprint, restart=self.cfg.restart_stream)
-            self.verify_shards_once(run_dir, fingerprint["data"])
+            finished = not self.cfg.restart_stream and self.holds_finished_run(run_dir, fingerprint)
+            if not finished:
+                run_dir.claim(fingerprint, restart=self.cfg.restart_stream)
+                self.verify_shards_once(run_dir, fingerprint["data"])
         except AlmaError as err:
             error = err
         raise_unless_all_ok(error)
+        if finished:  # the same command on a finished run changes no byte of it
+            run_dir.close()
+            logger.info("alma_stream: %s holds this run, finished (every arrival recorded, every "
+                        "stage checkpoint kept): nothing to train; --restart-stream trains it again",
+                        run_dir.path)
+            raise SystemExit(0)
         return run_dir, fingerprint
+
+    def holds_finished_run(self, run_dir: RunDirectory, fingerprint: Dict[str, Any]) -> bool:
+        """This run, with every arrival recorded and every trained stage's checkpoint kept."""
+        from ..errors import UsageError
+        from ..stream.run_view import RunView
+
+        import zipfile
+
+        from ..stream.run_dir import damaged_record
+
+        if run_dir.read_fingerprint() != fingerprint:
+            return False
+        last = run_dir.last_checkpoint
+        if last.exists() and (not zipfile.is_zipfile(last) or damaged_record(last) is not None):
+            return False  # fairseq's own load says what is wrong with it, in one line
+        view = RunView(run_dir.path)
+        if view.finished_records(self.task.plan.num_megabatches) is None:
+            return False
+        try:
+            view.trained_checkpoints()
+        except UsageError:
+            return False  # a stage checkpoint went missing: the run restores what it can
+        return True
 
     def verify_shards_once(self, run_dir: RunDirectory, data: Dict[str, Any]) -> None:
         """Hash every shard against the manifest the first time this run uses the data (sizes

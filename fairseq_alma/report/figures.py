@@ -19,6 +19,7 @@ import io
 import os
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ..stream.atomic import atomic_write_bytes
@@ -103,43 +104,73 @@ def experts_in_total(label: str) -> int | None:
     return int(match.group(1)) * int(match.group(2) or 1)
 
 
+@dataclass(frozen=True)
+class _Spread:
+    """A value drawn with asymmetric error bars: centre, and how far below and above it."""
+
+    mean: float
+    below: float = 0.0
+    above: float = 0.0
+
+
+def _as_perplexity(value: Stat) -> _Spread:
+    """The paper's average over seeds: mean perplexity ± one standard deviation."""
+    return _Spread(value.mean, value.std or 0.0, value.std or 0.0)
+
+
+def _bits_as_perplexity(bits: Stat) -> _Spread:
+    """The anytime metric over seeds (``seeds.BitsAsPerplexity``): 2 ** the mean bits, the
+    bar one standard deviation of the bits either side (2 ** (mean ± std))."""
+    centre, spread = 2.0 ** bits.mean, bits.std or 0.0
+    return _Spread(centre, centre - 2.0 ** (bits.mean - spread), 2.0 ** (bits.mean + spread) - centre)
+
+
+def _spreadbar(axis: Any, xs: Sequence[float], values: Sequence[_Spread], **style: Any) -> Any:
+    ys = [v.mean for v in values]
+    if any(v.below or v.above for v in values):
+        errors = [[v.below for v in values], [v.above for v in values]]
+        return axis.errorbar(xs, ys, yerr=errors, capsize=3, **style).lines[0]
+    return axis.plot(xs, ys, **style)[0]
+
+
 def plot_tradeoffs(rows: Rows, path: str | os.PathLike) -> None:
     """Fig. 5 (module doc): trajectories with a point per arrival (the running average so far)
     against compute and parameters, the last point labelled with the #experts; and the final
-    average against the number of experts, runs of one setting joined."""
+    average against the number of experts, runs of one setting joined.  Groups of seeds are
+    drawn by the tables' rule: the paper's average as mean ± std of perplexity, the anytime
+    perplexity as 2 ** (mean ± std of bits)."""
     _check_metric(rows, "ppl", "plot_tradeoffs draws LM perplexity", "plot_cer_tradeoffs")
     groups = as_groups(rows)
     figure, axes = _figure(2, 3)
     averages = (
         ("average perplexity over trained arrivals (paper)",
-         lambda s: s.average_by_arrival(), lambda v: v),
+         lambda s: s.average_by_arrival(), _as_perplexity),
         ("anytime perplexity, every arrival charged",
-         lambda s: s.anytime_by_arrival(), lambda bits: 2.0 ** bits),
+         lambda s: s.anytime_by_arrival(), _bits_as_perplexity),
     )
     all_flops, all_params, all_experts = [], [], []
-    for row, (ylabel, running, to_ppl) in enumerate(averages):
+    for row, (ylabel, running, drawn) in enumerate(averages):
         by_compute, by_params, by_experts = axes[row]
-        lines: dict[str, list[tuple[int, Stat]]] = {}
+        lines: dict[str, list[tuple[int, _Spread]]] = {}
         for i, group in enumerate(groups):
-            points = [(f, p, Stat(tuple(to_ppl(v) for v in stat.values)))
-                      for f, p, stat in _trajectory(group, running)]
+            points = [(f, p, drawn(stat)) for f, p, stat in _trajectory(group, running)]
             if not points:
                 continue
-            flops, params, stats = zip(*points, strict=True)
+            flops, params, values = zip(*points, strict=True)
             all_flops += flops
             all_params += params
             style = {"marker": _MARKERS[i % len(_MARKERS)], "label": _name(group)}
             for axis, xs in ((by_compute, flops), (by_params, params)):
-                line = _errorbar(axis, xs, stats, **style)
-                _label(axis, group.first.num_experts, xs[-1], stats[-1].mean, line.get_color())
+                line = _spreadbar(axis, xs, values, **style)
+                _label(axis, group.first.num_experts, xs[-1], values[-1].mean, line.get_color())
             experts = experts_in_total(group.first.num_experts)
             if experts is not None:
-                lines.setdefault(group.first.setting, []).append((experts, stats[-1]))
+                lines.setdefault(group.first.setting, []).append((experts, values[-1]))
                 all_experts.append(experts)
         for i, (setting, points) in enumerate(lines.items()):
             points.sort(key=lambda point: point[0])
-            _errorbar(by_experts, [x for x, _ in points], [s for _, s in points],
-                      marker=_MARKERS[i % len(_MARKERS)], label=setting)
+            _spreadbar(by_experts, [x for x, _ in points], [v for _, v in points],
+                       marker=_MARKERS[i % len(_MARKERS)], label=setting)
         _style_axis(by_compute, "cumulative training compute (TFLOPs)", ylabel, all_flops)
         _style_axis(by_params, "parameters |θ| (millions)", ylabel, all_params)
         _style_axis(by_experts, "experts in total (E × members)", ylabel, all_experts)

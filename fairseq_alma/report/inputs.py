@@ -23,9 +23,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import RunDirError, UsageError
-from ..stream.records import ArrivalRecord, read_records
-from ..stream.run_dir import RunDirectory
+from ..errors import UsageError
+from ..stream.records import ArrivalRecord
+from ..stream.run_view import RunView
 from ..stream.series import series_from_records
 from .seeds import SEED_KEYS, ReportedRun, find_key
 from .tables import series_from_entry
@@ -37,9 +37,9 @@ def expand_run_dirs(paths: list[str]) -> list[str]:
     out = []
     for path in paths:
         runs = []
-        if os.path.isdir(path) and not os.path.exists(os.path.join(path, "stream.jsonl")):
+        if os.path.isdir(path) and not RunView(path).stream_log.exists():
             runs = sorted(entry.path for entry in os.scandir(path)
-                          if os.path.isfile(os.path.join(entry.path, "stream.jsonl")))
+                          if RunView(entry.path).stream_log.is_file())
         out += runs or [path]
     return out
 
@@ -80,26 +80,23 @@ def _seed(fingerprint: Mapping[str, Any] | None) -> tuple[int, ...] | None:
 
 
 def read_run_dir(path: Path) -> ReportedRun:
-    """One run directory as a series of its logged metric (module doc)."""
-    try:
-        records = read_records(path / "stream.jsonl")
-        run_dir = RunDirectory.for_reading(path)
-        fingerprint = run_dir.read_fingerprint()
-        growth = run_dir.read_growth()
-    except RunDirError as err:
-        raise UsageError(str(err)) from None
-    if len(records) < 2 or [r.arrival for r in records] != list(range(len(records))):
-        raise UsageError(f"{path / 'stream.jsonl'}: needs arrivals 0..B in order; finish the run "
+    """One run directory as a series of its logged metric (module doc); a run that has not
+    recorded every arrival of its stream is refused (``RunView.require_finished``)."""
+    view = RunView.open(path, "input")
+    records, fingerprint = view.records, view.fingerprint
+    if len(records) < 2:
+        raise UsageError(f"{view.stream_log}: needs arrivals 0..B in order; finish the run "
                          f"(the same training command continues it)")
+    view.require_finished()
     schedule = None  # --stage-lr-schedule (LM; absent from fingerprints when ALMA's restart)
     if records[0].eval_ppl is None:  # vision: its records carry the flags
         flags, size = records[-1].extra, vision_size_label(records[-1])
     elif fingerprint is None:
-        raise UsageError(f"{path / 'run.json'}: missing (a run of fairseq-alma < 0.2); score it "
+        raise UsageError(f"{view.run_file}: missing (a run of fairseq-alma < 0.2); score it "
                          f"with alma-score --json and pass that file instead")
     else:
         config = fingerprint.get("config") or {}
-        flags, size = config.get("task") or {}, _lm_experts_label(config, growth)
+        flags, size = config.get("task") or {}, _lm_experts_label(config, view.growth)
         schedule = (config.get("lr_scheduler") or {}).get("stage_lr_schedule")
     name = setting_name(flags, lr_schedule=schedule)
     if flags.get("stage_init") == "scratch":
@@ -107,8 +104,50 @@ def read_run_dir(path: Path) -> ReportedRun:
     try:
         series = series_from_records(name, size, records)
     except ValueError as err:
-        raise UsageError(f"{path / 'stream.jsonl'}: {err}") from None
-    return ReportedRun(series, str(path), fingerprint, _seed(fingerprint))
+        raise UsageError(f"{view.stream_log}: {err}") from None
+    return ReportedRun(series, str(path), fingerprint, _seed(fingerprint),
+                       scoring=logged_scoring(fingerprint, series.metric),
+                       runs=(os.path.realpath(path),))
+
+
+def logged_scoring(fingerprint: Mapping[str, Any] | None, metric: str) -> dict[str, Any]:
+    """How a run's own records were measured: vision on the test set; an LM on its
+    ``--eval-subset`` in blocks of its ``--tokens-per-sample``, every token, with the model in
+    its training precision, on its training data (the same keys ``evaluated_scoring`` gives
+    an alma-score evaluation, so the two group when they measured alike)."""
+    if metric == "error":
+        return {"split": "test"}
+    config = (fingerprint or {}).get("config") or {}
+    task, common = config.get("task") or {}, config.get("common") or {}
+    precision = "bf16" if common.get("bf16") or common.get("memory_efficient_bf16") else \
+        "fp16" if common.get("fp16") or common.get("memory_efficient_fp16") else "fp32"
+    return {"split": task.get("eval_subset") or "eval", "tokens_per_sample": task.get("tokens_per_sample"),
+            "tokens": "all", "precision": precision, "data": (fingerprint or {}).get("data")}
+
+
+def evaluated_scoring(scoring: Mapping[str, Any], members: list[dict | None]) -> dict[str, Any]:
+    """How ``alma-score`` obtained a series' numbers (its JSON's ``scoring``), as
+    ``logged_scoring``'s keys: a ``--from-log`` series is its run's own records."""
+    if str(scoring.get("source", "")).endswith("stream.jsonl"):
+        return logged_scoring(members[0] if members else None, "ppl")
+    settings = scoring.get("settings") or {}
+    part = _eval_slice(scoring)
+    return {"split": settings.get("subset"), "tokens_per_sample": settings.get("tokens_per_sample"),
+            "tokens": "all" if part is None else list(part), "precision": scoring.get("precision", "fp32"),
+            "data": _data_identity(settings.get("data"))}
+
+
+def _data_identity(data: Any) -> Any:
+    """The identity of the stream a series was scored on (its manifest's, as a run's
+    fingerprint holds it), or the path when the manifest cannot be read."""
+    if not data:
+        return None
+    try:
+        from data_prep.manifest import data_identity, load_manifest
+
+        return data_identity(load_manifest(str(data).split(os.pathsep)[0]))
+    except Exception:  # noqa: BLE001 - a moved or missing stream: its path is all there is
+        return os.path.realpath(str(data))
 
 
 def read_score_json(path: Path) -> list[ReportedRun]:
@@ -130,15 +169,21 @@ def read_score_json(path: Path) -> list[ReportedRun]:
         fingerprints = []
         for member in members:
             try:
-                fingerprints.append(RunDirectory.for_reading(member).read_fingerprint())
-            except RunDirError:
+                fingerprints.append(RunView(member).fingerprint)
+            except UsageError:
                 fingerprints.append(None)
         known = bool(members) and None not in fingerprints
-        fingerprint = {"mode": scoring.get("mode"), "members": fingerprints} if known else None
+        mode = str(scoring.get("mode") or "single")
+        fingerprint = None  # a single model's is its run's, as a run directory gives it
+        if known:
+            fingerprint = fingerprints[0] if mode == "single" and len(fingerprints) == 1 else \
+                {"mode": mode, "members": fingerprints}
         seeds = [_seed(fp) for fp in fingerprints] if known else []
         seed = tuple(s[0] for s in seeds) if seeds and None not in seeds else None
         out.append(ReportedRun(s, f"{path}:{s.setting}", fingerprint, seed, _eval_slice(scoring),
-                               entry.get("eval_matrix")))
+                               entry.get("eval_matrix"),
+                               scoring=evaluated_scoring(scoring, fingerprints),
+                               runs=tuple(os.path.realpath(m) for m in members), mode=mode))
     return out
 
 
@@ -181,7 +226,7 @@ def read_inputs(paths: list[str]) -> list[ReportedRun]:
         target = Path(path)
         if target.is_file() and target.suffix == ".json":
             runs += read_score_json(target)
-        elif (target / "stream.jsonl").is_file():
+        elif RunView(target).stream_log.is_file():
             runs.append(read_run_dir(target))
         elif target.exists():
             raise UsageError(f"{path}: neither a run directory (stream.jsonl), a sweep directory "
@@ -191,4 +236,20 @@ def read_inputs(paths: list[str]) -> list[ReportedRun]:
     if not runs:
         raise UsageError("no run to report; pass run directories, sweep directories or "
                          "alma-score --json files")
+    refuse_the_same_series_twice(runs)
     return runs
+
+
+def refuse_the_same_series_twice(runs: list[ReportedRun]) -> None:
+    """One line when one model's series comes twice: a run directory and an ``alma-score
+    --json`` that scored it alone (or two such files); an ensemble's members may also appear
+    alone, which is another series."""
+    seen: dict[tuple[str, tuple[str, ...]], str] = {}
+    for run in runs:
+        if not run.runs:
+            continue
+        key = (run.mode, run.runs)
+        if key in seen:
+            raise UsageError(f"{', '.join(run.runs)} is given twice: in {seen[key]} and in "
+                             f"{run.source}; pass it once")
+        seen[key] = run.source

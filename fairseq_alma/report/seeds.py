@@ -2,14 +2,22 @@
 
 Why: the paper's conclusions rest on comparing close numbers (Table 2's perplexities differ by
 a few tenths), so a table or figure that shows one seed cannot say whether a difference is real.
-``group_by_seed`` puts together the series whose run fingerprint (``run.json``: every setting
-that changes results, and the data's identity) is the same once the seed is removed; each
+``group_by_seed`` puts together the series for which everything that changes the numbers
+agrees but the seed: the run fingerprint (``run.json``: every setting that changes results, and
+the data's identity) once the seed is removed, and how the numbers were obtained (``scoring``:
+the split, block length, slice, data and precision they were evaluated on); each
 ``SeedGroup`` then gives every number of Table 2 and of the figures as a ``Stat`` over its
 members.  A run without a fingerprint (written before fairseq-alma 0.2) stays alone: nothing is
-grouped on a guess.
+grouped on a guess.  Rows that would carry the same name but differ get the differing keys in
+their name (``label_collisions``), so a table never shows two rows it cannot tell apart.
 
 The standard deviation is the sample one (n - 1 in the denominator); with one seed it is None,
 never 0, so a table cannot suggest a spread that was not measured.
+
+The anytime metric of a group (one rule for the table, CSV, JSON and figures): ``anytime_nll``
+is the mean over seeds of each seed's anytime cross-entropy in bits, with its sample standard
+deviation; ``anytime_ppl`` is 2 ** that mean (``BitsAsPerplexity``), never a mean of
+perplexities, so the two fields always say the same thing.
 """
 
 from __future__ import annotations
@@ -90,6 +98,34 @@ def stat(values: Sequence[float | None]) -> Stat | None:
     return Stat(tuple(float(v) for v in values))
 
 
+@dataclass(frozen=True)
+class BitsAsPerplexity:
+    """A group's anytime perplexity: 2 ** the mean over seeds of their anytime cross-entropy in
+    bits (module doc).  Its spread is the bits' (``bits.std``), not a perplexity's."""
+
+    bits: Stat
+
+    @property
+    def n(self) -> int:
+        return self.bits.n
+
+    @property
+    def mean(self) -> float:
+        return 2.0 ** self.bits.mean
+
+    @property
+    def std(self) -> None:
+        return None
+
+    @property
+    def values(self) -> tuple[float, ...]:
+        return tuple(2.0 ** v for v in self.bits.values)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"mean": self.mean, "std": None, "n": self.n, "values": list(self.values),
+                "bits_std": self.bits.std}
+
+
 @dataclass
 class ReportedRun:
     """One series and where it came from, as ``report/inputs.py`` reads it."""
@@ -100,14 +136,24 @@ class ReportedRun:
     seed: tuple[int, ...] | None = None  # the run's seed; an ensemble's members' seeds
     eval_slice: tuple[int, int] | None = None  # (scored, available) tokens; None: every token
     eval_matrix: dict[str, Any] | None = None  # alma-score --matrix's (stage x period) entry
+    scoring: dict[str, Any] | None = None  # how its numbers were obtained (module doc)
+    runs: tuple[str, ...] = ()  # the run directories behind it (real paths)
+    mode: str = "single"  # single, ens or gens
+
+    @property
+    def comparable(self) -> dict[str, Any] | None:
+        """Everything that changes its numbers but the seed (None: unknown, never grouped)."""
+        if self.fingerprint is None:
+            return None
+        return {"run": without_keys(self.fingerprint, SEED_KEYS), "scoring": self.scoring or {}}
 
     @property
     def group_key(self) -> str | None:
-        """The fingerprint minus the seed; None: never grouped."""
-        if self.fingerprint is None:
+        """``comparable`` with the row's name; None: never grouped."""
+        comparable = self.comparable
+        if comparable is None:
             return None
-        return canonical([self.series.setting, self.series.num_experts,
-                          without_keys(self.fingerprint, SEED_KEYS)])
+        return canonical([self.series.setting, self.series.num_experts, comparable])
 
 
 @dataclass
@@ -145,10 +191,16 @@ class SeedGroup:
         """``number(series)`` for every member, as a ``Stat``."""
         return stat([number(s) for s in self.members])
 
-    def summary(self) -> dict[str, Stat | None]:
-        """Every stream-level number of ``ReportSeries.summary`` over seeds."""
+    def summary(self) -> dict[str, Stat | BitsAsPerplexity | None]:
+        """Every stream-level number of ``ReportSeries.summary`` over seeds; the anytime
+        perplexity by the module doc's rule."""
         summaries = [s.summary() for s in self.members]
-        return {key: stat([m[key] for m in summaries]) for key in summaries[0]}
+        out: dict[str, Stat | BitsAsPerplexity | None] = {
+            key: stat([m[key] for m in summaries]) for key in summaries[0]}
+        if "anytime_ppl" in out:
+            bits = out["anytime_nll"]
+            out["anytime_ppl"] = None if bits is None else BitsAsPerplexity(bits)
+        return out
 
     def by_arrival(self, values: Callable[[ReportSeries], Sequence[float | None]]) -> list[Stat | None]:
         """A per-arrival list (metric, running averages, costs) over seeds, arrival by arrival."""
@@ -157,7 +209,8 @@ class SeedGroup:
 
 
 def group_by_seed(runs: Sequence[ReportedRun]) -> list[SeedGroup]:
-    """Groups in order of first appearance; members ordered by seed."""
+    """Groups in order of first appearance; members ordered by seed; groups that would share a
+    name get the keys they differ by in it (``label_collisions``)."""
     groups: dict[str, list[ReportedRun]] = {}
     for index, run in enumerate(runs):
         key = run.group_key or f"alone:{index}"
@@ -170,7 +223,47 @@ def group_by_seed(runs: Sequence[ReportedRun]) -> list[SeedGroup]:
             raise ValueError(f"{sources} have the same fingerprint and seed: the same run given "
                              f"twice, or copies; pass each run once")
         out.append(SeedGroup(sorted(members, key=lambda r: (r.seed is None, r.seed or ()))))
+    label_collisions(out)
     return out
+
+
+def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    """A JSON-like value as {dotted key: leaf}."""
+    if isinstance(value, Mapping):
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            out |= flatten(item, f"{prefix}.{key}" if prefix else str(key))
+        return out
+    return {prefix: value}
+
+
+def label_collisions(groups: Sequence[SeedGroup]) -> None:
+    """Groups with the same name (setting and size) whose runs differ in something that
+    changes their numbers are told apart in the name: each gets ``[key=value, ...]`` with the
+    keys that differ between them (at most three; ``+N`` more), e.g. ``SM_w1
+    [config.task.updates_per_stage=200]``.  Groups that cannot be compared (no fingerprint)
+    are named by their source."""
+    by_name: dict[tuple[str, str], list[SeedGroup]] = {}
+    for group in groups:
+        by_name.setdefault((group.first.setting, group.first.num_experts), []).append(group)
+    for colliding in by_name.values():
+        if len(colliding) < 2:
+            continue
+        flat = [flatten(g.runs[0].comparable) if g.runs[0].comparable is not None else None
+                for g in colliding]
+        keys = sorted({k for f in flat if f is not None for k in f})
+        differing = [k for k in keys if len({canonical(f.get(k)) if f is not None else None
+                                             for f in flat}) > 1]
+        for group, values in zip(colliding, flat, strict=True):
+            if values is None:
+                tag = f"[{group.runs[0].source}]"
+            else:
+                shown = [f"{k.replace('scoring.', '').replace('run.', '')}={values.get(k)}"
+                         for k in differing[:3]]
+                more = f", +{len(differing) - 3}" if len(differing) > 3 else ""
+                tag = f"[{', '.join(shown)}{more}]"
+            for member in group.members:
+                member.setting = f"{member.setting} {tag}"
 
 
 REPLAY_KEYS = frozenset({"replay", "--replay"})

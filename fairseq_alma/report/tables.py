@@ -14,7 +14,12 @@ always says ``arrival`` explicitly.
 
 LM summary columns, both labelled (``stream/metrics.py``): "avg ppl (trained)" is the paper's
 average over the arrivals after the first training; "anytime ppl" = 2 ** the mean cross-entropy
-in bits over every arrival, the waiting ones charged with the initialised model.
+in bits over every arrival, the waiting ones charged with the initialised model.  For a seed
+group every number is the mean over seeds of each seed's number, with its sample standard
+deviation, except the anytime perplexity: 2 ** (the mean over seeds of ``anytime_nll``), its
+spread given in bits (``seeds.BitsAsPerplexity``).  One field per unit, the same in the table,
+CSV, JSON and Fig. 5: ``anytime_nll`` (bits) and ``anytime_ppl`` = 2 ** ``anytime_nll``; per
+arrival, ``anytime_nll_so_far``.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from typing import Any
 from ..stream.atomic import atomic_write_json, atomic_write_text
 from ..stream.series import ReportSeries
 from ..tables import format_table as _format_cells
-from .seeds import ReportedRun, SeedGroup, Stat
+from .seeds import BitsAsPerplexity, ReportedRun, SeedGroup, Stat
 
 Rows = Sequence[ReportSeries] | Sequence[SeedGroup]
 LM_SUMMARY = ("trained_avg_ppl", "anytime_nll", "anytime_ppl", "train_tflops_cum", "params_cum")
@@ -83,6 +88,13 @@ def _cell(value: Stat | None, fmt: str = ".2f") -> str:
     return f"{value.mean:{fmt}} ± {value.std:{fmt}}"
 
 
+def _anytime_cell(value: BitsAsPerplexity | Stat | None) -> str:
+    """The anytime perplexity; a group's with the spread of its bits (module doc)."""
+    if isinstance(value, BitsAsPerplexity) and value.bits.std is not None:
+        return f"{value.mean:.2f} ± {value.bits.std:.3f} bits"
+    return _cell(value)
+
+
 def _mean(value: Stat | None) -> float:
     if value is None:
         raise ValueError("a cost is undefined for a run; every run records its FLOPs and |θ|")
@@ -103,7 +115,7 @@ def _lm_rows(groups: list[SeedGroup], b: int, seeds: bool) -> tuple[list[str], l
             + cells
             + [
                 _cell(summary["trained_avg_ppl"]),
-                _cell(summary["anytime_ppl"]),
+                _anytime_cell(summary["anytime_ppl"]),
                 _number(_mean(summary["train_tflops_cum"])),
                 _millions(_mean(summary["params_cum"])),
             ]
@@ -206,6 +218,11 @@ def _group_entry(group: SeedGroup) -> dict[str, Any]:
     spread = group.by_arrival(lambda s: s.metric_by_arrival)
     for arrival, value in zip(entry["arrivals"], spread, strict=True):
         arrival[f"{metric}_std"] = None if value is None else value.std
+    if metric == "ppl":  # running summaries: each seed's, averaged (the summary's rule)
+        for key, running in (("trained_avg_ppl_so_far", lambda s: s.average_by_arrival()),
+                             ("anytime_nll_so_far", lambda s: s.anytime_by_arrival())):
+            for arrival, value in zip(entry["arrivals"], group.by_arrival(running), strict=True):
+                arrival[key] = None if value is None else value.mean
     entry["summary"] = {key: None if v is None else v.mean for key, v in summary.items()}
     entry["summary_std"] = {key: None if v is None else v.std for key, v in summary.items()}
     entry["seeds"] = [None if run.seed is None else list(run.seed) for run in group.runs]

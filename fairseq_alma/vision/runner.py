@@ -27,10 +27,11 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, Preempted, RunDirError, UsageError
+from ..checkpoint_load import load_checkpoint
+from ..errors import Preempted, RunDirError, UsageError
 from ..stream.progress import StreamPlan, StreamProgress
 from ..stream.records import ArrivalRecord
-from ..stream.run_dir import RunDirectory, damaged_record
+from ..stream.run_dir import RunDirectory
 from ..stream.schedule import ArrivalInfo, Stage
 from ..stream.stop import StopSignal
 from .data import VisionData, load_vision_data
@@ -130,15 +131,7 @@ class _VisionStream:
         path = self.run_dir.last_checkpoint
         if not path.is_file():
             return
-        way_out = "move it aside to train the stream again from its start, or use --restart-stream"
-        bad = damaged_record(path)
-        if bad is not None:
-            raise CheckpointError(f"{path}: damaged (record {bad} fails its CRC check); {way_out}")
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=False)
-        except Exception as err:  # noqa: BLE001 - any unreadable file gets the same line
-            reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
-            raise CheckpointError(f"{path}: not a readable checkpoint ({reason}); {way_out}") from None
+        state = load_checkpoint(path)  # CRC-checked, nothing unpickled but plain values
         if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
             raise RunDirError(f"{path} is not a vision stream checkpoint of this version; use "
                               f"another --save-dir")

@@ -24,12 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import RunDirError, UsageError
+from ..errors import UsageError
 from ..stream.atomic import atomic_write_json
 from ..stream.metrics import cumulative, cumulative_error_rate
 from ..stream.progress import StreamPlan
-from ..stream.records import ArrivalRecord, read_records
 from ..stream.run_dir import RunDirectory
+from ..stream.run_view import RunView
 from ..tables import format_table as layout
 from .data import VisionData, load_vision_data
 from .devices import resolve_device
@@ -59,21 +59,10 @@ def run_name(run: VisionRun) -> str:
     return f"{spec.method}_{spec.arch}{spec.width}_w{run.plan.wait}{replay}_s{spec.seed}"
 
 
-def _complete_log(path: str, num_megabatches: int) -> list[ArrivalRecord] | None:
-    """The records of a finished run (all B + 1 arrivals), else None."""
-    if not os.path.isfile(path):
-        return None
-    try:
-        records = read_records(path)
-    except RunDirError:
-        return None
-    return records if len(records) == num_megabatches + 1 else None
-
-
 def run_or_reuse(data: VisionData, run: VisionRun, out_dir: str, quiet: bool = False) -> RunSummary:
     """Run (or continue) one stream in ``out_dir/<run>``; a finished one is only read."""
     with RunDirectory.for_training(os.path.join(out_dir, run_name(run))) as run_dir:
-        records = _complete_log(str(run_dir.stream_log), run.plan.num_megabatches)
+        records = RunView(run_dir.path).finished_records(run.plan.num_megabatches)
         if records is None:
             records = run_vision_stream(run, run_dir, data)
     errors = [r.test_error for r in records]

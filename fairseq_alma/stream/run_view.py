@@ -1,0 +1,230 @@
+"""Reading a run directory: the one view every reader of a stream's ``--save-dir`` goes through.
+
+Why one view: ``alma-score``, ``alma-report``, ``alma-sweep status|score``, the vision sweep and
+demo, and the code that keeps and loads stage checkpoints all ask the same questions of a run
+directory: what are its records, is the run finished (every arrival 0..B recorded, every trained
+stage's checkpoint there), which file answers which arrival, can a checkpoint be trusted to
+load.  Asked in six places with six answers they drifted apart (one reader refused an unfinished
+run, another published it as a shorter stream); here they have one answer each, and no other
+product file spells a run file's name.
+
+``RunView`` only reads; writing is ``run_dir.RunDirectory``'s (the writer of a training run).
+It imports neither fairseq nor torch: a checkpoint is checked here (present, its zip records'
+CRCs) and loaded by ``checkpoint_load.load_checkpoint`` with the hint this module gives.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointError, RunDirError, UsageError
+from .records import ArrivalRecord, read_records
+from .run_dir import (
+    GROWTH_LOG,
+    LAST_CHECKPOINT,
+    RUN_FILE,
+    STAGE_CHECKPOINT,
+    STREAM_LOG,
+    RunDirectory,
+    damaged_record,
+    fingerprint_hash,
+)
+
+SLURM_EVENTS = "slurm_events.jsonl"  # written by slurm/sweep.sbatch.in (alma-sweep status)
+DATA_VERIFIED = "data_verified.json"  # the training process hashed the data once for this run
+
+
+class RunView:
+    """A run directory as readers see it (module doc); every property reads lazily, once."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self._dir = RunDirectory.for_reading(self.path)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, what: str = "RUN_DIR") -> RunView:
+        """A view of ``path``, which must be a run directory (``stream.jsonl`` in it); one line
+        naming ``what`` the user passed otherwise."""
+        view = cls(path)
+        if not view.path.is_dir():
+            raise UsageError(f"{what} {path}: not a directory; pass an alma_stream --save-dir")
+        if not view.stream_log.is_file():
+            raise UsageError(f"{view.stream_log}: missing; pass the --save-dir of a fairseq-train "
+                             f"--task alma_stream run")
+        return view
+
+    # ---- the files --------------------------------------------------------------------
+    @property
+    def stream_log(self) -> Path:
+        return self.path / STREAM_LOG
+
+    @property
+    def run_file(self) -> Path:
+        return self.path / RUN_FILE
+
+    @property
+    def growth_log(self) -> Path:
+        return self.path / GROWTH_LOG
+
+    @property
+    def slurm_events(self) -> Path:
+        return self.path / SLURM_EVENTS
+
+    @property
+    def last_checkpoint(self) -> Path:
+        return self.path / LAST_CHECKPOINT
+
+    def stage_checkpoint(self, stage: int) -> Path:
+        return self.path / STAGE_CHECKPOINT.format(stage=stage)
+
+    def stage_checkpoints(self) -> dict[int, Path]:
+        """Stage -> ``checkpoint_stage{s}.pt`` for every stage checkpoint present."""
+        return self._dir.stage_checkpoints()
+
+    def signature_files(self) -> list[Path]:
+        """The files whose change means the run changed (what ``alma-sweep score`` signs)."""
+        return [self.run_file, self.stream_log, *sorted(self.stage_checkpoints().values())]
+
+    # ---- what the run says --------------------------------------------------------------
+    @cached_property
+    def records(self) -> list[ArrivalRecord]:
+        """The records of ``stream.jsonl``, arrivals 0..n in order (one line otherwise)."""
+        try:
+            records = read_records(self.stream_log)
+        except RunDirError as err:
+            raise UsageError(str(err)) from None
+        if not records or [r.arrival for r in records] != list(range(len(records))):
+            raise UsageError(f"{self.stream_log}: needs arrivals 0..B in order; run the training "
+                             f"command of this run again to rewrite it")
+        return records
+
+    @cached_property
+    def fingerprint(self) -> dict[str, Any] | None:
+        """``run.json``'s fingerprint (None: a run of fairseq-alma 0.1)."""
+        try:
+            return self._dir.read_fingerprint()
+        except RunDirError as err:
+            raise UsageError(str(err)) from None
+
+    @cached_property
+    def growth(self) -> list[dict[str, Any]]:
+        try:
+            return self._dir.read_growth()
+        except RunDirError as err:
+            raise UsageError(str(err)) from None
+
+    @property
+    def metric(self) -> str:
+        """"ppl" for a language-model stream, "error" for a vision stream."""
+        return "ppl" if self.records[0].eval_ppl is not None else "error"
+
+    @property
+    def trained_stages(self) -> list[int]:
+        return sorted(r.stage for r in self.records if r.trained)
+
+    @property
+    def waits(self) -> bool:
+        """Arrivals 1.. come before the first training: the initialised model answers them."""
+        return any(r.stage == 0 and r.arrival >= 1 for r in self.records)
+
+    @property
+    def num_megabatches(self) -> int | None:
+        """B of the stream this run trains on, from its fingerprint (LM: the data's manifest;
+        vision: its ``--num-megabatches``); None for a run without ``run.json``."""
+        fingerprint = self.fingerprint or {}
+        data = fingerprint.get("data")
+        if isinstance(data, dict) and data.get("num_megabatches") is not None:
+            return int(data["num_megabatches"])
+        settings = fingerprint.get("settings")
+        if isinstance(settings, dict) and settings.get("--num-megabatches") is not None:
+            return int(settings["--num-megabatches"])
+        return None
+
+    def unfinished_reason(self, num_megabatches: int | None = None) -> str | None:
+        """Why this run is not finished (arrivals 0..B of its stream's B, ``num_megabatches``
+        if given, else its fingerprint's), or None when it is; a run whose B cannot be known is
+        taken as it is."""
+        b = num_megabatches if num_megabatches is not None else self.num_megabatches
+        arrivals = len(self.records) - 1
+        if b is None or arrivals == b:
+            return None
+        if arrivals > b:
+            return (f"{self.stream_log}: arrivals 0..{arrivals} but its stream has B = {b}; "
+                    f"score it on the data it was trained on")
+        missing = f"arrival {b}" if arrivals + 1 == b else f"arrivals {arrivals + 1}..{b}"
+        return (f"{self.stream_log}: training not finished: arrivals 0..{arrivals} of B = {b} "
+                f"({missing} missing); run the same training command again to finish it")
+
+    def require_finished(self, num_megabatches: int | None = None) -> None:
+        """One line (``UsageError``) unless the run recorded every arrival of its stream."""
+        reason = self.unfinished_reason(num_megabatches)
+        if reason is not None:
+            raise UsageError(reason)
+
+    def finished_records(self, num_megabatches: int) -> list[ArrivalRecord] | None:
+        """The records when the run recorded all B + 1 arrivals of a stream of
+        ``num_megabatches`` mega-batches, else None (no file, unreadable, or not finished: a
+        driver then runs or continues it)."""
+        if not self.stream_log.is_file():
+            return None
+        try:
+            records = self.records
+        except UsageError:
+            return None
+        return records if len(records) == num_megabatches + 1 else None
+
+    def trained_checkpoints(self) -> dict[int, Path]:
+        """Stage -> checkpoint of every trained stage; one line naming the first one missing."""
+        found = {}
+        for record in self.records:
+            if record.trained:
+                path = self.stage_checkpoint(record.stage)
+                if not path.is_file():
+                    raise UsageError(f"{path}: missing (stage {record.stage}, trained at arrival "
+                                     f"{record.arrival}); run the training command again to "
+                                     f"restore it")
+                found[record.stage] = path
+        return found
+
+    def initial_checkpoint(self) -> Path | None:
+        """``checkpoint_stage0.pt`` (the initialised model, kept when it answers arrivals)."""
+        path = self.stage_checkpoint(0)
+        return path if path.is_file() else None
+
+    def run_hash(self) -> str | None:
+        """The hash stage checkpoints carry of the run they belong to (None without run.json)."""
+        return fingerprint_hash(self.fingerprint) if self.fingerprint is not None else None
+
+
+def checked_checkpoint(path: str | os.PathLike) -> Path:
+    """``path`` after checking it is there and every record of its zip archive passes its CRC
+    (torch does not check them: a flipped byte would load as a wrong weight).  One line naming
+    the file and the way back otherwise."""
+    path = Path(path)
+    bad = damaged_record(path)
+    if bad is not None:
+        raise CheckpointError(f"{path}: damaged (record {bad} fails its CRC check); "
+                              f"{recovery_hint(path)}")
+    return path
+
+
+def recovery_hint(path: str | os.PathLike) -> str:
+    """What to do about an unreadable checkpoint, given what else the run directory holds."""
+    name, directory = os.path.basename(path), os.path.dirname(os.path.abspath(path))
+    if name.startswith("checkpoint_stage"):
+        return ("restore it from a copy, or train the stream again with --restart-stream (the old "
+                "files are moved aside)")
+    newer = sorted((p for p in os.listdir(directory) if p.startswith("checkpoint_") and
+                    p.count("_") == 2 and p.endswith(".pt")),
+                   key=lambda p: os.path.getmtime(os.path.join(directory, p)), reverse=True)
+    start_over = ("move it aside and run the same command to train the stream again from its "
+                  "start (stage checkpoints hold no optimizer state to resume from), or use "
+                  "--restart-stream")
+    if newer:
+        return (f"copy {newer[0]} (the newest interval checkpoint) over it and run the same "
+                f"command, or {start_over}")
+    return start_over
+
