@@ -22,16 +22,7 @@ from typing import Any
 
 from ..errors import CheckpointError, RunDirError, UsageError
 from .records import ArrivalRecord, read_records
-from .run_dir import (
-    GROWTH_LOG,
-    LAST_CHECKPOINT,
-    RUN_FILE,
-    STAGE_CHECKPOINT,
-    STREAM_LOG,
-    RunDirectory,
-    damaged_record,
-    fingerprint_hash,
-)
+from .run_dir import RUN_FILE, RunDirectory, damaged_record, fingerprint_hash
 
 SLURM_EVENTS = "slurm_events.jsonl"  # written by slurm/sweep.sbatch.in (alma-sweep status)
 DATA_VERIFIED = "data_verified.json"  # the training process hashed the data once for this run
@@ -59,7 +50,7 @@ class RunView:
     # ---- the files --------------------------------------------------------------------
     @property
     def stream_log(self) -> Path:
-        return self.path / STREAM_LOG
+        return self._dir.stream_log
 
     @property
     def run_file(self) -> Path:
@@ -67,7 +58,7 @@ class RunView:
 
     @property
     def growth_log(self) -> Path:
-        return self.path / GROWTH_LOG
+        return self._dir.growth_log
 
     @property
     def slurm_events(self) -> Path:
@@ -75,10 +66,10 @@ class RunView:
 
     @property
     def last_checkpoint(self) -> Path:
-        return self.path / LAST_CHECKPOINT
+        return self._dir.last_checkpoint
 
     def stage_checkpoint(self, stage: int) -> Path:
-        return self.path / STAGE_CHECKPOINT.format(stage=stage)
+        return self._dir.stage_checkpoint(stage)
 
     def stage_checkpoints(self) -> dict[int, Path]:
         """Stage -> ``checkpoint_stage{s}.pt`` for every stage checkpoint present."""
