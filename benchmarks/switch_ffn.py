@@ -57,7 +57,7 @@ VIEW_OPS = frozenset({"aten::view", "aten::slice", "aten::select", "aten::unsque
 
 def build(kind: str, experts: int, d: int, f: int, kernel: str = "auto"):
     from fairseq_alma.modules import SwitchFFN, SwitchFFNConfig
-    from fairseq_alma.modules.switch_decoder_layer import DenseFFN
+    from fairseq_alma.models.switch_decoder_layer import DenseFFN
 
     if kind == "dense":
         return DenseFFN(d, f, "relu", 0.0)

@@ -11,7 +11,7 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-from fairseq_alma.cli.entry import OneLineArgumentParser, run_console
+from fairseq_alma.console import OneLineArgumentParser, run_console
 from fairseq_alma.errors import DataError
 from fairseq_alma.tables import format_table
 

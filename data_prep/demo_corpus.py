@@ -24,7 +24,7 @@ import sysconfig
 import tokenize
 from collections.abc import Iterator
 
-from fairseq_alma.cli.entry import OneLineArgumentParser, run_console
+from fairseq_alma.console import OneLineArgumentParser, run_console
 from fairseq_alma.errors import DataError
 
 from .fileio import atomic_output

@@ -6,7 +6,7 @@ itself cannot be imported, nothing is registered and the parts that need no fair
 stream core in ``stream/``, the errors) still import: the core is tested that way.
 """
 
-from .fairseq_patches import install_quiet_startup
+from .fairseq_glue.patches import install_quiet_startup
 
 install_quiet_startup()  # before fairseq's own import, when we are first (our console tools)
 
@@ -17,8 +17,6 @@ except ModuleNotFoundError as err:  # only the fairseq-free parts are usable
         raise
 else:
     from . import criterions, models, optim, tasks  # noqa: F401  (registration side effects)
-    from .fairseq_patches import install_checkpoint_errors, install_console_errors, install_training_flags
+    from .fairseq_glue.patches import install_command_patches
 
-    install_console_errors()
-    install_checkpoint_errors()
-    install_training_flags()
+    install_command_patches()

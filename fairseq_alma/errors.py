@@ -4,7 +4,7 @@ Why typed errors and not prints or ``sys.exit``: library code (the task, the lea
 readers) cannot know whether it runs under ``fairseq-train``, ``alma-score``, a test or a
 notebook.  It raises one of the classes below with a one-line message that names the file or
 flag at fault and says what to do next.  Only console entry points (``cli/``, and the wrapper
-around fairseq's own commands in ``fairseq_patches.py``) turn an ``AlmaError`` into
+around fairseq's own commands in ``fairseq_glue/patches.py``) turn an ``AlmaError`` into
 ``<prog>: error: <message>`` on stderr and exit with ``exit_status``; anything else is a bug
 and keeps its traceback.
 """

@@ -80,7 +80,7 @@ def _run_case(rank: int, world: int, case: dict) -> dict:
 
     from fairseq_alma.errors import UsageError
     from fairseq_alma.modules.expert_parallel import ExpertParallelSwitchFFN, build_switch_ffn
-    from fairseq_alma.modules.expert_parallel_fairseq import prepare_expert_parallel, register_optimizer_hooks
+    from fairseq_alma.fairseq_glue.expert_parallel import prepare_expert_parallel, register_optimizer_hooks
     from fairseq_alma.modules.switch_ffn import SwitchFFN
     from fairseq_alma.modules.switch_ffn_config import SwitchFFNConfig
 
@@ -340,7 +340,7 @@ def _fairseq_cfg(common: dict, distributed: dict, checkpoint: dict) -> SimpleNam
 )
 def test_unsupported_fairseq_setups_are_one_line_errors(common, distributed, checkpoint, needle):
     from fairseq_alma.errors import UsageError
-    from fairseq_alma.modules.expert_parallel_fairseq import check_training_setup
+    from fairseq_alma.fairseq_glue.expert_parallel import check_training_setup
 
     with pytest.raises(UsageError) as error:
         check_training_setup(_fairseq_cfg(common, distributed, checkpoint))
@@ -348,7 +348,7 @@ def test_unsupported_fairseq_setups_are_one_line_errors(common, distributed, che
 
 
 def test_supported_fairseq_setups_pass():
-    from fairseq_alma.modules.expert_parallel_fairseq import check_training_setup
+    from fairseq_alma.fairseq_glue.expert_parallel import check_training_setup
 
     for backend in ("legacy_ddp", "pytorch_ddp"):
         check_training_setup(_fairseq_cfg({"fp16": True, "memory_efficient_fp16": True}, {"ddp_backend": backend}, {}))

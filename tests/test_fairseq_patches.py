@@ -1,4 +1,4 @@
-"""One test per patch in fairseq_alma/fairseq_patches.py: each fails if fairseq changes the code
+"""One test per patch in fairseq_alma/fairseq_glue/patches.py: each fails if fairseq changes the code
 the patch relies on (the name looked up at call time, the signature, the call site), and checks
 what the patch does.  The end-to-end behaviour is tested where it matters (SIGUSR1 in
 test_alma_stream.py, one-line errors in test_switch_cli.py, expert parallelism in
@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from fairseq_alma import fairseq_patches
+from fairseq_alma.fairseq_glue import patches as fairseq_patches
 from fairseq_alma.errors import Preempted, UsageError
 
 

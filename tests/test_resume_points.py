@@ -63,8 +63,8 @@ def _patch():
         manager = getattr(sys.modules["fairseq.file_io"], "PathManager", None)
         if manager is not None:
             manager.rename = staticmethod(_pause(manager.rename, POINT)); _done.add(POINT)
-    if "scoring" == POINT and "fairseq_alma.lm.stream_training" in sys.modules and POINT not in _done:
-        module = sys.modules["fairseq_alma.lm.stream_training"]
+    if "scoring" == POINT and "fairseq_alma.fairseq_glue.stream_training" in sys.modules and POINT not in _done:
+        module = sys.modules["fairseq_alma.fairseq_glue.stream_training"]
         if hasattr(module, "total_nll"):
             module.total_nll = _pause(module.total_nll, POINT); _done.add(POINT)
 

@@ -117,7 +117,7 @@ def test_padded_experts_equal_per_token_experts_with_every_gradient():
     weights = [w.requires_grad_() for w in weights]
     expert = torch.randint(0, experts, (tokens,))
     expert[:2] = experts  # padding
-    routing = route_top1(torch.nn.functional.one_hot(expert.clamp(max=experts - 1), experts).double(), 1.0)
+    route_top1(torch.nn.functional.one_hot(expert.clamp(max=experts - 1), experts).double(), 1.0)
     rank = torch.zeros(tokens, dtype=torch.long)
     for e in range(experts + 1):
         ids = (expert == e).nonzero().squeeze(1)

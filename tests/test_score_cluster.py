@@ -64,7 +64,8 @@ def test_max_eval_tokens_beyond_the_split_is_the_whole_split(stream, tmp_path, c
 
 @pytest.mark.slow
 def test_report_refuses_to_mix_slices(stream, tmp_path, capsys):
-    """A table of one slice is labelled with it; a slice next to a whole-split run is refused."""
+    """A table of one slice is labelled with it; a slice next to a whole-split run is refused
+    (another run: the same run twice is refused as given twice, whatever its scoring)."""
     run_dir = stream / "ens2"
     code, _, err = _score(capsys, run_dir, "--max-eval-tokens", "256",
                           "--json", tmp_path / "s.json")
@@ -74,10 +75,11 @@ def test_report_refuses_to_mix_slices(stream, tmp_path, capsys):
     label = "perplexity on the first 256 of 1,505 tokens of the evaluation split"
     assert out.splitlines()[3].startswith(label)
     assert label in (tmp_path / "one" / "table2.md").read_text()
-    code = report_main([str(tmp_path / "s.json"), str(run_dir), "--out", str(tmp_path / "mixed")])
+    other_run = stream / "ens1"
+    code = report_main([str(tmp_path / "s.json"), str(other_run), "--out", str(tmp_path / "mixed")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
-    assert "the first 256 of 1,505 tokens" in err[0] and f"{run_dir} on every token" in err[0]
+    assert "the first 256 of 1,505 tokens" in err[0] and f"{other_run} on every token" in err[0]
 
 
 @pytest.mark.parametrize("flags, needle", [

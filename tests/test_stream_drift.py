@@ -191,7 +191,7 @@ def test_fingerprint_names_the_new_settings_only_when_used(stream4, tmp_path):
     from fairseq import options
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
-    from fairseq_alma.fairseq_config import run_fingerprint
+    from fairseq_alma.fairseq_glue.config import run_fingerprint
 
     def fingerprint(*extra: str) -> dict:
         argv = stream_cmd(stream4, tmp_path / "unused", *extra)[1:]

@@ -52,7 +52,7 @@ def check(torch_module: object = None) -> str:
 
 
 def main() -> int:
-    from .entry import run_console
+    from ..console import run_console
 
     return run_console("check-torch", lambda: print(check()))
 

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from ..errors import AlmaError
-from .entry import run_console
+from ..console import run_console
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # the --user-dir
 

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import UsageError
-from .entry import OneLineArgumentParser, run_console
+from ..console import OneLineArgumentParser, run_console
 
 logger = logging.getLogger("fairseq_alma.cli.report")
 

@@ -38,7 +38,7 @@ from ..report.inputs import expand_run_dirs
 from ..stream.metrics import perplexity_from_nll
 from ..stream.period_matrix import PeriodMatrix, format_matrix
 from ..stream.series import ReportSeries, flops_convention
-from .entry import OneLineArgumentParser, run_console
+from ..console import OneLineArgumentParser, run_console
 from .score_runs import StreamRun, check_members, load_run
 
 logger = logging.getLogger("fairseq_alma.cli.score")

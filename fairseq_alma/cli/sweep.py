@@ -56,7 +56,7 @@ from ..errors import ClusterError, UsageError
 from ..slurm_commands import run_slurm as _slurm
 from ..stream.atomic import atomic_write_json, atomic_write_text
 from ..tables import format_table
-from .entry import OneLineArgumentParser, run_console
+from ..console import OneLineArgumentParser, run_console
 
 
 def query_queue(array_job_ids: set[str]) -> dict[int, tuple[str, str]] | None:

@@ -35,7 +35,7 @@ from ..stream.run_view import RunView
 from ..stream.series import ReportSeries, series_from_records
 from ..report import figures, tables
 from .demo import PACKAGE_DIR, tool
-from .entry import run_console
+from ..console import run_console
 
 
 @dataclass(frozen=True)

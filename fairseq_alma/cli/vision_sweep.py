@@ -13,7 +13,7 @@ from ..vision.data import DATASET_KINDS
 from ..vision.devices import AMP_MODES
 from ..vision.learners import METHODS
 from ..vision.sweep import format_table, run_sweep
-from .entry import OneLineArgumentParser, run_console
+from ..console import OneLineArgumentParser, run_console
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,7 +2,7 @@
 0.1 still parse (``--criterion alma_vision_stage``).
 
 A vision learner trains each stage with its own cross-entropy loop (``vision/stage_trainer.py``),
-reached from ``fairseq-train`` through ``vision/fairseq_entry.py`` before fairseq builds any
+reached from ``fairseq-train`` through ``fairseq_glue/vision_entry.py`` before fairseq builds any
 criterion, so the flag is not needed; this registration only keeps old commands valid.  Built
 anywhere else, it refuses with one line.
 """

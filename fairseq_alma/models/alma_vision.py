@@ -4,7 +4,7 @@ A vision learner (paper §4: SM, Ens, UMix, gEns, gMoE, FF on an MLP or a reduce
 fairseq model: each stage is a whole training run of its own (epochs with best-validation
 selection, a fresh optimizer after growth, App. B.1), which fairseq's trainer cannot drive.
 ``fairseq-train --task alma_stream --arch alma_vision --vision-dataset D ...`` therefore hands
-the run to the vision learner (``vision/fairseq_entry.py``, then ``vision/runner.py``, the code
+the run to the vision learner (``fairseq_glue/vision_entry.py``, then ``vision/runner.py``, the code
 the sweep and the demo call too).  This registration exists so that fairseq parses the
 learner's flags in their own group (``fairseq-train --arch alma_vision --help``) and keeps them
 out of every language-model run's config.

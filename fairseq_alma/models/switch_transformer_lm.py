@@ -28,10 +28,10 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import UsageError, require
-from ..fairseq_config import section
+from ..fairseq_glue.config import section
 from ..modules.expert_parallel import build_switch_ffn
-from ..modules.expert_parallel_fairseq import prepare_expert_parallel
-from ..modules.switch_decoder_layer import DenseFFN, SwitchDecoderLayer
+from ..fairseq_glue.expert_parallel import prepare_expert_parallel
+from .switch_decoder_layer import DenseFFN, SwitchDecoderLayer
 from ..modules.switch_ffn import SwitchFFN
 from ..modules.switch_ffn_config import SwitchFFNConfig
 from .checkpoint_format import SWITCH_DECODER_UPGRADES, SWITCH_DECODER_VERSION, register_version, upgrade_state_dict
@@ -275,7 +275,7 @@ def validate_config(cfg: SwitchTransformerLMConfig) -> None:
     """One-line errors naming the flag and the accepted values (issue: bad input).
 
     The expert flags are checked by ``SwitchFFNConfig``; the criterion is read through
-    ``fairseq_config.section``, None when the model config stands alone (tests, a bare
+    ``fairseq_glue.config.section``, None when the model config stands alone (tests, a bare
     dataclass): the check is then skipped.
     """
     switch_ffn_config(cfg)

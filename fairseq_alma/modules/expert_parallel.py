@@ -18,13 +18,13 @@ input and router gradients are those of the single-process layer.  Expert e live
 Gradients.  fairseq averages gradients over the W data-parallel ranks and multiplies by
 W / sample_size.  Expert parameters are kept out of that average (``param.expert = True``, the
 attribute fairseq's legacy_ddp and ``clip_grad_norm_`` already honour; torch DDP is told by
-``expert_parallel_fairseq.prepare_expert_parallel``).  An expert's gradient already sums the
+``fairseq_glue/expert_parallel.prepare_expert_parallel``).  An expert's gradient already sums the
 tokens of all G ranks of its group, so it is scaled by 1/G in the backward (``_ScaleGrad``), and
 the W/G copies of a shard (one per expert-parallel group) are averaged at the end of backward.
 The result equals the gradient of one process holding all experts and all tokens.
 
 Checkpoints.  ``state_dict()`` gathers the full ``[E, ...]`` expert tensors (a collective: every
-rank of the group must call it, see expert_parallel_fairseq.py), and loading takes this rank's
+rank of the group must call it, see fairseq_glue/expert_parallel.py), and loading takes this rank's
 rows.  A checkpoint thus has the layout of ``SwitchFFN``: a single process evaluates it and a
 run with any group size resumes from it; save -> load -> save is exact.
 """

@@ -17,10 +17,10 @@ A thin adapter between fairseq's training loop and the stream core (``fairseq_al
 
 What only a training process does (``build_model`` without ``from_checkpoint``: open the run
 directory for writing, derive fairseq settings, take SIGUSR1/SIGTERM, the stage-start and
-stage-end work) lives in ``lm/stream_training.py``; ``fairseq-eval-lm``/``alma-score`` loading
+stage-end work) lives in ``fairseq_glue/stream_training.py``; ``fairseq-eval-lm``/``alma-score`` loading
 a checkpoint through this task change nothing.
 With ``--arch alma_vision`` (a vision stream) the task hands over to the vision learner
-(``vision/fairseq_entry.py``).
+(``fairseq_glue/vision_entry.py``).
 """
 
 import logging
@@ -117,10 +117,10 @@ class AlmaStreamTask(LanguageModelingTask):
 
     @classmethod
     def setup_task(cls, cfg: AlmaStreamConfig, **kwargs: Any) -> Any:
-        from ..fairseq_config import model_name
+        from ..fairseq_glue.config import model_name
 
         if model_name(cfg) == "alma_vision":  # a vision stream (--arch alma_vision --vision-dataset)
-            from ..vision.fairseq_entry import VisionStreamEntry
+            from ..fairseq_glue.vision_entry import VisionStreamEntry
 
             return VisionStreamEntry.setup_task(cfg, **kwargs)
         require(cfg.data is not None, "the stream directory (DATA) is required")
@@ -142,7 +142,7 @@ class AlmaStreamTask(LanguageModelingTask):
                     f"--moe-max-experts must be >= {final} to grow by --grow-experts {self.cfg.grow_experts} "
                     f"(allocated: {layers[0].max_experts})")
         if not from_checkpoint:
-            from ..lm.stream_training import StreamTraining
+            from ..fairseq_glue.stream_training import StreamTraining
 
             self.training = StreamTraining(self)
         return model
@@ -248,12 +248,12 @@ class AlmaStreamTask(LanguageModelingTask):
             self.training.resolve_start()
 
     def after_update(self, num_updates: int) -> bool:
-        """Asked by ``fairseq_patches.install_requeue_save`` after every update attempt: True
+        """Asked by ``fairseq_glue/patches.install_requeue_save`` after every update attempt: True
         when the stage's budget of counted updates is done (the epoch then ends there)."""
         return self.training is not None and self.training.after_update(num_updates)
 
     def stop_requested(self, num_updates: int) -> bool:
-        """Asked by ``fairseq_patches.install_requeue_save`` after every update."""
+        """Asked by ``fairseq_glue/patches.install_requeue_save`` after every update."""
         return self.training is not None and all_ranks_stop(self.training.stop.requested)
 
     def state_dict(self) -> Dict[str, Any]:

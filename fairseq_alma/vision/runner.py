@@ -1,7 +1,7 @@
 """A whole vision ALMA stream: the vision learner behind the stream core (§3, §5, App. B.1).
 
 The one way vision streams run.  ``fairseq-train --task alma_stream --vision-dataset ...``
-(``fairseq_entry.py``), the in-process sweep (``sweep.py``) and ``alma-vision-demo`` all build a
+(``fairseq_glue/vision_entry.py``), the in-process sweep (``sweep.py``) and ``alma-vision-demo`` all build a
 ``VisionRun`` and call ``run_vision_stream``:
 
     resume (checkpoint_last.pt)  ->  close_stage(0): the untrained model, arrival 0

@@ -4,8 +4,11 @@ fairseq 0.12 has no hook for these; everything else the plugin does goes through
 documented extension points (registered tasks, models, criterions and LR schedulers, and the
 task's ``get_checkpoint_dict``/``set_checkpoint_dict``).  Each patch:
 
-* is installed by one idempotent function, only by the process that needs it (a process that
-  only scores checkpoints installs none of the training patches);
+* is installed by one idempotent function, called from one of two places:
+  ``install_command_patches`` (importing the package: every fairseq command with
+  ``--user-dir fairseq_alma`` and our console tools) and ``install_stream_training_patches``
+  (an ``alma_stream`` training process, when it opens its run directory), so a process that
+  only scores checkpoints installs none of the training patches;
 * wraps fairseq's function and calls it, so fairseq's behaviour is kept everywhere the patch
   has nothing to add;
 * has a test in ``tests/test_fairseq_patches.py`` that fails if fairseq changes the code the
@@ -50,7 +53,7 @@ import warnings
 import zipfile
 from typing import Any
 
-from .errors import AlmaError, CheckpointError, Preempted
+from ..errors import AlmaError, CheckpointError, Preempted
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +90,7 @@ class _ConsoleMain:
         self.original = original
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from .cli.entry import error_line
+        from ..console import error_line
 
         try:
             return self.original(*args, **kwargs)
@@ -185,7 +188,7 @@ class _TrainingConfig:
       its ``Trainer`` and ``FP16Optimizer`` train bf16 on GPUs (model in bf16, fp32 master
       weights, no loss scaler).  An explicit ``--tpu`` is kept, and refused below.
     * fairseq-train only: the flags a run cannot honour end in one line and exit 2 before
-      anything starts (``fairseq_config.check_training_flags``), and ``--bf16`` keeps one flat
+      anything starts (``config.check_training_flags``), and ``--bf16`` keeps one flat
       fp32 master copy (``install_flat_bf16_master``)."""
 
     _alma_patch = True
@@ -198,12 +201,12 @@ class _TrainingConfig:
             args.tpu = False
         cfg = self.original(args)
         if self.module_name.endswith(".train"):
-            from .fairseq_config import check_training_flags
+            from .config import check_training_flags
 
             try:
                 check_training_flags(cfg)
             except AlmaError as err:
-                from .cli.entry import error_line
+                from ..console import error_line
 
                 sys.stdout.flush()
                 print(error_line(ERROR_PROG, err), file=sys.stderr, flush=True)
@@ -292,7 +295,7 @@ def install_atomic_copies() -> None:
     """
     from fairseq.file_io import PathManager
 
-    from .stream.atomic import atomic_copy
+    from ..stream.atomic import atomic_copy
 
     original = PathManager.copy
     if _patched(original):
@@ -417,6 +420,25 @@ def install_requeue_save() -> None:
     train_cli.validate_and_save = _mark(validate_and_save)
 
 
+def install_command_patches() -> None:
+    """The patches every process that imports fairseq with the plugin needs (package import).
+
+    Why here: fairseq looks each patched name up at call time, so installing them before its
+    command runs is enough; each is a no-op for what it does not concern (a run without expert
+    shards, a command that is not fairseq's own)."""
+    install_console_errors()
+    install_checkpoint_errors()
+    install_training_flags()
+    install_expert_parallel_trainer()
+
+
+def install_stream_training_patches() -> None:
+    """The patches only an ``alma_stream`` training process needs: they change how fairseq-train
+    saves and ends epochs, which a scoring process or a plain fairseq task must not see."""
+    install_atomic_copies()
+    install_requeue_save()
+
+
 # ---- expert parallelism and fairseq's Trainer --------------------------------------------
 def install_expert_parallel_trainer() -> None:
     """Two Trainer members for models whose experts are sharded over ranks.
@@ -431,7 +453,7 @@ def install_expert_parallel_trainer() -> None:
     """
     from fairseq.trainer import Trainer
 
-    from .modules.expert_parallel_fairseq import (
+    from .expert_parallel import (
         check_training_setup,
         expert_parallel_layers,
         innermost_torch_optimizer,
@@ -464,7 +486,7 @@ _UNREADABLE = (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFil
 
 
 def _unreadable(path: str, err: BaseException) -> CheckpointError:
-    from .stream.run_view import recovery_hint
+    from ..stream.run_view import recovery_hint
 
     reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
     return CheckpointError(f"{path}: not a readable checkpoint ({reason}); {recovery_hint(path)}")
@@ -487,8 +509,8 @@ def install_checkpoint_errors() -> None:
 
     def load_checkpoint_to_cpu(path: str, arg_overrides: Any = None,
                                load_on_all_ranks: bool = False) -> Any:
-        from .checkpoint_load import TRUST_FLAG, unsafe_type
-        from .stream.run_view import checked_checkpoint
+        from ..checkpoint_load import TRUST_FLAG, unsafe_type
+        from ..stream.run_view import checked_checkpoint
 
         checked_checkpoint(path)
         try:

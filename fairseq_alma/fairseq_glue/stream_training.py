@@ -4,8 +4,8 @@
 * Takes the run directory: rank 0 locks it, every rank checks that ``run.json`` describes this
   run (or none), the first use of the data hashes every shard; the ranks agree before anything
   is trained (``ranks.py``).
-* Derives fairseq's settings (``fairseq_config.py``), installs the training patches
-  (``fairseq_patches.py``) and takes SIGUSR1/SIGTERM (``stream/stop.py``).
+* Derives fairseq's settings (``config.py``), installs the training patches
+  (``patches.py``) and takes SIGUSR1/SIGTERM (``stream/stop.py``).
 * Runs the stream core's stage-end protocol at every stage boundary (``StreamProgress``): keep
   ``checkpoint_stage{s}.pt``, evaluate on the evaluation mega-batch and the validation set,
   write ``stream.jsonl``; and the stage-start actions at a stage's first update (growth, fresh
@@ -53,8 +53,8 @@ class StreamTraining:
     """The training side of ``AlmaStreamTask`` (module doc)."""
 
     def __init__(self, task: Any) -> None:
-        from ..fairseq_config import check_sharding, stage_lr_settings, stream_training_settings
-        from ..fairseq_patches import install_atomic_copies, install_requeue_save
+        from .config import check_sharding, stage_lr_settings, stream_training_settings
+        from .patches import install_stream_training_patches
 
         self.task, self.cfg = task, task.cfg
         # flags first: a refused combination leaves the run directory untouched
@@ -64,8 +64,7 @@ class StreamTraining:
         self.progress = StreamProgress(task.plan, self.run_dir)
         self.growth: List[Dict[str, Any]] = []
         stream_training_settings(self.cfg, task.plan.num_stages, limit)
-        install_atomic_copies()
-        install_requeue_save()
+        install_stream_training_patches()
         self.stop = StopSignal().install()
         self.resuming = self.run_dir.last_checkpoint.exists()  # fairseq will restore it
         self.live = False  # False until this process knows the progress (fresh, or restored)
@@ -95,7 +94,7 @@ class StreamTraining:
         from data_prep.manifest import data_identity
 
         from ..errors import AlmaError
-        from ..fairseq_config import run_fingerprint
+        from .config import run_fingerprint
         from ..ranks import raise_unless_all_ok
 
         error, run_dir, fingerprint, finished = None, None, {}, False
@@ -180,7 +179,7 @@ class StreamTraining:
             self.clock.next_stage(stages_done + 1)  # raises: the last stage's data ran out
 
     def after_update(self, num_updates: int) -> bool:
-        """Asked by ``fairseq_patches.install_requeue_save`` after every update attempt, with
+        """Asked by ``fairseq_glue/patches.install_requeue_save`` after every update attempt, with
         fairseq's counter: True when the stage's budget of counted updates is complete, so
         fairseq ends the epoch there however many steps it skipped."""
         done = self.clock.attempt(num_updates)
@@ -231,7 +230,7 @@ class StreamTraining:
                     "run": fingerprint_hash(self.fingerprint),
                     "dictionary": self.task.manifest["dictionary"]["sha256"]}
             if stage == 0:
-                from ..fairseq_config import fairseq_root
+                from .config import fairseq_root
 
                 keep_initial_checkpoint(self.run_dir, self.task.model, fairseq_root(self.cfg),
                                         self.task.state_dict(), info)

@@ -6,7 +6,7 @@ break three of its assumptions, each fixed here at the point fairseq offers for 
 - Gradient averaging.  legacy_ddp already skips parameters with ``param.expert`` (set by the
   layer); torch DDP (``--ddp-backend pytorch_ddp``/``c10d``) skips the names listed in
   ``model._ddp_params_and_buffers_to_ignore``, which ``prepare_expert_parallel`` fills.
-- Saving (the Trainer patch is in ``fairseq_patches.py``).  Only rank 0 writes checkpoints, but
+- Saving (the Trainer patch is in ``patches.py``).  Only rank 0 writes checkpoints, but
   the expert shards are spread over the ranks, so ``state_dict()`` is a collective (the layer
   gathers the full [E, ...] tensors).  fairseq lets every rank call ``state_dict()`` during a
   save when ``Trainer.always_call_state_dict_during_save_checkpoint`` is true (made for FSDP);
@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ..errors import require
-from .expert_parallel import ExpertParallelSwitchFFN
+from ..modules.expert_parallel import ExpertParallelSwitchFFN
 
 DDP_BACKENDS = ("legacy_ddp", "no_c10d", "pytorch_ddp", "c10d")
 
@@ -49,9 +49,6 @@ def prepare_expert_parallel(model: nn.Module) -> None:
     names = [name for name, param in model.named_parameters() if getattr(param, "expert", False)]
     ignored = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
     model._ddp_params_and_buffers_to_ignore = ignored + [n for n in names if n not in ignored]
-    from ..fairseq_patches import install_expert_parallel_trainer
-
-    install_expert_parallel_trainer()
 
 
 def check_training_setup(cfg: Any) -> None:

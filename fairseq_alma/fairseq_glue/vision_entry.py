@@ -19,15 +19,15 @@ import torch
 from fairseq.tasks import FairseqTask
 
 from ..errors import AlmaError, UsageError, require
-from ..fairseq_config import given, refuse_flags
+from .config import given, refuse_flags
 from ..ranks import raise_unless_all_ok, world
 from ..stream.progress import StreamPlan
 from ..stream.run_dir import RunDirectory
 from ..stream.stop import StopSignal, stage_limit
-from .devices import resolve_device
-from .learners import LearnerSpec
-from .runner import VisionRun, run_vision_stream
-from .stage_trainer import OptimizerSpec, StageTrainConfig
+from ..vision.devices import resolve_device
+from ..vision.learners import LearnerSpec
+from ..vision.runner import VisionRun, run_vision_stream
+from ..vision.stage_trainer import OptimizerSpec, StageTrainConfig
 
 logger = logging.getLogger(__name__)
 

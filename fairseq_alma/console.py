@@ -1,7 +1,7 @@
 """What every console entry point does with errors: one line on stderr and an exit status.
 
-Library code raises ``AlmaError``s (``fairseq_alma/errors.py``); the entry points in this folder,
-and the wrapper around fairseq's own commands (``fairseq_patches.py``), are the only places that
+Library code raises ``AlmaError``s (``fairseq_alma/errors.py``); the entry points in ``cli/`` and ``data_prep/``,
+and the wrapper around fairseq's own commands (``fairseq_glue/patches.py``), are the only places that
 print them.  A user sees ``<prog>: error: <what is wrong and what to do>``, exit status 2 (the
 argparse convention) or the error's own status (a preempted run exits with the requeue status),
 and no traceback.  Anything that is not an ``AlmaError`` is a bug and keeps its traceback.
@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-from ..errors import AlmaError, Preempted
+from .errors import AlmaError, Preempted
 
 INTERRUPTED_EXIT_STATUS = 130  # the shell's status for Ctrl-C
 

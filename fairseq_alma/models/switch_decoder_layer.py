@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from fairseq.modules import LayerNorm, MultiheadAttention
 from torch import Tensor, nn
 
-from .switch_ffn import SwitchAux, SwitchFFN, _activation
+from ..modules.switch_ffn import SwitchAux, SwitchFFN, _activation
 
 # fairseq's MultiheadAttention hands torch a bool key-padding mask (it calls .bool() itself) next
 # to the additive float causal mask; torch then converts the bool mask to -inf exactly as intended

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .errors import UsageError
+from ..errors import UsageError
 
 logger = logging.getLogger("fairseq_alma")
 
@@ -80,7 +80,7 @@ def check_precision(node: Any) -> None:
 
     ``--bf16``/``--memory-efficient-bf16`` train on CUDA GPUs (fairseq's trainer: model in bf16,
     fp32 master weights in ``FP16Optimizer``, no loss scaler; the plugin undoes the TPU mode
-    fairseq 0.12's option parser attaches to the flag, ``fairseq_patches.install_training_flags``).
+    fairseq 0.12's option parser attaches to the flag, ``fairseq_glue/patches.install_training_flags``).
     Not on CPU, where fairseq would run bf16 kernels no test covers, nor under fairscale's FSDP,
     which fairseq 0.12 refuses later with a traceback; ``--tpu`` needs torch_xla."""
     import torch
@@ -102,7 +102,7 @@ def check_precision(node: Any) -> None:
 
 def check_training_flags(cfg: Any) -> None:
     """Flags a training run cannot honour, checked once on fairseq-train's whole config right
-    after fairseq parsed it and before anything runs (``fairseq_patches.install_training_flags``).
+    after fairseq parsed it and before anything runs (``fairseq_glue/patches.install_training_flags``).
 
     Why there and not where the model or task is built: both are built again from a
     checkpoint's own config when it is scored, and a checkpoint trained with ``--bf16`` or
@@ -111,7 +111,7 @@ def check_training_flags(cfg: Any) -> None:
 
     model = cfg.get("model") if hasattr(cfg, "get") else None
     arch = str(model.get("_name") or "") if model is not None and hasattr(model, "get") else ""
-    if arch == "alma_vision":  # the vision learner checks its own flags (vision/fairseq_entry.py)
+    if arch == "alma_vision":  # the vision learner checks its own flags (fairseq_glue/vision_entry.py)
         return
     check_precision(cfg)
     task = cfg.get("task")
