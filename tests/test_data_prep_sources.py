@@ -194,6 +194,57 @@ def test_gpt2_flags_fail_with_one_line(corpus, gpt2_files, tmp_path):
     assert not os.path.exists(tmp_path / "o" / "work" / "docs.txt")  # checked before extracting
 
 
+def alma_data_prep(*args: str) -> subprocess.CompletedProcess:
+    """The installed ``alma-data-prep`` console script (it imports the checkout on PYTHONPATH)."""
+    return subprocess.run([os.path.join(os.path.dirname(sys.executable), "alma-data-prep"),
+                           *args], capture_output=True, text=True, timeout=300, check=False)
+
+
+# What fairseq's reader would make of each vocab.bpe, and the words the one error line names.
+BAD_VOCAB_BPE = {
+    "empty": ("", "empty"),
+    "header only": ("#version: 0.2\n", "no merges"),
+    "garbage": ("this is not a BPE file at all\n", "'#version' header"),
+    "no header": ("".join(f"{a} {b}\n" for a, b in MERGES), "'#version' header"),
+    "three symbols": ("#version: 0.2\nĠ t\nh e r\n", "line 3 is not two symbols"),
+    "no final newline": ("#version: 0.2\nĠ t\nh e", "newline"),
+    # The merge's result is in the encoder (Ġt + he), one of its parts is not.
+    "part not in encoder": ("#version: 0.2\nĠ t\nĠth e\n", "'Ġth'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_VOCAB_BPE))
+def test_gpt2_vocab_bpe_that_fairseq_would_misread_is_refused(case, corpus, gpt2_files,
+                                                              tmp_path):
+    """Each of these used to be accepted: the corpus encoded byte by byte (no merges), a
+    merge silently dropped, or a bare KeyError in the middle of encoding."""
+    text, named = BAD_VOCAB_BPE[case]
+    vocab = tmp_path / "vocab.bpe"
+    vocab.write_bytes(text.encode("utf-8"))
+    inputs = [corpus, gpt2_files[0], str(vocab)]
+    before = {path: _sha(path) for path in inputs}
+    result = alma_data_prep(corpus, "--out", str(tmp_path / "o"), "--bpe", "gpt2",
+                            "--gpt2-encoder-json", gpt2_files[0], "--gpt2-vocab-bpe", str(vocab),
+                            *SPLIT_FLAGS)
+    _assert_one_line_error(result, "alma-data-prep: error:", str(vocab), named)
+    assert {path: _sha(path) for path in inputs} == before
+
+
+@pytest.mark.parametrize("text, named", [("", "not JSON"), ("{}", "not a JSON object"),
+                                         ('{"a": "1"}', "not a JSON object")])
+def test_gpt2_encoder_json_that_is_empty_or_not_a_mapping_is_refused(text, named, corpus,
+                                                                     gpt2_files, tmp_path):
+    encoder = tmp_path / "encoder.json"
+    encoder.write_text(text, encoding="utf-8")
+    inputs = [corpus, str(encoder), gpt2_files[1]]
+    before = {path: _sha(path) for path in inputs}
+    result = alma_data_prep(corpus, "--out", str(tmp_path / "o"), "--bpe", "gpt2",
+                            "--gpt2-encoder-json", str(encoder), "--gpt2-vocab-bpe", gpt2_files[1],
+                            *SPLIT_FLAGS)
+    _assert_one_line_error(result, "alma-data-prep: error:", str(encoder), named)
+    assert {path: _sha(path) for path in inputs} == before
+
+
 def _reseparated(encoded: str, target) -> str:
     """Our encoded text with two blank lines between documents and none after the last: the
     same documents, as a user's file might separate them."""
