@@ -360,6 +360,38 @@ def test_from_binarized_errors_name_the_path_and_the_next_step(encoded_text, cor
                            str(data_bin / "dict.txt"))
 
 
+def _tree(path: str) -> dict[str, str]:
+    return {os.path.join(d, f): _sha(os.path.join(d, f)) for d, _, names in os.walk(path)
+            for f in names}
+
+
+def test_from_binarized_never_replaces_another_stream_or_takes_an_absurd_b(
+        gpt2_stream, gpt2_files, corpus, encoded_text, tmp_path):
+    data_bin = str(tmp_path / "bin")
+    fairseq_preprocess(encoded_text, data_bin)
+    watched = {path: _tree(path) for path in (data_bin, gpt2_stream)}
+    fresh = str(tmp_path / "fresh")
+    _assert_one_line_error(alma_data_prep("--from-binarized", data_bin, "--out", fresh,
+                                          "-B", str(10**12)),
+                           "--num-megabatches 1000000000000", data_bin, "lower it")
+    assert not os.path.exists(fresh)
+    # The text route's stream is another stream for the binarized route, and back.
+    _assert_one_line_error(alma_data_prep("--from-binarized", data_bin, "--out", gpt2_stream,
+                                          *SPLIT_FLAGS),
+                           f"--out {gpt2_stream} holds another stream", corpus, "--clean")
+    cut = str(tmp_path / "cut")
+    assert alma_data_prep("--from-binarized", data_bin, "--out", cut, *SPLIT_FLAGS,
+                          "-B", "2").returncode == 0
+    watched[cut] = _tree(cut)
+    _assert_one_line_error(alma_data_prep(corpus, "--out", cut, "--bpe", "gpt2",
+                                          "--gpt2-encoder-json", gpt2_files[0],
+                                          "--gpt2-vocab-bpe", gpt2_files[1], *SPLIT_FLAGS),
+                           f"--out {cut} holds another stream", f"--from-binarized {data_bin}")
+    assert {path: _tree(path) for path in watched} == watched
+    again = alma_data_prep("--from-binarized", data_bin, "--out", cut, *SPLIT_FLAGS, "-B", "2")
+    assert again.returncode == 0 and "building" not in again.stderr, again.stderr
+
+
 def test_from_binarized_reads_train1_after_train(gpt2_stream, encoded_text, tmp_path):
     """fairseq's ``combine`` reads train, train1, ...: a data-bin split in two cuts as one."""
     with open(encoded_text, encoding="utf-8") as f:
