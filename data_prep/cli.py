@@ -15,7 +15,14 @@ from fairseq_alma.console import OneLineArgumentParser, run_console
 from fairseq_alma.errors import DataError
 from fairseq_alma.tables import format_table
 
-from .pipeline import PrepOptions, encode_shard, prepare, prepare_tokenizer
+from .out_dir import check_output_dir
+from .pipeline import (
+    PrepOptions,
+    check_megabatches_fit,
+    encode_shard,
+    prepare,
+    prepare_tokenizer,
+)
 from .split import ORDERS, parse_size
 
 DESCRIPTION = """\
@@ -38,7 +45,9 @@ k+1 in mega-batch k); --eval-per-megabatch holds a slice of every mega-batch out
 Output in --out: manifest.json, dict.txt, spm.model, spm.vocab, megabatch0..B-1.bin/.idx,
 eval.bin/.idx, valid.bin/.idx (and evalmb0..B-1.bin/.idx with --eval-per-megabatch; fairseq
 mmap format); intermediate files under work/. Running the same command again reuses finished
-steps; changed flags redo only what depends on them.
+steps; changed flags redo only what depends on them. A DIR that holds another stream (its
+manifest.json lists other inputs) is refused unless --clean is given; one that holds files that
+are no stream is refused.
 
 --bpe gpt2 encodes with GPT-2's byte-level BPE (the paper's) from your own encoder.json and
 vocab.bpe instead of training sentencepiece (no spm.* files): tokens are GPT-2 ids, as fairseq's
@@ -133,7 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "on (default: none)")
     p.add_argument("--clean", action="store_true",
                    help="delete the intermediate files in DIR/work at the end (a later run "
-                   "with other split flags then re-encodes the corpus)")
+                   "with other split flags then re-encodes the corpus); also lets --out DIR "
+                   "replace a stream prepared there from other inputs, which is refused "
+                   "without it")
     s = p.add_argument_group(
         "corpora beyond one node", "--slurm-shards N submits three Slurm jobs: extraction and "
         "tokenizer training (the command with --prepare-only), an array of N tasks each "
@@ -199,9 +210,12 @@ def _run(args: argparse.Namespace, command: str, argv: list[str]) -> None:
             raise DataError("--eval-per-megabatch cannot be 'megabatch' (it is a slice of one); "
                             "give a fraction of each mega-batch (0.1) or a token count (50k)")
     options = PrepOptions(**vars(args))
+    if not options.from_binarized:  # its own bound is in prepare_from_binarized
+        check_megabatches_fit(options)
     if slurm is not None:
         from .slurm_jobs import submit_jobs
 
+        check_output_dir(options)  # before the job scripts go into DIR/slurm
         return submit_jobs(argv, options.out, *slurm)
     if options.from_binarized:
         from .from_binarized import prepare_from_binarized

@@ -61,11 +61,16 @@ def _walk_sorted(root: str) -> list[str]:
     return files
 
 
+def is_gzip(path: str) -> bool:
+    """Whether ``path`` is read through gzip (by its name, as users name such files)."""
+    return path.endswith(".gz")
+
+
 def iter_lines(path: str) -> Iterator[str]:
     """Lines of one UTF-8 file (plain or .gz); bad bytes or a broken .gz name the file."""
     lineno = 0
     try:
-        opener = gzip.open if path.endswith(".gz") else open
+        opener = gzip.open if is_gzip(path) else open
         with opener(path, "rt", encoding="utf-8-sig") as f:
             for lineno, line in enumerate(f, start=1):
                 yield line

@@ -29,11 +29,11 @@ from fairseq_alma.errors import DataError
 from .corpus import SourceFile
 from .fileio import PARTIAL_SUFFIX, atomic_output, sha256_file, write_json_atomic
 from .manifest import MANIFEST_NAME
+from .out_dir import output_dir
 from .pipeline import (
     PIPELINE_VERSION,
     PrepOptions,
     order_key,
-    output_dir,
     per_megabatch_size,
     remove_files,
     remove_stale_megabatches,
@@ -41,7 +41,13 @@ from .pipeline import (
     withdraw_manifest,
 )
 from .progress import Progress
-from .split import assign_documents, parse_size, split_names
+from .split import (
+    assign_documents,
+    check_megabatch_bound,
+    documents_needed,
+    parse_size,
+    split_names,
+)
 from .steps import StepRunner
 
 if TYPE_CHECKING:  # fairseq (and torch) are imported only where a step needs them
@@ -223,9 +229,14 @@ def prepare_from_binarized(options: PrepOptions, command: str) -> dict:
     if not os.path.isdir(data_bin):
         raise DataError(f"--from-binarized {data_bin}: not a directory; give the --destdir of "
                         "fairseq-preprocess")
-    with output_dir(o.out, [data_bin]):
-        dictionary = load_source_dictionary(data_bin)
-        prefixes = find_shards(data_bin)
+    dictionary = load_source_dictionary(data_bin)
+    prefixes = find_shards(data_bin)
+    # Before any work, and before B names a split: a document holds at least one token, of at
+    # least one byte.
+    token_bytes = sum(os.path.getsize(f"{prefix}.bin") for prefix in prefixes)
+    check_megabatch_bound(token_bytes, o.num_megabatches, o.eval_per_megabatch is not None,
+                          f"{data_bin} ({token_bytes:,} bytes of tokens in its train split)")
+    with output_dir(o):
         dict_source = os.path.join(data_bin, "dict.txt")
         dict_sha = sha256_file(dict_source)
         sources = _sources(prefixes)
@@ -240,7 +251,7 @@ def prepare_from_binarized(options: PrepOptions, command: str) -> dict:
 
         def build() -> dict:
             docs = read_documents(prefixes, dictionary)
-            needed = (2 if o.eval_per_megabatch is not None else 1) * o.num_megabatches + 2
+            needed = documents_needed(o.num_megabatches, o.eval_per_megabatch is not None)
             if len(docs.tokens) < needed:
                 raise DataError(
                     f"{data_bin}: the train split has {len(docs.tokens)} documents (empty lines "

@@ -7,9 +7,15 @@ Paper §5 uses GPT-2's 50k BPE vocabulary. Nothing is downloaded: the user passe
 corpus encoded here holds the same symbols as data a user already encoded that way, and our
 dictionary (built like the sentencepiece one, over the ids) covers every GPT-2 id.
 
-The files are checked before any work: both readable, the encoder a JSON object of string ->
-int, and every symbol a merge or a single byte can produce present in it, because fairseq's
-encoder would otherwise stop with a bare ``KeyError`` in the middle of the corpus.
+The files are checked before any work, because fairseq's reader accepts almost anything and
+the failure shows up late or never: an empty or garbage ``vocab.bpe`` gives no merges, and the
+corpus is then silently encoded byte by byte; a ``vocab.bpe`` without its ``#version`` header
+loses its first merge (the reader skips line 1 unseen), one without a final newline its last;
+an encoder that lacks a symbol stops fairseq's encoder with a bare ``KeyError`` in the middle of
+the corpus. So: both files readable; the encoder a non-empty JSON object of string -> int;
+``vocab.bpe`` the ``#version`` line, then at least one merge, one per line, each two symbols,
+newline-terminated; and every symbol the BPE works with -- each single byte, each merge's two
+parts and its result -- present in the encoder.
 """
 
 from __future__ import annotations
@@ -68,6 +74,29 @@ def _merges(text: str) -> list[tuple[str, ...]]:
     return [tuple(line.split()) for line in text.split("\n")[1:-1]]
 
 
+def _check_merges(text: str, vocab_bpe: str) -> list[tuple[str, ...]]:
+    """The merges of ``vocab.bpe``, refused unless fairseq's reader (``_merges``) would read
+    every line of it as one merge of two symbols, and at least one."""
+    def refuse(why: str) -> DataError:
+        return DataError(f"{VOCAB_FLAG} {vocab_bpe}: {why}; pass fairseq's GPT-2 vocab.bpe "
+                         "(a '#version' line, then one merge per line: two symbols)")
+
+    if not text.strip():
+        raise refuse("empty")
+    if not text.lstrip("\ufeff").startswith("#version"):
+        raise refuse("line 1 is not the '#version' header (fairseq's reader skips line 1 "
+                     "unread, so a merge there would be lost)")
+    if not text.endswith("\n"):
+        raise refuse("does not end with a newline, so fairseq's reader would drop its last line")
+    merges = _merges(text)
+    if not merges:
+        raise refuse("holds no merges (the corpus would be encoded byte by byte)")
+    for lineno, merge in enumerate(merges, start=2):
+        if len(merge) != 2:
+            raise refuse(f"line {lineno} is not two symbols")
+    return merges
+
+
 def check_gpt2_files(encoder_json: str | None, vocab_bpe: str | None) -> dict:
     """Validate both files; return what the manifest and the step keys record about them."""
     from fairseq.data.encoders.gpt2_bpe_utils import bytes_to_unicode
@@ -82,17 +111,15 @@ def check_gpt2_files(encoder_json: str | None, vocab_bpe: str | None) -> dict:
             isinstance(v, int) and not isinstance(v, bool) for v in encoder.values()):
         raise DataError(f"{ENCODER_FLAG} {encoder_json}: not a JSON object of symbol -> "
                         "integer id; pass fairseq's GPT-2 encoder.json")
-    merges = _merges(vocab_text)
-    for lineno, merge in enumerate(merges, start=2):
-        if len(merge) != 2:
-            raise DataError(f"{VOCAB_FLAG} {vocab_bpe}: line {lineno} is not two symbols; "
-                            "pass fairseq's GPT-2 vocab.bpe")
-    needed = [*bytes_to_unicode().values(), *("".join(m) for m in merges)]
+    merges = _check_merges(vocab_text, vocab_bpe)
+    # Every symbol the BPE works with: the bytes, each merge's two parts and what it makes.
+    needed = dict.fromkeys([*bytes_to_unicode().values(),
+                            *(symbol for merge in merges for symbol in (*merge, "".join(merge)))])
     missing = [symbol for symbol in needed if symbol not in encoder]
     if missing:
         raise DataError(f"{ENCODER_FLAG} {encoder_json}: no id for {len(missing)} symbol(s) "
-                        f"the BPE can produce (first: {missing[0]!r}); pass the encoder.json "
-                        f"that belongs to {vocab_bpe}")
+                        f"of the bytes and the merges in {vocab_bpe} (first: {missing[0]!r}); "
+                        "pass the encoder.json and vocab.bpe of one GPT-2 BPE")
     return {"encoder_json": os.path.abspath(encoder_json), "vocab_bpe": os.path.abspath(vocab_bpe),
             "encoder_json_sha256": sha256_file(encoder_json),
             "vocab_bpe_sha256": sha256_file(vocab_bpe),

@@ -2,8 +2,8 @@
 
 With ``--bpe gpt2`` the sentencepiece step is replaced by the user's GPT-2 files (checked up
 front, keyed by their sha256); every other step is the same code. ``--from-binarized`` takes
-another route (``from_binarized.py``) but shares this module's output-directory lock and
-manifest.
+another route (``from_binarized.py``) but shares this module's manifest and the output
+directory's checks and lock (``out_dir.py``).
 
 Each step is keyed by exactly what its output depends on (see ``steps.py``), so re-running the
 same command reuses everything, and changing e.g. ``--seed`` redoes only the split, the
@@ -17,8 +17,8 @@ import datetime
 import glob
 import os
 import shutil
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from itertools import pairwise
 
 import numpy as np
@@ -33,7 +33,7 @@ from .bpe import (
     sentencepiece_vocabulary,
     train_sentencepiece,
 )
-from .corpus import SourceFile, discover_sources, extract_documents
+from .corpus import SourceFile, discover_sources, extract_documents, is_gzip
 from .encoded import FORMAT as ENCODED_FORMAT
 from .encoded import Encoded, concatenate_parts, read_extra
 from .encoded import files as encoded_files
@@ -47,11 +47,13 @@ from .fileio import (
 )
 from .gpt2_bpe import Gpt2Lines, check_gpt2_files, gpt2_vocabulary
 from .manifest import MANIFEST_FORMAT, MANIFEST_NAME
+from .out_dir import check_output_dir, output_dir, stream_inputs
 from .split import (
     ORDERS,
     PERIOD_PREFIX,
     assign_documents,
     check_document_count,
+    check_megabatch_bound,
     count_training_pieces,
     SizeSpec,
     parse_size,
@@ -91,17 +93,29 @@ class PrepOptions:
     eval_per_megabatch: str | None = None
 
 
+def check_tokenizer_files(options: PrepOptions) -> dict | None:
+    """With ``--bpe gpt2``, the checked GPT-2 files (``check_gpt2_files``). Called before
+    ``--out`` is touched: a bad file must cost neither an extraction nor a new directory."""
+    if options.bpe != "gpt2":
+        return None
+    return check_gpt2_files(options.gpt2_encoder_json, options.gpt2_vocab_bpe)
+
+
 class Pipeline:
-    def __init__(self, options: PrepOptions) -> None:
+    def __init__(self, options: PrepOptions, gpt2: dict | None) -> None:
+        """``gpt2``: what ``check_tokenizer_files`` returned for ``options``."""
         self.o = options
         self.work = os.path.join(options.out, "work")
         self.runner = StepRunner(options.out, lambda: withdraw_manifest(options.out))
         self.sources = discover_sources(options.inputs)
-        self.names = split_names(options.num_megabatches,
-                                 options.eval_per_megabatch is not None)
-        # Checked before any step runs: a bad GPT-2 file must not cost an extraction first.
-        self.gpt2 = check_gpt2_files(options.gpt2_encoder_json, options.gpt2_vocab_bpe) \
-            if options.bpe == "gpt2" else None
+        self.gpt2 = gpt2
+
+    @cached_property
+    def names(self) -> list[str]:
+        """Every split, B of them mega-batches: built only once ``check_document_count`` has
+        passed (in ``sentencepiece`` or ``_encode_key``), so no B beyond the corpus's
+        documents ever sizes a list."""
+        return split_names(self.o.num_megabatches, self.o.eval_per_megabatch is not None)
 
     def path(self, rel: str) -> str:
         return os.path.join(self.o.out, rel)
@@ -245,6 +259,28 @@ class Pipeline:
         return self.runner.ensure("binarize", key, outputs, build)
 
 
+def check_megabatches_fit(options: PrepOptions) -> None:
+    """Refuse, before any work, a ``--num-megabatches`` the INPUT files cannot hold one
+    document of each for, from their sizes alone (``check_document_count`` knows the count only
+    after the extraction; a B of 10**12 used to end there in a MemoryError)."""
+    sources = discover_sources(options.inputs)
+    total = sum(s.bytes for s in sources)
+    gz = ", a .gz at its largest expansion" if any(is_gzip(s.path) for s in sources) else ""
+    holder = f"the INPUT files ({total:,} bytes{gz})"
+    check_megabatch_bound(most_documents(sources), options.num_megabatches,
+                          options.eval_per_megabatch is not None, holder)
+
+
+# deflate's largest compression ratio (zlib's technical notes): no .gz expands further.
+GZIP_MAX_EXPANSION = 1032
+
+
+def most_documents(sources: list[SourceFile]) -> int:
+    """An upper bound on the documents in ``sources`` from their sizes: a document holds at
+    least one byte of text, and a .gz file holds at most 1032 bytes of text per byte."""
+    return sum(s.bytes * (GZIP_MAX_EXPANSION if is_gzip(s.path) else 1) for s in sources)
+
+
 def order_key(order: str, eval_per_megabatch: str | None) -> dict:
     """The split key's entries for ``--order`` and ``--eval-per-megabatch``: present only when
     they differ from the defaults, so streams prepared before these flags existed keep their
@@ -276,37 +312,6 @@ def withdraw_manifest(out_dir: str) -> None:
         os.remove(os.path.join(out_dir, MANIFEST_NAME))
 
 
-def _check_output_dir(out_dir: str, inputs: list[str]) -> None:
-    out = os.path.realpath(out_dir)
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise DataError(f"--out {out_dir}: exists and is not a directory")
-    for given in inputs:
-        real = os.path.realpath(given)
-        if os.path.isdir(real) and os.path.commonpath([real, out]) == real:
-            raise DataError(f"--out {out_dir} lies inside input directory {given}; "
-                                "a re-run would read its own outputs -- choose another --out")
-
-
-def _lock(out_dir: str) -> int:
-    return lock_file(os.path.join(out_dir, ".lock"), f"--out {out_dir} is in use by another "
-                     "alma-data-prep run; wait for it to finish")
-
-
-@contextlib.contextmanager
-def output_dir(out_dir: str, inputs: list[str]) -> Iterator[None]:
-    """Create, lock and tidy ``out_dir`` for one run of either route (text or binarized)."""
-    _check_output_dir(out_dir, inputs)
-    os.makedirs(os.path.join(out_dir, "work"), exist_ok=True)
-    lock = _lock(out_dir)
-    try:
-        for leftover in (glob.glob(os.path.join(out_dir, f"*{PARTIAL_SUFFIX}*"))
-                         + glob.glob(os.path.join(out_dir, "work", f"*{PARTIAL_SUFFIX}*"))):
-            os.remove(leftover)  # from a killed run; its step has no stamp and will rerun
-        yield
-    finally:
-        os.close(lock)
-
-
 def remove_stale_megabatches(out_dir: str, names: list[str]) -> None:
     """Shards of a previous run with a larger B (or with --eval-per-megabatch when this one
     has none) would look like part of this stream."""
@@ -330,29 +335,31 @@ def remove_files(out_dir: str, names: list[str]) -> None:
 def prepare_tokenizer(options: PrepOptions) -> None:
     """``--prepare-only``: the extraction and the tokenizer (training sentencepiece, or
     checking the GPT-2 files), which every shard's encoding needs; nothing after them."""
-    with output_dir(options.out, options.inputs):
-        Pipeline(options)._encode_key()
+    gpt2 = check_tokenizer_files(options)
+    with output_dir(options):
+        Pipeline(options, gpt2)._encode_key()
 
 
 def encode_shard(options: PrepOptions) -> None:
     """``--shard-index K``: encode shard K only. Runs beside the other shards' runs, so it
     takes its shard's lock, not the output directory's, and builds nothing shared: the
     extraction and the tokenizer must be done (``--prepare-only``)."""
-    _check_output_dir(options.out, options.inputs)
+    check_output_dir(options)
     first = (f"--shard-index needs the extraction and the tokenizer of this corpus done in "
              f"{options.out}: run the same command with --prepare-only instead of "
              "--shard-index first")
     if not os.path.isdir(os.path.join(options.out, "work")):
         raise DataError(first)
-    pipeline = Pipeline(options)
+    pipeline = Pipeline(options, check_tokenizer_files(options))
     pipeline.runner.frozen = {"extract": first, "sentencepiece": first}
     pipeline.shard(options.shard_index)
 
 
 def prepare(options: PrepOptions, command: str) -> dict:
     """Run (or resume) the whole pipeline into ``options.out``; return the manifest."""
-    with output_dir(options.out, options.inputs):
-        pipeline = Pipeline(options)
+    gpt2 = check_tokenizer_files(options)
+    with output_dir(options):
+        pipeline = Pipeline(options, gpt2)
         if pipeline.gpt2 is None:
             tokenizer = {"sentencepiece": _sentencepiece_entry(pipeline.sentencepiece(), options)}
         else:
@@ -409,6 +416,7 @@ def stream_manifest(options: PrepOptions, splits: dict, dict_info: dict, tokeniz
         "dictionary": {"file": "dict.txt", "sha256": dict_info["sha256"],
                        "size": dict_info["size"]},
         **tokenizer,
+        "inputs": stream_inputs(o),
         "sources": [{"path": s.path, "bytes": s.bytes} for s in sources],
         "options": asdict(o),
         "step_seconds": {k: round(v, 3) for k, v in step_seconds.items()},

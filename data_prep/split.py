@@ -88,18 +88,40 @@ def split_names(num_megabatches: int, per_megabatch_eval: bool = False) -> list[
     return names
 
 
-def check_document_count(documents: int, num_megabatches: int,
-                         per_megabatch_eval: bool = False) -> None:
+def documents_needed(num_megabatches: int, per_megabatch_eval: bool = False) -> int:
     """Every split needs a document: B mega-batches, eval and valid (and with
     ``--eval-per-megabatch`` a held-out document per mega-batch)."""
-    per_part = 2 if per_megabatch_eval else 1
-    needed = per_part * num_megabatches + 2
+    return (2 if per_megabatch_eval else 1) * num_megabatches + 2
+
+
+def _needs(per_megabatch_eval: bool) -> str:
+    return ("two per mega-batch (one held out by --eval-per-megabatch)" if per_megabatch_eval
+            else "one per mega-batch")
+
+
+def check_document_count(documents: int, num_megabatches: int,
+                         per_megabatch_eval: bool = False) -> None:
+    """Refuse a B the corpus has too few documents for (``documents_needed``)."""
+    needed = documents_needed(num_megabatches, per_megabatch_eval)
     if documents < needed:
-        what = ("two per mega-batch (one held out by --eval-per-megabatch)" if per_megabatch_eval
-                else "one per mega-batch")
         raise DataError(
             f"the corpus has {documents} documents but --num-megabatches {num_megabatches} "
-            f"needs at least {needed} ({what}, plus eval and valid); add text or lower it")
+            f"needs at least {needed} ({_needs(per_megabatch_eval)}, plus eval and valid); add "
+            "text or lower it")
+
+
+def check_megabatch_bound(most_documents: int, num_megabatches: int, per_megabatch_eval: bool,
+                          holder: str) -> None:
+    """Refuse, before any work, a B beyond ``most_documents``, an upper bound on the documents
+    of ``holder`` (the inputs, in words) from their sizes: that many mega-batches can never
+    each get one. Only B itself is compared, so a small B on tiny or blank inputs still gets
+    the exact message of the extraction (no text, or ``check_document_count``)."""
+    if num_megabatches > most_documents:
+        raise DataError(
+            f"--num-megabatches {num_megabatches} needs at least "
+            f"{documents_needed(num_megabatches, per_megabatch_eval):,} documents "
+            f"({_needs(per_megabatch_eval)}, plus eval and valid) but {holder} can hold at most "
+            f"{most_documents:,}; lower it")
 
 
 def _nearest_cut(cum: np.ndarray, target: float, lo: int, hi: int) -> int:

@@ -237,6 +237,21 @@ def _other_stream_run(ctx: Ctx) -> Path:
     return save
 
 
+def gpt2_flags(ctx: Ctx, vocab_bpe: str, extra_symbols: tuple[str, ...] = ()) -> list[str]:
+    """--bpe gpt2 with an encoder.json of every byte symbol (plus ``extra_symbols``) and the
+    given vocab.bpe text, both written to the case's scratch dir."""
+    from fairseq.data.encoders.gpt2_bpe_utils import bytes_to_unicode
+
+    symbols = [*bytes_to_unicode().values(), *extra_symbols]
+    (ctx.tmp / "encoder.json").write_text(json.dumps({s: i for i, s in enumerate(symbols)}), encoding="utf-8")
+    (ctx.tmp / "vocab.bpe").write_text(vocab_bpe, encoding="utf-8")
+    return ["--bpe", "gpt2", "--gpt2-encoder-json", str(ctx.tmp / "encoder.json"), "--gpt2-vocab-bpe", str(ctx.tmp / "vocab.bpe")]
+
+
+def prep(ctx: Ctx, out: Path, *extra: str) -> list[str]:
+    return [tool("alma-data-prep"), str(ctx.tmp / "x.txt"), "--out", str(out), *extra]
+
+
 TOOL_CASES = [
     Case("prep missing input", lambda c: ([tool("alma-data-prep"), str(c.tmp / "none.txt"), "--out", str(c.tmp / "o")], []), r"none.txt", prog="alma-data-prep"),
     Case("prep zero mega-batches", lambda c: ([tool("alma-data-prep"), str(c.tmp / "x.txt"), "--out", str(c.tmp / "o"), "--num-megabatches", "0"], []),
@@ -249,6 +264,21 @@ TOOL_CASES = [
          r"unknown top-level key 'bogus'", prog="alma-sweep"),
     Case("vision sweep wait > B", lambda c: ([tool("alma-vision-sweep"), "--out", str(c.tmp / "s"), "--waits", "9", "--num-megabatches", "3"], []),
          r"--waits must all be between 1 and --num-megabatches \(3\)", prog="alma-vision-sweep"),
+    Case("prep gpt2 empty vocab.bpe", lambda c: (prep(c, c.tmp / "o", *gpt2_flags(c, "")), [c.tmp]),
+         r"--gpt2-vocab-bpe .*vocab.bpe: empty; pass fairseq's GPT-2 vocab.bpe", prog="alma-data-prep"),
+    Case("prep gpt2 no merges", lambda c: (prep(c, c.tmp / "o", *gpt2_flags(c, "#version: 0.2\n")), [c.tmp]),
+         r"vocab.bpe: holds no merges \(the corpus would be encoded byte by byte\)", prog="alma-data-prep"),
+    Case("prep gpt2 no #version", lambda c: (prep(c, c.tmp / "o", *gpt2_flags(c, "Ġ t\n", ("Ġt",))), [c.tmp]),
+         r"vocab.bpe: line 1 is not the '#version' header", prog="alma-data-prep"),
+    Case("prep gpt2 merge part not in encoder", lambda c: (prep(c, c.tmp / "o", *gpt2_flags(c, "#version: 0.2\nĠth e\n", ("Ġthe",))), [c.tmp]),
+         r"encoder.json: no id for 1 symbol\(s\) of the bytes and the merges in .*vocab.bpe \(first: 'Ġth'\)", prog="alma-data-prep"),
+    Case("prep out holds another stream", lambda c: (prep(c, c.copy(c.data, "d")), [c.tmp]),
+         r"--out .*d holds another stream, prepared from .*corpus.txt .*add --clean to replace", prog="alma-data-prep"),
+    Case("prep out holds other files", lambda c: (prep(c, c.tmp), [c.tmp]),
+         r"--out .* holds files that are not an alma-data-prep stream \(x.txt\); choose a new or empty directory", prog="alma-data-prep"),
+    Case("prep out is a file", lambda c: (prep(c, c.tmp / "x.txt"), [c.tmp]), r"--out .*x.txt: exists and is not a directory", prog="alma-data-prep"),
+    Case("prep absurd mega-batches", lambda c: (prep(c, c.copy(c.data, "d"), "--num-megabatches", str(10**12)), [c.tmp]),
+         r"--num-megabatches 1000000000000 needs at least 1,000,000,000,002 documents .* can hold at most 13; lower it", prog="alma-data-prep"),
 ]
 
 CASES = LM_CASES + VISION_CASES + SCORE_CASES + TOOL_CASES

@@ -118,6 +118,7 @@ def test_manifest_describes_the_stream(prepared, corpus):
     assert manifest["dictionary"]["size"] % 8 == 0
     assert manifest["options"]["valid_size"] == "0.1" and manifest["options"]["workers"] == 1
     assert manifest["command"].startswith("alma-data-prep ") and "--seed 3" in manifest["command"]
+    assert manifest["inputs"] == [os.path.realpath(path) for path in corpus]  # what --out holds
     assert verify_stream_dir(out) == manifest
     assert "megabatch0" in result.stdout and "total" in result.stdout  # the summary table
 
@@ -302,6 +303,85 @@ def test_bad_inputs_fail_with_one_line_naming_the_file(corpus, tmp_path):
 def test_corpus_too_small_for_the_flags_fails_with_one_line(corpus, tmp_path, extra, named):
     args = [*corpus, "--out", str(tmp_path / "o"), "--vocab-size", "400", *extra]
     _assert_one_line_error(run_prep(*args), *named)
+
+
+def _tree(*paths) -> dict[str, str]:
+    """sha256 of every file (hidden ones too) at or under ``paths``: what must not change."""
+    files = []
+    for path in map(str, paths):
+        files += [path] if os.path.isfile(path) else \
+            [os.path.join(d, f) for d, _, names in os.walk(path) for f in names]
+    return {f: hashlib.sha256(open(f, "rb").read()).hexdigest() for f in sorted(files)}
+
+
+def _refused_and_unchanged(args: list[str], watched: list, *named: str) -> None:
+    before = _tree(*watched)
+    _assert_one_line_error(run_prep(*args), *named)
+    assert _tree(*watched) == before
+
+
+def test_out_holding_another_stream_is_refused_unless_clean(prepared, corpus, tmp_path):
+    theirs = str(tmp_path / "theirs")
+    shutil.copytree(prepared[0], theirs)
+    other = tmp_path / "other.txt"
+    other.write_text("another corpus\n\nof two documents\n")
+    for inputs in ([str(other)], corpus[:2]):  # other text; some of the same text is another too
+        _refused_and_unchanged([*inputs, "--out", theirs, *ARGS], [theirs, *corpus, other],
+                               f"--out {theirs} holds another stream", corpus[0], "--clean")
+    # A manifest from before "inputs" was recorded: the files it read say which stream it is.
+    manifest = _load(theirs)
+    del manifest["inputs"]
+    with open(os.path.join(theirs, "manifest.json"), "w", encoding="utf-8") as f:
+        json.dump(manifest, f)
+    _refused_and_unchanged([str(other), "--out", theirs, *ARGS], [theirs, *corpus, other],
+                           "holds another stream", "--clean")
+    same = run_prep(*corpus, "--out", theirs, *ARGS)  # the same command: a re-run
+    assert same.returncode == 0 and "building" not in same.stderr, same.stderr
+
+    # --clean replaces it: here with a copy of the corpus elsewhere (other paths, same text).
+    copy = tmp_path / "copy"
+    shutil.copytree(os.path.dirname(corpus[0]), copy)
+    moved = [str(copy / os.path.basename(path)) for path in corpus]
+    _refused_and_unchanged([*moved, "--out", theirs, *ARGS], [theirs], "holds another stream")
+    replaced = run_prep(*moved, "--out", theirs, *ARGS, "--clean")
+    assert replaced.returncode == 0, replaced.stderr
+    assert _load(theirs)["inputs"] == [os.path.realpath(path) for path in moved]
+    assert not os.path.exists(os.path.join(theirs, "work"))  # --clean as documented
+
+
+def test_out_that_is_a_file_or_holds_other_files_is_refused(corpus, tmp_path):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine\n")
+    for out in (a_file, a_file / "stream"):
+        _refused_and_unchanged([*corpus, "--out", str(out), *ARGS], [a_file, *corpus],
+                               f"--out {out}", f"{a_file} is" if out != a_file else "a directory")
+    mine = tmp_path / "mine"  # a directory that is no stream: outputs would mix with (and
+    (mine / "work").mkdir(parents=True)  # --clean, remove_stale_megabatches delete) its files
+    (mine / "work" / "draft.txt").write_text("mine\n")
+    (mine / "megabatch-notes.txt").write_text("mine\n")
+    for clean in ([], ["--clean"]):
+        _refused_and_unchanged([*corpus, "--out", str(mine), *ARGS, *clean], [mine, *corpus],
+                               f"--out {mine} holds files that are not an alma-data-prep stream",
+                               "megabatch-notes.txt")
+
+
+def test_absurd_num_megabatches_is_refused_before_any_work(prepared, corpus, tmp_path):
+    """B = 10**12 used to end in a MemoryError after creating --out; B beyond the inputs' bytes
+    (.gz at deflate's largest expansion) can never find a document per mega-batch."""
+    fresh = tmp_path / "fresh"
+    absurd = ["--num-megabatches", str(10**12)]
+    _refused_and_unchanged([*corpus, "--out", str(fresh), *ARGS, *absurd], corpus,
+                           "--num-megabatches 1000000000000", "can hold at most", "lower it")
+    assert not os.path.exists(fresh)
+    theirs = str(tmp_path / "theirs")
+    shutil.copytree(prepared[0], theirs)
+    _refused_and_unchanged([*corpus, "--out", theirs, *ARGS, *absurd, "--eval-per-megabatch",
+                            "0.1"], [theirs, *corpus], "2,000,000,000,002 documents")
+    plain = [path for path in corpus if path.endswith(".txt")]  # no .gz: at most its bytes
+    size = os.path.getsize(plain[0])
+    _refused_and_unchanged([plain[0], "--out", str(fresh), *ARGS, "--num-megabatches",
+                            str(size + 1)], plain, f"({size:,} bytes) can hold at most {size:,}")
+    assert not os.path.exists(fresh)
 
 
 def test_demo_corpus_cli_is_deterministic_and_leaves_identical_files_alone(tmp_path):

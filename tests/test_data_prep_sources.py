@@ -194,6 +194,57 @@ def test_gpt2_flags_fail_with_one_line(corpus, gpt2_files, tmp_path):
     assert not os.path.exists(tmp_path / "o" / "work" / "docs.txt")  # checked before extracting
 
 
+def alma_data_prep(*args: str) -> subprocess.CompletedProcess:
+    """The installed ``alma-data-prep`` console script (it imports the checkout on PYTHONPATH)."""
+    return subprocess.run([os.path.join(os.path.dirname(sys.executable), "alma-data-prep"),
+                           *args], capture_output=True, text=True, timeout=300, check=False)
+
+
+# What fairseq's reader would make of each vocab.bpe, and the words the one error line names.
+BAD_VOCAB_BPE = {
+    "empty": ("", "empty"),
+    "header only": ("#version: 0.2\n", "no merges"),
+    "garbage": ("this is not a BPE file at all\n", "'#version' header"),
+    "no header": ("".join(f"{a} {b}\n" for a, b in MERGES), "'#version' header"),
+    "three symbols": ("#version: 0.2\nĠ t\nh e r\n", "line 3 is not two symbols"),
+    "no final newline": ("#version: 0.2\nĠ t\nh e", "newline"),
+    # The merge's result is in the encoder (Ġt + he), one of its parts is not.
+    "part not in encoder": ("#version: 0.2\nĠ t\nĠth e\n", "'Ġth'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_VOCAB_BPE))
+def test_gpt2_vocab_bpe_that_fairseq_would_misread_is_refused(case, corpus, gpt2_files,
+                                                              tmp_path):
+    """Each of these used to be accepted: the corpus encoded byte by byte (no merges), a
+    merge silently dropped, or a bare KeyError in the middle of encoding."""
+    text, named = BAD_VOCAB_BPE[case]
+    vocab = tmp_path / "vocab.bpe"
+    vocab.write_bytes(text.encode("utf-8"))
+    inputs = [corpus, gpt2_files[0], str(vocab)]
+    before = {path: _sha(path) for path in inputs}
+    result = alma_data_prep(corpus, "--out", str(tmp_path / "o"), "--bpe", "gpt2",
+                            "--gpt2-encoder-json", gpt2_files[0], "--gpt2-vocab-bpe", str(vocab),
+                            *SPLIT_FLAGS)
+    _assert_one_line_error(result, "alma-data-prep: error:", str(vocab), named)
+    assert {path: _sha(path) for path in inputs} == before
+
+
+@pytest.mark.parametrize("text, named", [("", "not JSON"), ("{}", "not a JSON object"),
+                                         ('{"a": "1"}', "not a JSON object")])
+def test_gpt2_encoder_json_that_is_empty_or_not_a_mapping_is_refused(text, named, corpus,
+                                                                     gpt2_files, tmp_path):
+    encoder = tmp_path / "encoder.json"
+    encoder.write_text(text, encoding="utf-8")
+    inputs = [corpus, str(encoder), gpt2_files[1]]
+    before = {path: _sha(path) for path in inputs}
+    result = alma_data_prep(corpus, "--out", str(tmp_path / "o"), "--bpe", "gpt2",
+                            "--gpt2-encoder-json", str(encoder), "--gpt2-vocab-bpe", gpt2_files[1],
+                            *SPLIT_FLAGS)
+    _assert_one_line_error(result, "alma-data-prep: error:", str(encoder), named)
+    assert {path: _sha(path) for path in inputs} == before
+
+
 def _reseparated(encoded: str, target) -> str:
     """Our encoded text with two blank lines between documents and none after the last: the
     same documents, as a user's file might separate them."""
@@ -307,6 +358,38 @@ def test_from_binarized_errors_name_the_path_and_the_next_step(encoded_text, cor
     (data_bin / "dict.txt").unlink()
     _assert_one_line_error(run_prep("--from-binarized", str(data_bin), *out),
                            str(data_bin / "dict.txt"))
+
+
+def _tree(path: str) -> dict[str, str]:
+    return {os.path.join(d, f): _sha(os.path.join(d, f)) for d, _, names in os.walk(path)
+            for f in names}
+
+
+def test_from_binarized_never_replaces_another_stream_or_takes_an_absurd_b(
+        gpt2_stream, gpt2_files, corpus, encoded_text, tmp_path):
+    data_bin = str(tmp_path / "bin")
+    fairseq_preprocess(encoded_text, data_bin)
+    watched = {path: _tree(path) for path in (data_bin, gpt2_stream)}
+    fresh = str(tmp_path / "fresh")
+    _assert_one_line_error(alma_data_prep("--from-binarized", data_bin, "--out", fresh,
+                                          "-B", str(10**12)),
+                           "--num-megabatches 1000000000000", data_bin, "lower it")
+    assert not os.path.exists(fresh)
+    # The text route's stream is another stream for the binarized route, and back.
+    _assert_one_line_error(alma_data_prep("--from-binarized", data_bin, "--out", gpt2_stream,
+                                          *SPLIT_FLAGS),
+                           f"--out {gpt2_stream} holds another stream", corpus, "--clean")
+    cut = str(tmp_path / "cut")
+    assert alma_data_prep("--from-binarized", data_bin, "--out", cut, *SPLIT_FLAGS,
+                          "-B", "2").returncode == 0
+    watched[cut] = _tree(cut)
+    _assert_one_line_error(alma_data_prep(corpus, "--out", cut, "--bpe", "gpt2",
+                                          "--gpt2-encoder-json", gpt2_files[0],
+                                          "--gpt2-vocab-bpe", gpt2_files[1], *SPLIT_FLAGS),
+                           f"--out {cut} holds another stream", f"--from-binarized {data_bin}")
+    assert {path: _tree(path) for path in watched} == watched
+    again = alma_data_prep("--from-binarized", data_bin, "--out", cut, *SPLIT_FLAGS, "-B", "2")
+    assert again.returncode == 0 and "building" not in again.stderr, again.stderr
 
 
 def test_from_binarized_reads_train1_after_train(gpt2_stream, encoded_text, tmp_path):

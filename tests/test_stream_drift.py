@@ -106,6 +106,30 @@ def test_replay_slots_are_exactly_round_r_u_and_spread_through_the_stage():
     assert counted_replays(6, 3, [0]) == 3  # slots 1..6: replays 1, 3, 5
 
 
+# (r, U, round(r * U) with halves up, by hand): r * U is exactly a half in decimal, and in
+# floating point floor(r * U + 0.5) lands one below (found by brute force over r = k / 1000).
+FLOAT_ROUNDS_DOWN = [(0.145, 100, 15), (0.285, 100, 29), (0.29, 50, 15), (0.35, 90, 32),
+                     (0.58, 25, 15), (0.7, 45, 32), (0.82, 75, 62), (0.009, 1500, 14),
+                     (0.175, 180, 32)]
+
+
+@pytest.mark.parametrize("ratio, budget, expected", FLOAT_ROUNDS_DOWN)
+def test_replay_slots_round_the_typed_decimal_half_up(ratio, budget, expected):
+    assert math.floor(ratio * budget + 0.5) == expected - 1  # the float rule this replaces
+    assert replay_slots(budget, ratio) == expected
+    assert StreamPlan(4, wait=1, replay_ratio=ratio).replay_slots(2, budget) == expected
+
+
+def test_replay_slots_agree_with_decimal_half_up_everywhere():
+    from decimal import ROUND_HALF_UP, Decimal
+
+    for k in range(1000):
+        ratio = k / 1000
+        for budget in range(1, 121):
+            exact = (Decimal(repr(ratio)) * budget).quantize(Decimal(1), rounding=ROUND_HALF_UP)
+            assert replay_slots(budget, ratio) == int(exact), (ratio, budget)
+
+
 def test_partial_replay_draws_from_mega_batches_before_the_new_ones():
     plan = StreamPlan(6, wait=2, replay_ratio=0.25)
     assert [s.new_megabatches for s in plan.schedule] == [(0, 1), (2, 3), (4, 5)]

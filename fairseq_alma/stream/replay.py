@@ -11,8 +11,9 @@ the same conclusion with a fixed replay percentage plus LR re-warming.
 Semantics (one stage of budget U counted updates):
 
 * exactly ``R = round(r * U)`` of the stage's U update slots are *replay slots* (halves round
-  up: ``floor(r * U + 0.5)``); the others train on the stage's new mega-batches (the w that
-  arrived since the last stage);
+  up: ``floor(r * U + 1/2)``, in exact arithmetic on the decimal r the user typed, so
+  r = 0.145 of U = 100 is 15 -- in floating point 0.145 * 100 + 0.5 is just below 15); the
+  others train on the stage's new mega-batches (the w that arrived since the last stage);
 * a slot is one update's worth of batches (``--update-freq`` x data-parallel workers), drawn
   wholly from one side, so an update is either all-new or all-replayed;
 * replay slots are spread evenly through the stage (slot u is a replay slot when
@@ -33,6 +34,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Iterable
+from fractions import Fraction
 
 from ..errors import UsageError
 
@@ -53,8 +55,14 @@ def check_replay_ratio(ratio: object, full_replay: bool) -> float:
 
 
 def replay_slots(budget: int, ratio: float) -> int:
-    """R: replayed updates in a stage of ``budget`` updates that has earlier data."""
-    return math.floor(ratio * budget + 0.5)
+    """R: replayed updates in a stage of ``budget`` updates that has earlier data.
+
+    ``round(r * U)`` with halves up, computed on the decimal the user typed: a float's
+    shortest repr is that decimal (``0.145``, not the binary 0.14499999...), and a Fraction of
+    it is exact, so a ratio that lands on a half rounds up as documented, whatever the float
+    error of ``r * U`` (which makes ``floor(0.145 * 100 + 0.5)`` 14)."""
+    exact = Fraction(repr(float(ratio))) * budget
+    return math.floor(exact + Fraction(1, 2))
 
 
 def check_replay_budget(ratio: float, budget: int) -> None:
