@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from fairseq_alma.tables import format_table
 from fairseq_alma.vision.augment import random_crop_flip
 from fairseq_alma.vision.devices import AMP_MODES, autocast, optimizer_step
-from fairseq_alma.vision.learners import LearnerSpec, build_learner
+from fairseq_alma.vision.learner_builder import build_learner
+from fairseq_alma.vision.learners import LearnerSpec
 from fairseq_alma.vision.stage_trainer import OptimizerSpec, StageTrainConfig, train_stage
 
 MNIST_SHAPE = (1, 28, 28)

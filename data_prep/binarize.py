@@ -30,8 +30,10 @@ from collections.abc import Iterator
 import numpy as np
 from fairseq.data import Dictionary, indexed_dataset
 
+from fairseq_alma.stream.atomic import atomic_output
+
 from .encoded import CHUNK_IDS, Encoded
-from .fileio import PARTIAL_SUFFIX, atomic_output, sha256_file
+from .fileio import PARTIAL_SUFFIX, sha256_file
 from .progress import Progress
 
 PADDING_FACTOR = 8

@@ -26,9 +26,10 @@ import numpy as np
 import sentencepiece as spm
 
 from fairseq_alma.errors import DataError
+from fairseq_alma.stream.atomic import atomic_output
 
 from .encoded import PartWriter, concatenate_parts
-from .fileio import PARTIAL_SUFFIX, aligned_offsets, atomic_output, sha256_file
+from .fileio import PARTIAL_SUFFIX, aligned_offsets, sha256_file
 from .progress import Progress
 
 # Sentence sampling uses its own fixed seed, so --seed (the split) never retrains the BPE model.

@@ -216,7 +216,8 @@ def _run(args: argparse.Namespace, command: str, argv: list[str]) -> None:
         from .slurm_jobs import submit_jobs
 
         check_output_dir(options)  # before the job scripts go into DIR/slurm
-        return submit_jobs(argv, options.out, *slurm)
+        option_strings = [o for action in build_parser()._actions for o in action.option_strings]
+        return submit_jobs(argv, option_strings, options.out, *slurm)
     if options.from_binarized:
         from .from_binarized import prepare_from_binarized
 

@@ -18,8 +18,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from fairseq_alma.errors import DataError
+from fairseq_alma.stream.atomic import atomic_output
 
-from .fileio import atomic_output
 from .progress import Progress
 
 

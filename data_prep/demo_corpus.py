@@ -26,8 +26,7 @@ from collections.abc import Iterator
 
 from fairseq_alma.console import OneLineArgumentParser, run_console
 from fairseq_alma.errors import DataError
-
-from .fileio import atomic_output
+from fairseq_alma.stream.atomic import atomic_output
 
 DEFAULT_FILE_NAME = "demo_corpus.txt"
 # Test suites are absent from many distributions' Python packages (Debian splits them out);

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .fileio import atomic_output
+from fairseq_alma.stream.atomic import atomic_output
 
 ARRAYS = {"ids": np.int32, "lens": np.int32, "docs": np.int64, "tokens": np.int64}
 EXTRA = "extra.json"

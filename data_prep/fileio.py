@@ -1,45 +1,19 @@
-"""Atomic writes, checksums and small JSON files shared by the data_prep steps.
+"""Checksums and byte ranges shared by the data_prep steps.
 
-Every output is written to ``<path>.partial`` and moved into place with ``os.replace``, so a
-killed run never leaves a half-written file under a final name; the next run overwrites any
-stale ``.partial`` and continues.
+Outputs are written with ``fairseq_alma.stream.atomic.atomic_output`` (the one atomic write):
+a killed run never leaves a half-written file under a final name.  Work files that grow over a
+step (a binarizer's ``.bin``, a worker's share) carry ``PARTIAL_SUFFIX`` until they are moved
+into place; ``out_dir`` removes both kinds of leftovers before the next run.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
-from collections.abc import Iterator
-from typing import IO, Any
-
-from fairseq_alma.errors import DataError
+from typing import Any
 
 PARTIAL_SUFFIX = ".partial"
-
-
-@contextlib.contextmanager
-def atomic_output(path: str, mode: str = "w", **open_kwargs: Any) -> Iterator[IO[Any]]:
-    """Open ``path + '.partial'`` for writing; on success rename it to ``path``."""
-    partial = path + PARTIAL_SUFFIX
-    if "b" not in mode:
-        open_kwargs.setdefault("encoding", "utf-8")
-    try:
-        with open(partial, mode, **open_kwargs) as f:
-            yield f
-        os.replace(partial, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(partial)
-        raise
-
-
-def write_json_atomic(path: str, obj: Any) -> None:
-    with atomic_output(path) as f:
-        json.dump(obj, f, indent=2, sort_keys=False)
-        f.write("\n")
 
 
 def sha256_file(path: str, chunk_bytes: int = 1 << 20) -> str:
@@ -76,15 +50,3 @@ def aligned_offsets(path: str, chunks: int, at_blank_line: bool = False, start: 
                 offsets.append(f.tell())
     offsets.append(size)
     return offsets
-
-
-def lock_file(path: str, busy: str) -> int:
-    """Hold an exclusive lock on ``path`` (created if needed) until the fd is closed; raise
-    ``DataError(busy)`` if another process holds it."""
-    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise DataError(busy) from None
-    return fd

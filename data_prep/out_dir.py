@@ -32,9 +32,11 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from fairseq_alma.errors import DataError
+from fairseq_alma.stream.atomic import TEMP_SUFFIX
+from fairseq_alma.stream.lock import try_flock
 
 from .corpus import discover_sources
-from .fileio import PARTIAL_SUFFIX, lock_file
+from .fileio import PARTIAL_SUFFIX
 from .manifest import MANIFEST_FORMAT, MANIFEST_NAME
 from .steps import STAMP_DIR
 
@@ -128,8 +130,18 @@ def _other_inputs(manifest: dict, options: PrepOptions) -> str | None:
     return what + recorded[0] + (f" and {len(recorded) - 1} more" if len(recorded) > 1 else "")
 
 
+def hold_lock(path: str, busy: str) -> int:
+    """An fd holding ``path``'s ``flock`` (``stream.lock.try_flock``; closing it releases);
+    ``DataError(busy)`` when another process holds it.  A file system without ``flock`` gets no
+    exclusivity here, as before: data preparation is one command, not a requeued job."""
+    taken = try_flock(path)
+    if taken is None:
+        raise DataError(busy)
+    return taken[0]
+
+
 def _lock(out_dir: str) -> int:
-    return lock_file(os.path.join(out_dir, ".lock"), f"--out {out_dir} is in use by another "
+    return hold_lock(os.path.join(out_dir, ".lock"), f"--out {out_dir} is in use by another "
                      "alma-data-prep run; wait for it to finish")
 
 
@@ -145,8 +157,10 @@ def output_dir(options: PrepOptions) -> Iterator[None]:
                         "a directory you can write to") from None
     lock = _lock(out_dir)
     try:
-        for leftover in (glob.glob(os.path.join(out_dir, f"*{PARTIAL_SUFFIX}*"))
-                         + glob.glob(os.path.join(out_dir, "work", f"*{PARTIAL_SUFFIX}*"))):
+        leftovers = [glob.glob(os.path.join(where, pattern))
+                     for where in (out_dir, os.path.join(out_dir, "work"))
+                     for pattern in (f"*{PARTIAL_SUFFIX}*", f".*{TEMP_SUFFIX}")]
+        for leftover in (path for paths in leftovers for path in paths):
             os.remove(leftover)  # from a killed run; its step has no stamp and will rerun
         yield
     finally:

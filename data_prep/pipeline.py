@@ -24,6 +24,7 @@ from itertools import pairwise
 import numpy as np
 
 from fairseq_alma.errors import DataError
+from fairseq_alma.stream.atomic import atomic_output, atomic_write_json
 
 from .bpe import (
     SPM_SAMPLE_SEED,
@@ -37,25 +38,18 @@ from .corpus import SourceFile, discover_sources, extract_documents, is_gzip
 from .encoded import FORMAT as ENCODED_FORMAT
 from .encoded import Encoded, concatenate_parts, read_extra
 from .encoded import files as encoded_files
-from .fileio import (
-    PARTIAL_SUFFIX,
-    aligned_offsets,
-    atomic_output,
-    lock_file,
-    sha256_file,
-    write_json_atomic,
-)
+from .fileio import PARTIAL_SUFFIX, aligned_offsets, sha256_file
 from .gpt2_bpe import Gpt2Lines, check_gpt2_files, gpt2_vocabulary
 from .manifest import MANIFEST_FORMAT, MANIFEST_NAME
-from .out_dir import check_output_dir, output_dir, stream_inputs
+from .out_dir import check_output_dir, hold_lock, output_dir, stream_inputs
 from .split import (
     ORDERS,
     PERIOD_PREFIX,
+    SizeSpec,
     assign_documents,
     check_document_count,
     check_megabatch_bound,
     count_training_pieces,
-    SizeSpec,
     parse_size,
     split_names,
 )
@@ -195,7 +189,7 @@ class Pipeline:
         def build() -> dict:
             self.extract(need_outputs=True)
             os.makedirs(self.path(SHARDS), exist_ok=True)
-            lock = lock_file(prefix + ".lock", f"shard {index} of {n} in {self.o.out} is being "
+            lock = hold_lock(prefix + ".lock", f"shard {index} of {n} in {self.o.out} is being "
                              "encoded by another alma-data-prep run; wait for it to finish")
             try:
                 for leftover in glob.glob(f"{prefix}{PARTIAL_SUFFIX}*"):
@@ -376,7 +370,7 @@ def prepare(options: PrepOptions, command: str) -> dict:
             remove_files(options.out, ["spm.model", "spm.vocab"])
         manifest = stream_manifest(options, splits, dict_info, tokenizer, pipeline.sources,
                                    pipeline.runner.seconds, command)
-        write_json_atomic(os.path.join(options.out, MANIFEST_NAME), manifest)
+        atomic_write_json(os.path.join(options.out, MANIFEST_NAME), manifest)
         if options.clean:
             shutil.rmtree(pipeline.work)
         return manifest

@@ -57,12 +57,11 @@ def _script(name: str, command: str, options: list[str], env: dict[str, str]) ->
             + "set -euo pipefail\n" + exports + f"exec {command}\n")
 
 
-def submit_jobs(argv: list[str], out: str, shards: int, profile_name: str,
-                dry_run: bool) -> None:
-    from .cli import build_parser
-
+def submit_jobs(argv: list[str], option_strings: list[str], out: str, shards: int,
+                profile_name: str, dry_run: bool) -> None:
+    """Write and submit the three jobs; ``option_strings`` are every flag alma-data-prep
+    knows (so the Slurm flags can be told from the values of other flags in ``argv``)."""
     profile = load_profile(profile_name)
-    option_strings = [o for action in build_parser()._actions for o in action.option_strings]
     base = [sys.executable, "-m", "data_prep.cli",
             *strip_slurm_flags(argv, option_strings), "--num-shards", str(shards)]
     out_dir, cwd = Path(out).resolve(), Path.cwd()

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from fairseq_alma.errors import DataError
+from fairseq_alma.stream.atomic import atomic_output
 
 from .encoded import Encoded
-from .fileio import atomic_output
 from .progress import Progress
 
 _SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}

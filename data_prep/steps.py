@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable
 
 from fairseq_alma.errors import DataError
+from fairseq_alma.stream.atomic import atomic_write_json
 
-from .fileio import write_json_atomic
 from .progress import log
 
 STAMP_DIR = ".stamps"
@@ -82,5 +82,5 @@ class StepRunner:
         self.seconds[name] = self.seconds.get(name, 0.0) + elapsed - self._nested
         self._nested = outer_nested + elapsed
         sizes = {rel: os.path.getsize(os.path.join(self.out_dir, rel)) for rel in outputs}
-        write_json_atomic(self._stamp_path(name), {"key": key, "outputs": sizes, "info": info})
+        atomic_write_json(self._stamp_path(name), {"key": key, "outputs": sizes, "info": info})
         return info

@@ -17,7 +17,8 @@ from test_vision_data import _one_thread  # noqa: F401  (autouse: one torch thre
 
 from fairseq_alma.errors import Preempted, UsageError
 from fairseq_alma.vision.data import load_vision_data
-from fairseq_alma.vision.learners import LearnerSpec, build_learner
+from fairseq_alma.vision.learner_builder import build_learner
+from fairseq_alma.vision.learners import LearnerSpec
 from fairseq_alma.vision.moe_tree import TreeGating
 from fairseq_alma.vision.normalization import mean_and_std, moment_sums
 from fairseq_alma.vision.stage_trainer import (

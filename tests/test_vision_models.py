@@ -11,7 +11,8 @@ from test_vision_data import _one_thread  # noqa: F401  (autouse: one torch thre
 from torch import nn
 
 from fairseq_alma.vision.flops import count_forward_macs, count_parameters
-from fairseq_alma.vision.learners import LearnerSpec, build_learner
+from fairseq_alma.vision.learner_builder import build_learner
+from fairseq_alma.vision.learners import LearnerSpec
 from fairseq_alma.vision.models import StackedMLP, StackedVGG, build_backbone
 
 SHAPES = {"mlp": (1, 8, 8), "vgg": (3, 32, 32)}

@@ -11,7 +11,8 @@ from test_vision_data import _one_thread  # noqa: F401  (autouse: one torch thre
 from fairseq_alma.stream.progress import StreamPlan
 from fairseq_alma.stream.run_dir import RunDirectory
 from fairseq_alma.vision.data import load_vision_data
-from fairseq_alma.vision.learners import LearnerSpec, build_learner
+from fairseq_alma.vision.learner_builder import build_learner
+from fairseq_alma.vision.learners import LearnerSpec
 from fairseq_alma.vision.normalization import ArrivedStatistics, InputNormalizer
 from fairseq_alma.vision.runner import VisionRun, run_vision_stream
 from fairseq_alma.vision.stage_trainer import StageTrainConfig

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-CMD = [sys.executable, "-m", "fairseq_alma.vision.sweep"]  # as alma-vision-sweep
+CMD = [sys.executable, "-m", "fairseq_alma.cli.vision_sweep"]  # as alma-vision-sweep
 
 
 def run(*args: str) -> subprocess.CompletedProcess:

@@ -94,7 +94,8 @@ def test_sm_stream_equals_in_process_run_and_checkpoints_resume_the_learner(sm_r
     assert "Saving checkpoint" not in log and "num. shared model params" not in log
     # a stage checkpoint holds the learner as it was after that stage
     from fairseq_alma.vision.data import load_vision_data
-    from fairseq_alma.vision.learners import LearnerSpec, build_learner
+    from fairseq_alma.vision.learner_builder import build_learner
+    from fairseq_alma.vision.learners import LearnerSpec
     from fairseq_alma.vision.stage_trainer import evaluate
 
     data = load_vision_data("digits")

@@ -8,7 +8,8 @@ import json
 import pytest
 from lm_fixtures import run, tool
 
-from fairseq_alma.cli.vision_demo import main, verdict
+from fairseq_alma.cli.vision_demo import main
+from fairseq_alma.demos.vision_waiting import verdict
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

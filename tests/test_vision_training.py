@@ -12,7 +12,8 @@ from fairseq_alma.stream.records import read_records
 from fairseq_alma.stream.run_dir import RunDirectory
 from fairseq_alma.stream.schedule import build_schedule
 from fairseq_alma.vision.data import load_vision_data
-from fairseq_alma.vision.learners import LearnerSpec, build_learner
+from fairseq_alma.vision.learner_builder import build_learner
+from fairseq_alma.vision.learners import LearnerSpec
 from fairseq_alma.vision.runner import VisionRun, run_vision_stream
 from fairseq_alma.vision.stage_trainer import StageTrainConfig, train_stage, validation_losses
 from fairseq_alma.vision.stream_stage import make_partition, stage_data

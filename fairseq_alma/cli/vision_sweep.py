@@ -91,3 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(format_table(run_sweep(args)), end="")
 
     return run_console("alma-vision-sweep", sweep)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

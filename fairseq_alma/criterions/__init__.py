@@ -1,3 +1,3 @@
 """Registered criterions (fairseq does not auto-import a user dir's criterions/ folder)."""
 
-from . import alma_vision_stage, switch_cross_entropy  # noqa: F401  (registration)
+from . import switch_cross_entropy  # noqa: F401  (registration)

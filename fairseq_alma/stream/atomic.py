@@ -10,15 +10,18 @@ temp file lives in the target's own directory.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
-from typing import Any, BinaryIO
+from collections.abc import Callable, Iterator
+from typing import IO, Any, BinaryIO
 
 _COPY_CHUNK = 16 * 1024 * 1024
+# A killed writer leaves ``.<name>.<random>.tmp`` next to ``<name>``; never a final name.
+TEMP_SUFFIX = ".tmp"
 
 
 @functools.lru_cache(maxsize=1)
@@ -54,27 +57,39 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def _atomic_write_with(
-    path: str | os.PathLike, write: Callable[[BinaryIO], None], mode: int
-) -> None:
+@contextlib.contextmanager
+def atomic_output(path: str | os.PathLike, mode: str = "w", encoding: str = "utf-8",
+                  file_mode: int | None = None) -> Iterator[IO[Any]]:
+    """Open a temporary file next to ``path`` for writing (``mode`` "w" or "wb"); when the block
+    ends without an exception it is flushed, fsynced and renamed over ``path``, otherwise it is
+    removed.  For outputs written piece by piece (data preparation streams GBs through it)."""
+    if mode not in ("w", "wb"):
+        raise ValueError(f"atomic_output: mode must be 'w' or 'wb', got {mode!r}")
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=TEMP_SUFFIX,
+                               dir=directory)
     try:
-        with os.fdopen(fd, "wb") as handle:
-            write(handle)
+        text = {"encoding": encoding} if mode == "w" else {}
+        with os.fdopen(fd, mode, **text) as handle:
+            yield handle
             handle.flush()
             os.fsync(handle.fileno())
-        os.chmod(tmp, mode)
+        os.chmod(tmp, _default_mode() if file_mode is None else file_mode)
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        except FileNotFoundError:
-            pass
         raise
     _fsync_dir(directory)
+
+
+def _atomic_write_with(
+    path: str | os.PathLike, write: Callable[[BinaryIO], None], mode: int
+) -> None:
+    with atomic_output(path, "wb", file_mode=mode) as handle:
+        write(handle)
 
 
 def atomic_write_stream(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> None:

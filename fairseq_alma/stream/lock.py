@@ -42,6 +42,29 @@ HEARTBEAT_SECONDS = 30.0
 EXPIRE_SECONDS = 600.0  # 20 missed heartbeats: generous to clock skew between nodes
 
 
+def try_flock(path: str | os.PathLike) -> tuple[int, bool] | None:
+    """Open ``path`` (created if missing) and take an exclusive ``flock`` without waiting.
+
+    Returns ``(fd, True)`` when this process now holds it (closing ``fd`` drops it, and so does
+    the process dying), ``(fd, False)`` on a file system without ``flock`` (some NFS/Lustre
+    mounts: the caller decides what else protects it), and ``None`` when another process holds
+    it.  The one ``flock`` of fairseq-alma: run directories (``RunLock``) and data preparation
+    outputs both take it here.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except OSError as err:
+        if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            os.close(fd)
+            raise
+        return fd, False
+    return fd, True
+
+
 @dataclass(frozen=True)
 class Holder:
     """Who holds a run directory."""
@@ -116,18 +139,10 @@ class RunLock:
         if held is not None:
             held._users += 1
             return held
-        fd = os.open(self.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-        have_flock = True
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise RunDirError(self._busy_message(self.read_holder())) from None
-        except OSError as err:  # a file system without flock (some NFS/Lustre mounts)
-            if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                os.close(fd)
-                raise
-            have_flock = False
+        taken = try_flock(self.directory / LOCK_FILE)
+        if taken is None:
+            raise RunDirError(self._busy_message(self.read_holder()))
+        fd, have_flock = taken
         other = self.read_holder()
         if other is not None and not self._may_take_over(other, have_flock):
             os.close(fd)

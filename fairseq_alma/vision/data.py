@@ -1,4 +1,4 @@
-"""Vision data sets for ALMA streams: one in-memory container and one entry point.
+"""Vision data sets for ALMA streams: one entry point that loads a data set by kind.
 
 The paper's vision streams (§5) cut a fixed training set into B mega-batches and evaluate every
 learner on one fixed test set after every arrival (Eq. 1).  Everything here therefore loads the
@@ -10,116 +10,19 @@ those of the whole training set, which would leak later mega-batches into early 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
-import torch
-from torch import Tensor
 
-from ..errors import DataError, UsageError
+from ..errors import UsageError
+from .data_cifar import load_cifar10
+from .data_idx import load_mnist
+from .data_npz import load_npz
+from .dataset import VisionData, from_arrays
 
 DATASET_KINDS = ("digits", "mnist", "cifar10", "npz")
 
 # The embedded digits have no official split; a fixed one keeps results comparable across runs.
 _DIGITS_TEST_FRACTION = 0.2
 _DIGITS_SPLIT_SEED = 0
-
-
-@dataclass(frozen=True)
-class VisionData:
-    """A classification data set held in memory.
-
-    Attributes:
-        name: where it came from (kind and path), for logs and records.
-        x_train, x_test: float32, ``(N, C, H, W)`` images or ``(N, D)`` feature vectors.
-        y_train, y_test: int64 labels in ``[0, num_classes)``.
-        num_classes: number of classes.
-    """
-
-    name: str
-    x_train: Tensor
-    y_train: Tensor
-    x_test: Tensor
-    y_test: Tensor
-    num_classes: int
-
-    @property
-    def input_shape(self) -> tuple[int, ...]:
-        """Shape of one example, e.g. ``(1, 28, 28)`` or ``(64,)``."""
-        return tuple(self.x_train.shape[1:])
-
-    @property
-    def is_image(self) -> bool:
-        return self.x_train.dim() == 4
-
-
-def from_arrays(
-    name: str, x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, y_test: np.ndarray,
-    num_classes: int | None = None,
-) -> VisionData:
-    """Validate numpy arrays and wrap them as (unnormalised) float32 / int64 tensors.
-
-    Everything that would otherwise train silently on wrong data is refused with one line
-    naming the array: counts that differ, empty splits, inputs that are not real numbers or hold
-    NaN/inf, labels that are not integers in [0, C), and class ids with gaps (a stray label 255
-    among 0..9 would widen the output layer to 256 classes).  ``num_classes`` (C) may be given
-    when some classes really never occur; otherwise C = the largest label + 1 and every class
-    must occur.  ``uint8`` pixels are scaled to [0, 1].
-    """
-    arrays = {"x_train": x_train, "y_train": y_train, "x_test": x_test, "y_test": y_test}
-    for key in ("x_train", "x_test"):
-        x = arrays[key]
-        if x.dtype == np.bool_ or not (np.issubdtype(x.dtype, np.integer)
-                                      or np.issubdtype(x.dtype, np.floating)):
-            raise DataError(f"{name}: {key} has dtype {x.dtype}; inputs must be real numbers "
-                            f"(uint8 pixels or floats)")
-        if np.issubdtype(x.dtype, np.floating) and not np.isfinite(x).all():
-            bad = int((~np.isfinite(x)).reshape(x.shape[0], -1).any(axis=1).sum()) if x.ndim else 1
-            raise DataError(f"{name}: {key} holds NaN or inf in {bad} example(s); clean the data "
-                            f"first")
-    for split in ("train", "test"):
-        x, y = arrays[f"x_{split}"], arrays[f"y_{split}"]
-        if x.ndim < 2 or x.shape[0] != y.shape[0]:
-            raise DataError(
-                f"{name}: x_{split} has {x.shape[0] if x.ndim else 0} examples but y_{split} "
-                f"{y.shape[0] if y.ndim else 0} labels; inputs and labels must have the same count")
-        if x.shape[0] == 0:
-            raise DataError(f"{name}: the {split} split is empty")
-        if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer) or y.dtype == np.bool_:
-            raise DataError(f"{name}: y_{split} must be a 1-D array of integer class ids (got "
-                            f"dtype {y.dtype}, shape {y.shape})")
-        if y.min() < 0:
-            raise DataError(f"{name}: y_{split} holds negative labels ({int(y.min())}); class ids "
-                            f"are 0..C-1")
-    if x_train.shape[1:] != x_test.shape[1:]:
-        raise DataError(
-            f"{name}: x_train has shape {x_train.shape[1:]} per example but x_test "
-            f"{x_test.shape[1:]}; both splits must have the same example shape"
-        )
-    top = int(max(y_train.max(), y_test.max()))
-    if num_classes is not None:
-        if top >= num_classes:
-            where = "y_train" if y_train.max() >= num_classes else "y_test"
-            raise DataError(f"{name}: {where} holds label {top} but num_classes is {num_classes}; "
-                            f"labels must be in [0, {num_classes})")
-    else:
-        present = np.union1d(np.unique(y_train), np.unique(y_test))
-        if len(present) != top + 1:
-            missing = sorted(set(range(top + 1)) - set(present.tolist()))
-            shown = ", ".join(map(str, missing[:5])) + (" ..." if len(missing) > 5 else "")
-            raise DataError(f"{name}: labels go up to {top} but classes {shown} never occur; "
-                            f"labels must be 0..C-1 (store num_classes in the .npz if some "
-                            f"classes really are absent)")
-        num_classes = top + 1
-    scale = 255.0 if x_train.dtype == np.uint8 else 1.0
-    return VisionData(
-        name=name,
-        x_train=torch.from_numpy(np.ascontiguousarray(x_train, dtype=np.float32) / scale),
-        y_train=torch.from_numpy(y_train.astype(np.int64)),
-        x_test=torch.from_numpy(np.ascontiguousarray(x_test, dtype=np.float32) / scale),
-        y_test=torch.from_numpy(y_test.astype(np.int64)),
-        num_classes=num_classes,
-    )
 
 
 def load_digits_data() -> VisionData:
@@ -152,13 +55,7 @@ def load_vision_data(kind: str, path: str | None = None) -> VisionData:
     if not path:
         raise UsageError(f"--vision-dataset {kind} needs a path (--vision-data-path)")
     if kind == "mnist":
-        from .data_idx import load_mnist
-
         return load_mnist(path)
     if kind == "cifar10":
-        from .data_cifar import load_cifar10
-
         return load_cifar10(path)
-    from .data_npz import load_npz
-
     return load_npz(path)

@@ -13,7 +13,7 @@ import pickle
 import numpy as np
 
 from ..errors import DataError
-from .data import VisionData, from_arrays
+from .dataset import VisionData, from_arrays
 
 TRAIN_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6))
 TEST_BATCH = "test_batch"

@@ -13,7 +13,7 @@ import os
 import numpy as np
 
 from ..errors import DataError
-from .data import VisionData, from_arrays
+from .dataset import VisionData, from_arrays
 
 IMAGES_MAGIC = 0x00000803
 LABELS_MAGIC = 0x00000801

@@ -14,7 +14,7 @@ import zipfile
 import numpy as np
 
 from ..errors import DataError
-from .data import VisionData, from_arrays
+from .dataset import VisionData, from_arrays
 
 REQUIRED_ARRAYS = ("x_train", "y_train", "x_test", "y_test")
 

@@ -259,16 +259,3 @@ class SingleModelLearner(Learner):
 
     def predict_log_probs(self, x: Tensor) -> Tensor:
         return F.log_softmax(upcast(self.model(self.input_norm(x))[0]), dim=-1)
-
-
-def build_learner(spec: LearnerSpec, input_shape: tuple[int, ...], num_classes: int) -> Learner:
-    """The learner for ``spec.method`` on inputs of ``input_shape`` with ``num_classes`` classes."""
-    if spec.method in ("sm", "ens", "umix"):
-        return StackedLearner(spec, input_shape, num_classes)
-    from .learners_growing import FireflyLearner, GrowingEnsemble, GrowingMoE
-
-    if spec.method == "gens":
-        return GrowingEnsemble(spec, input_shape, num_classes)
-    if spec.method == "gmoe":
-        return GrowingMoE(spec, input_shape, num_classes)
-    return FireflyLearner(spec, input_shape, num_classes)

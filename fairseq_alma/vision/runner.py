@@ -34,9 +34,11 @@ from ..stream.records import ArrivalRecord
 from ..stream.run_dir import RunDirectory
 from ..stream.schedule import ArrivalInfo, Stage
 from ..stream.stop import StopSignal
-from .data import VisionData, load_vision_data
+from .data import load_vision_data
+from .dataset import VisionData
 from .devices import check_amp
-from .learners import LearnerSpec, build_learner
+from .learner_builder import build_learner
+from .learners import LearnerSpec
 from .stage_trainer import StageTrainConfig, evaluate
 from .stream_stage import arrived_statistics, make_partition, train_one_stage
 

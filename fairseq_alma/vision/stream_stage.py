@@ -22,7 +22,7 @@ from ..errors import UsageError
 from ..stream.partition import Megabatch, partition_indices
 from ..stream.progress import StreamPlan
 from ..stream.schedule import Stage
-from .data import VisionData
+from .dataset import VisionData
 from .learners import Learner
 from .normalization import ArrivedStatistics
 from .stage_trainer import StageResult, StageTrainConfig, train_stage

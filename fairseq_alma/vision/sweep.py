@@ -31,7 +31,8 @@ from ..stream.progress import StreamPlan
 from ..stream.run_dir import RunDirectory
 from ..stream.run_view import RunView
 from ..tables import format_table as layout
-from .data import VisionData, load_vision_data
+from .data import load_vision_data
+from .dataset import VisionData
 from .devices import resolve_device
 from .learners import LearnerSpec
 from .runner import VisionRun, run_vision_stream
@@ -140,9 +141,3 @@ def run_sweep(args: argparse.Namespace) -> list[RunSummary]:
         "dataset": data.name, "epochs": args.epochs_per_stage,
         "num_megabatches": args.num_megabatches, "runs": [run.__dict__ for run in runs]})
     return runs
-
-
-if __name__ == "__main__":  # python -m fairseq_alma.vision.sweep, as before alma-vision-sweep
-    from fairseq_alma.cli.vision_sweep import main
-
-    raise SystemExit(main())

@@ -20,13 +20,13 @@ Steps, each a real command (printed before it runs; finished steps are reused on
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 from ..report.drift_verdict import DriftSetting, drift_verdict, format_drift_table
 from ..stream.period_matrix import PeriodMatrix, format_matrix
-from .demo import prepare_stream, step, tool, train_settings
+from .lm_stream import LmDemoSettings, prepare_stream, train_settings
+from .steps import step, tool
 
 # (name, flags): the three ways of treating old data, everything else the same
 SAME = ["--moe-experts", "4", "--seed", "1"]  # the main demo's SM_w1
@@ -38,9 +38,9 @@ REPLAY_SETTINGS = [
 EVAL_PER_MEGABATCH = "0.1"
 
 
-def run_drift_demo(args: argparse.Namespace) -> int:
+def run_drift_demo(settings: LmDemoSettings) -> int:
     """The drift demo's steps (module doc); a failed step raises with its log's tail."""
-    out = Path(args.out).resolve()
+    out = Path(settings.out).resolve()
     root = out / "drift"
     logs, data, runs, reports = root / "logs", root / "data", root / "runs", root / "report"
     for directory in (logs, reports):
@@ -49,10 +49,10 @@ def run_drift_demo(args: argparse.Namespace) -> int:
     corpus.parent.mkdir(parents=True, exist_ok=True)
     total = 2 + 2 * len(REPLAY_SETTINGS) + 1
 
-    prepare_stream(args, corpus, data, logs, total,
+    prepare_stream(settings, corpus, data, logs, total,
                    "a drifting 4-period stream (corpus order, a held-out slice per period)",
                    ("--order", "given", "--eval-per-megabatch", EVAL_PER_MEGABATCH))
-    train_settings(args, data, runs, logs, REPLAY_SETTINGS, 3, total)
+    train_settings(settings, data, runs, logs, REPLAY_SETTINGS, 3, total)
     jsons = []
     for i, (name, _) in enumerate(REPLAY_SETTINGS, start=3 + len(REPLAY_SETTINGS)):
         target = reports / f"{name}.json"
@@ -64,16 +64,16 @@ def run_drift_demo(args: argparse.Namespace) -> int:
     step(f"{total}/{total} report: matrix table, heatmaps, replay arrows",
          [tool("alma-report"), *map(str, jsons), "--out", str(reports)], logs / "report.log")
 
-    settings = [load_setting(path) for path in jsons]
-    print(f"\n== the stage x period matrices ({len(settings)} settings, seed 1, "
-          f"{args.updates_per_stage} updates per stage)\n")
-    for s in settings:
+    scored = [load_setting(path) for path in jsons]
+    print(f"\n== the stage x period matrices ({len(scored)} settings, seed 1, "
+          f"{settings.updates_per_stage} updates per stage)\n")
+    for s in scored:
         print(format_matrix(s.matrix, s.name))
-    print(format_drift_table(settings))
+    print(format_drift_table(scored))
     print("\nin-period: each stage on its new periods; backward: on the older ones (the forgetting);\n"
           "forward: on the next period, not yet seen; forgetting: the last stage's perplexity on each\n"
           "old period divided by that of the stage that learned it (README, Streams that drift).\n")
-    print(drift_verdict(settings))
+    print(drift_verdict(scored))
     print(f"\nreport: {reports / 'eval_matrix.md'}, heatmaps: {reports / 'fig_eval_matrix.png'}")
     return 0
 
