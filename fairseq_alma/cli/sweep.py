@@ -306,9 +306,9 @@ SCORE_OWN_FLAGS = {
 
 def _score_flags() -> list[tuple[str, dict]]:
     """alma-score's own flag table (imports torch: only ``alma-sweep score`` asks for it)."""
-    from .score import _FLAGS
+    from ..scoring.flags import SCORE_FLAGS
 
-    return _FLAGS
+    return SCORE_FLAGS
 
 
 def _own_dest(flag: str) -> str:
@@ -318,7 +318,7 @@ def _own_dest(flag: str) -> str:
 def _score_options(args: argparse.Namespace, profile: ResourceProfile) -> list[str]:
     """alma-score's options for every task, as argv tokens (paths made absolute); ``--cpu`` on
     a profile without GPUs. Checked with alma-score's own rules before anything is written."""
-    from .score import _check_flags, build_parser as score_parser
+    from .score import build_parser as score_parser, request_from_args
 
     tokens: list[str] = []
     for flag, options in _score_flags():
@@ -346,7 +346,7 @@ def _score_options(args: argparse.Namespace, profile: ResourceProfile) -> list[s
             f"--fp16 needs a CUDA device, but profile {profile.name} has no GPUs; drop --fp16 "
             "or pass --profile with gpus_per_node" if profile.device == "cpu"
             else "--fp16 needs a CUDA device; drop --cpu or --fp16")
-    _check_flags(score_parser().parse_intermixed_args(["RUN_DIR", *tokens]))
+    request_from_args(score_parser().parse_intermixed_args(["RUN_DIR", *tokens]))
     return tokens
 
 

@@ -1,13 +1,12 @@
-"""Run directories for ``alma-score``: reading one, and checking it (and an ensemble) is scorable.
+"""Run directories as ``alma-score`` needs them: read through ``RunView``, checked scorable.
 
-Why separate from score.py: everything here is about *which* runs may be scored and what they
-say about themselves (records, stage checkpoints, flags); score.py turns them into series and
-tables.  Every refusal is a one-line ``UsageError`` naming the file and the way out.
+Why separate from the scoring: everything here is about *which* runs may be scored and what they
+say about themselves (records, stage checkpoints, flags); ``series.py`` turns them into series.
+Every refusal is a one-line ``UsageError`` naming the file and the way out.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 from dataclasses import dataclass, field
@@ -19,41 +18,50 @@ from ..report.inputs import setting_name, vision_size_label
 from ..stream.records import ArrivalRecord
 from ..stream.run_view import RunView
 from ..stream.series import flops_convention
+from . import LOGGER_NAME
 
-logger = logging.getLogger("fairseq_alma.cli.score")
+logger = logging.getLogger(LOGGER_NAME)
 
 
 @dataclass
 class StreamRun:
     """One run dir: its per-arrival records and, for an LM, its stage checkpoints' configs."""
 
-    path: Path
-    records: list[ArrivalRecord]
-    checkpoints: dict[int, str]  # stage s -> checkpoint_stage{s}.pt
-    initial: str | None = None  # checkpoint_stage0.pt: the initialised model (runs with --wait > 1)
+    view: RunView  # its records, files and what they say (stream/run_view.py)
+    checkpoints: dict[int, str]  # stage s -> its stage checkpoint
+    initial: str | None = None  # stage 0's checkpoint: the initialised model (runs with --wait > 1)
     cfg: Any = None  # fairseq config of the last stage checkpoint (None: a vision log)
     experts: int | None = None  # active experts per MoE block at the last stage
     fingerprint: dict | None = None  # run.json's (None: a run of fairseq-alma 0.1)
     dictionaries: dict[int, str | None] = field(default_factory=dict)  # stage -> dict sha256
 
     @property
+    def path(self) -> Path:
+        return self.view.path
+
+    @property
+    def records(self) -> list[ArrivalRecord]:
+        return self.view.records
+
+    @property
     def metric(self) -> str:
-        return "ppl" if self.records[0].eval_ppl is not None else "error"
+        """"ppl" for a language-model stream, "error" for a vision stream."""
+        return self.view.metric
 
     @property
     def stages(self) -> list[int]:
-        return sorted(r.stage for r in self.records if r.trained)
+        return self.view.trained_stages
+
+    @property
+    def waits(self) -> bool:
+        """Arrivals 1.. come before the first training: the initial model answers them."""
+        return self.view.waits
 
     def logged_metric(self) -> list[float | None]:
         """The metric the run recorded at every arrival (the initial model's before training)."""
         if self.metric == "error":
             return [r.test_error for r in self.records]
         return [r.eval_ppl for r in self.records]
-
-    @property
-    def waits(self) -> bool:
-        """Arrivals 1.. come before the first training: the initial model answers them."""
-        return any(r.stage == 0 and r.arrival >= 1 for r in self.records)
 
     def experts_label(self) -> str:
         if self.cfg is None:  # vision sweep records say what they trained
@@ -68,8 +76,10 @@ class StreamRun:
         return setting_name(self.cfg.task, prefix, scheduler.get("stage_lr_schedule"))
 
 
-def load_run(run_dir: str, args: argparse.Namespace) -> StreamRun:
-    """Read and check one run dir (records, stage checkpoints of this run, complete stream)."""
+def load_run(run_dir: str, data: str | None, from_log: bool) -> StreamRun:
+    """Read and check one run dir (records, stage checkpoints of this run, complete stream);
+    ``data`` is the stream it will be scored on (None: its own), ``from_log`` whether only its
+    logged metric is read (no checkpoint is then needed, and a vision log is accepted)."""
     from omegaconf import OmegaConf
 
     view = RunView.open(run_dir)
@@ -77,16 +87,16 @@ def load_run(run_dir: str, args: argparse.Namespace) -> StreamRun:
     if len(records) < 2:
         raise UsageError(f"{view.stream_log}: needs arrivals 0..B in order; re-run the "
                          f"training command to complete it")
-    run = StreamRun(view.path, records, {})
+    run = StreamRun(view, {})
     if run.metric == "error":
-        if not args.from_log:
+        if not from_log:
             raise UsageError(f"{view.path}: a vision stream (test_error): only --from-log reads it")
         return run
     if not run.stages:
         raise UsageError(f"{view.stream_log}: no stage has trained yet; nothing to score")
     run.checkpoints = {stage: str(path) for stage, path in view.trained_checkpoints().items()}
     initial = view.initial_checkpoint()
-    run.initial = str(initial) if initial is not None and run.waits and not args.from_log else None
+    run.initial = str(initial) if initial is not None and run.waits and not from_log else None
     run.fingerprint = view.fingerprint
     expected = view.run_hash()
     kept = {**run.checkpoints, **({0: run.initial} if run.initial else {})}
@@ -102,7 +112,7 @@ def load_run(run_dir: str, args: argparse.Namespace) -> StreamRun:
     run.cfg = OmegaConf.create(state["cfg"])
     counts = [int(v) for k, v in state["model"].items() if k.endswith("num_active")]
     run.experts = max(counts) if counts else run.cfg.model.get("moe_experts")
-    _check_complete(view, args.data or run.cfg.task.data, args.from_log)
+    _check_complete(view, data or run.cfg.task.data, from_log)
     return run
 
 

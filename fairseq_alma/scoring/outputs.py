@@ -1,0 +1,77 @@
+"""What a scoring publishes: Table 2 and its notes as text, the JSON, the CSV and Fig. 5.
+
+Why here and not in the command: the JSON (the report's dict plus how each number was obtained)
+is what ``alma-report`` and ``alma-sweep score`` read back, so a library caller must be able to
+write exactly what ``alma-score --json`` writes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import UsageError
+from ..stream.period_matrix import PeriodMatrix, format_matrix
+from .series import ScoredSeries
+
+
+def results_text(results: list[ScoredSeries]) -> str:
+    """Table 2, one line per distinct --max-eval-tokens slice (runs may differ in block length),
+    and each --matrix; ``UsageError`` when the series cannot share a table (e.g. runs of
+    different stream lengths)."""
+    from ..report import tables
+
+    try:
+        text = tables.format_table([series for series, _ in results])
+        notes = dict.fromkeys(extra["eval_slice_note"] for _, extra in results
+                              if "eval_slice_note" in extra)
+        text += "".join(f"{note}\n" for note in notes)
+        for one, extra in results:
+            if "eval_matrix" in extra:
+                matrix = PeriodMatrix.from_json(extra["eval_matrix"])
+                text += "\n" + format_matrix(matrix, f"{one.setting} ({extra['runs'][0]})")
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    return text
+
+
+def results_json(results: list[ScoredSeries]) -> dict[str, Any]:
+    """The report's dict, plus each arrival's members and each series' ``scoring`` extras."""
+    from ..report import tables
+
+    payload = tables.report_dict([series for series, _ in results])
+    for entry, (_, extra) in zip(payload["series"], results, strict=True):
+        extra = dict(extra)
+        members = extra.pop("members_by_arrival")
+        for arrival, used in zip(entry["arrivals"], members, strict=True):
+            arrival["members"] = used
+        if "eval_matrix" in extra:
+            entry["eval_matrix"] = extra.pop("eval_matrix")
+        entry["scoring"] = extra
+    return payload
+
+
+def write_results(results: list[ScoredSeries], json_path: str | None = None,
+                  csv_path: str | None = None, plot_path: str | None = None) -> None:
+    """The files asked for (None: not written); one line (``UsageError``) when one cannot be."""
+    from ..report import figures, tables
+    from ..stream.atomic import atomic_write_json
+
+    series = [s for s, _ in results]
+    try:
+        if json_path:
+            atomic_write_json(json_path, results_json(results))
+        if csv_path:
+            tables.write_csv(series, csv_path)
+        if plot_path:
+            ppl = series[0].metric == "ppl"
+            draw = figures.plot_tradeoffs if ppl else figures.plot_error_curves
+            draw(series, plot_path)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    except OSError as err:
+        raise cannot_write(err) from None
+
+
+def cannot_write(err: OSError) -> UsageError:
+    """The one line for an output that could not be written (a file, or stdout)."""
+    return UsageError(f"cannot write {err.filename}: {err.strerror}")
