@@ -56,10 +56,7 @@ def scoring_status(sweep_dir: Path) -> list[ScoreTaskStatus] | None:
     submissions = plan.get("submissions") or []
     last = submissions[-1] if submissions else None
     queue = query_queue({str(last["job_id"])}) if last else {}
-    out = []
-    for task in plan["tasks"]:
-        out.append(_task_status(task, last, queue))
-    return out
+    return [_task_status(task, last, queue) for task in plan["tasks"]]
 
 
 def _task_status(task: dict[str, Any], last: dict[str, Any] | None,
