@@ -6,41 +6,21 @@ mega-batches B, tokens and documents per split, the dictionary's checksum, the t
 sources and the exact command. ``verify_stream_dir`` is what the ``alma_stream`` task calls
 before training: it checks only file sizes and the dictionary's sha256 -- enough to catch a
 missing or truncated shard or a swapped dictionary without reading gigabytes of binaries.
+Reading the file (``load_manifest``) lives in ``fairseq_alma/stream/manifest.py``, below every
+reader; it is imported here so ``data_prep.manifest`` keeps offering it.
 """
 
 from __future__ import annotations
 
-import json
 import os
 
 from fairseq_alma.errors import DataError
+from fairseq_alma.stream.manifest import MANIFEST_FORMAT, MANIFEST_NAME, load_manifest
 
 from .fileio import sha256_file
 
-MANIFEST_NAME = "manifest.json"
-MANIFEST_FORMAT = "alma-lm-stream/1"
-
-
-def load_manifest(data_dir: str) -> dict:
-    """Read and minimally validate ``data_dir/manifest.json``."""
-    path = os.path.join(data_dir, MANIFEST_NAME)
-    try:
-        with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
-    except FileNotFoundError:
-        raise DataError(f"{path}: missing; prepare the data with alma-data-prep") from None
-    except (OSError, ValueError) as exc:
-        raise DataError(f"{path}: unreadable ({exc}); re-run alma-data-prep") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
-        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise DataError(f"{path}: format {found!r}, expected {MANIFEST_FORMAT!r}; "
-                              "re-run alma-data-prep")
-    for field, kind in (("num_megabatches", int), ("splits", dict), ("dictionary", dict)):
-        if not isinstance(manifest.get(field), kind):
-            raise DataError(f"{path}: no valid {field!r} field; re-run alma-data-prep")
-    if manifest["num_megabatches"] < 1:
-        raise DataError(f"{path}: num_megabatches must be >= 1; re-run alma-data-prep")
-    return manifest
+__all__ = ["MANIFEST_FORMAT", "MANIFEST_NAME", "load_manifest", "data_identity",
+           "expected_splits", "verify_stream_dir", "has_shard_checksums"]
 
 
 def data_identity(manifest: dict) -> dict:

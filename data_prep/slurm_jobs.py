@@ -20,9 +20,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from fairseq_alma.configs.profile import load_profile
-from fairseq_alma.configs.sbatch_script import check_sbatch_path
-from fairseq_alma.slurm_commands import run_slurm
+from fairseq_alma.sweeps.resource_profile import load_profile
+from fairseq_alma.sweeps.slurm_commands import run_slurm
+from fairseq_alma.sweeps.train_script import check_sbatch_path
 
 SLURM_FLAGS = {"--slurm-shards": True, "--profile": True, "--dry-run": False}  # takes a value?
 

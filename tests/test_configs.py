@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from fairseq_alma.configs import load_profile, load_run_config, parse_grid_option
-from fairseq_alma.configs.profile import PROFILES_DIR, parse_profile
-from fairseq_alma.configs.run_config import PLUGIN_DIR
 from fairseq_alma.errors import UsageError
+from fairseq_alma.fairseq_glue.user_dir import PLUGIN_DIR
+from fairseq_alma.sweeps import load_profile, load_run_config, parse_grid_option
+from fairseq_alma.sweeps.resource_profile import PROFILES_DIR, parse_profile
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "train_configs" / "examples"
 BASE = """\

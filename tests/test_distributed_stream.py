@@ -49,7 +49,7 @@ def build_tiny_stream(root: Path) -> Path:
 
 def tiny_stream_argv(data: Path, save_dir: Path, **overrides: object) -> list[str]:
     """fairseq-train argv of tiny_stream.yaml (as alma-sweep builds it), seed 1, on ``data``."""
-    from fairseq_alma.configs import load_run_config
+    from fairseq_alma.sweeps import load_run_config
 
     config = replace(load_run_config(TINY_STREAM, check_flags=False), data=str(data))
     flags = {key.replace("_", "-"): value for key, value in overrides.items()}

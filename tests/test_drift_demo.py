@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from fairseq_alma.configs import load_run_config
+from fairseq_alma.sweeps import load_run_config
 from fairseq_alma.report.drift_verdict import DriftSetting, drift_verdict, format_drift_table
 from fairseq_alma.stream.period_matrix import PeriodMatrix
 

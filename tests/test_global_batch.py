@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fairseq_alma.configs.global_batch import per_step_layout
+from fairseq_alma.sweeps.global_batch import per_step_layout
 from fairseq_alma.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[1]

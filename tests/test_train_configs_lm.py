@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fairseq_alma.configs import load_run_config
+from fairseq_alma.sweeps import load_run_config
 
 LM = Path(__file__).resolve().parent.parent / "train_configs" / "lm"
 RUNS = sorted(p for p in glob.glob(str(LM / "*.yaml")) if not os.path.basename(p).startswith("_"))

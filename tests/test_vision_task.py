@@ -187,7 +187,7 @@ def parse(*extra: str, arch: str = "alma_vision"):
     from fairseq import options
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
-    from fairseq_alma.configs.fairseq_flags import load_plugin
+    from fairseq_alma.fairseq_glue.user_dir import load_plugin
 
     load_plugin()
     argv = vision_cmd(Path("unused"))[1:] + list(extra)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from lm_fixtures import run, tool
 
-from fairseq_alma.configs import load_run_config, resolve_profile
+from fairseq_alma.sweeps import load_run_config, resolve_profile
 from fairseq_alma.vision.learners import LearnerSpec
 from fairseq_alma.vision.stage_trainer import OptimizerSpec
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
-PLUGIN_DIR = str(Path(__file__).resolve().parent.parent)
+from ..fairseq_glue.user_dir import PLUGIN_DIR
+
 HELP_FLAGS = ("-h", "--help")
 DEFAULTS = {"--task": "alma_stream"}  # the plugin's task unless another one is named
 
@@ -27,7 +27,7 @@ def with_plugin(argv: Sequence[str]) -> list[str]:
     """``argv`` with ``--user-dir`` pointing at this package and ``--task alma_stream`` unless
     given."""
     argv = list(argv)
-    for flag, value in {"--user-dir": PLUGIN_DIR, **DEFAULTS}.items():
+    for flag, value in {"--user-dir": str(PLUGIN_DIR), **DEFAULTS}.items():
         if not any(a == flag or a.startswith(flag + "=") for a in argv):
             argv += [flag, value]
     return argv

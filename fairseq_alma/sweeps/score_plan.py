@@ -32,8 +32,9 @@ from typing import Any, Mapping, Sequence
 
 from ..errors import DataError, UsageError
 from ..report.seeds import SEED_KEYS, canonical, without_keys
+from ..stream.manifest import load_manifest
 from ..stream.run_view import RunView
-from .sweep_records import read_json
+from .train_records import read_json
 
 PLAN_FILE = "score_jobs.json"  # the scoring tasks and every submission of them
 SCRIPT_FILE = "score.sbatch"
@@ -81,8 +82,6 @@ def unfinished_reason(job: Mapping[str, Any]) -> str | None:
             return "a vision stream (test_error): alma-score scores language models; use alma-report"
         data = str(job["argv"][0]).split(os.pathsep)[0]  # fairseq-train's DATA, made absolute
         try:
-            from data_prep.manifest import load_manifest
-
             megabatches = int(load_manifest(data)["num_megabatches"])
         except DataError as err:
             return f"cannot tell whether the stream is complete: {err}"

@@ -1,6 +1,6 @@
 """Rendering the scoring tasks of a sweep into ONE sbatch array script (slurm/score.sbatch.in).
 
-Like ``sweep.sbatch`` (sbatch_script.py, whose helpers this reuses), the script is
+Like ``sweep.sbatch`` (train_script.py, whose helpers this reuses), the script is
 self-contained and readable: a ``case`` on ``SLURM_ARRAY_TASK_ID`` holds each task's output
 directory, signature and full ``alma-score`` command, so ``cat SWEEP_DIR/score.sbatch`` shows
 what every array task runs.  Its own template, not sweep.sbatch.in, because scoring has none of
@@ -15,8 +15,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Sequence
 
-from .profile import SLURM_DIR, ResourceProfile
-from .sbatch_script import (
+from .resource_profile import SLURM_DIR, ResourceProfile
+from .score_plan import ScoreTask
+from .train_script import (
     array_spec,
     bash_array,
     check_sbatch_path,
@@ -24,7 +25,6 @@ from .sbatch_script import (
     env_exports,
     fill_template,
 )
-from .score_plan import ScoreTask
 
 TEMPLATE = SLURM_DIR / "score.sbatch.in"
 

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Sequence
 
 from ..errors import UsageError
-from .profile import SLURM_DIR, ResourceProfile
-from .sweep_plan import SweepJob
+from .resource_profile import SLURM_DIR, ResourceProfile
+from .train_plan import SweepJob
 
 TEMPLATE = SLURM_DIR / "sweep.sbatch.in"
 LAUNCH_TASK = SLURM_DIR / "launch_task.sh"

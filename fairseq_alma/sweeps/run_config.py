@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any, Mapping, Union
 
 from ..errors import UsageError
+from ..fairseq_glue.user_dir import PLUGIN_DIR
+from .fairseq_train_flags import argv_flag_problem
 from .yaml_files import load_with_includes, read_yaml_mapping
 
 Scalar = Union[str, int, float, bool, None]
@@ -44,10 +46,6 @@ LAUNCHER_FLAGS = {
     "distributed-port": "slurm/launch_task.sh derives the port from the job id",
     "cpu": "the resource profile decides (a profile without GPUs adds --cpu)",
 }
-
-# The fairseq_alma package directory: the --user-dir every run gets.
-PLUGIN_DIR = Path(__file__).resolve().parents[1]
-
 
 def flag_argv(flag: str, value: Scalar) -> list[str]:
     """fairseq-train tokens of one entry: ``true`` -> bare flag, ``false``/``null`` -> nothing."""
@@ -212,7 +210,23 @@ def load_run_config(path: str | Path, check_flags: bool = True) -> RunConfig:
     merged, sources = load_with_includes(path, TOP_LEVEL_KEYS, "run config")
     config = parse_run_config(merged, path, sources)
     if check_flags:
-        from .fairseq_flags import check_config_flags
-
         check_config_flags(config)
     return config
+
+
+def check_config_flags(config: RunConfig) -> None:
+    """Parse every grid point of ``config`` with fairseq-train's parser (fairseq_train_flags.py);
+    raise ``UsageError`` naming the file (and grid point) that sets the flag at fault."""
+    for point in config.grid_points():
+        argv = config.to_argv(point, config.seeds[0], "alma-sweep-flag-check")
+        problem = argv_flag_problem(argv, {**config.args, **point})
+        if problem is not None:
+            raise UsageError(f"{_origin(config, problem.flag, point)}: {problem.message}")
+
+
+def _origin(config: RunConfig, flag: str | None, point: dict) -> str:
+    path: Path = config.flag_origin(flag) if flag else config.path
+    if not point:
+        return str(path)
+    shown = ", ".join(f"{k}={v}" for k, v in point.items())
+    return f"{path} (grid point {shown})"

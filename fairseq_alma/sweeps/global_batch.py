@@ -11,7 +11,7 @@ on the resource profile's processes; a layout that cannot is refused with one li
 from __future__ import annotations
 
 from ..errors import UsageError
-from .sweep_plan import SweepJob
+from .train_plan import SweepJob
 
 
 def per_step_layout(global_batch: int, workers: int, max_batch: int) -> tuple[int, int]:

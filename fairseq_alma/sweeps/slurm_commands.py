@@ -1,17 +1,19 @@
-"""Running Slurm's client commands (sbatch, squeue, scancel...) with one-line errors.
+"""Running Slurm's client commands (sbatch, squeue, scancel...) with one-line errors, and
+asking the queue where a sweep's array tasks are.
 
-Shared by ``alma-sweep`` (``cli/sweep.py``) and ``alma-data-prep --slurm-shards``
+Shared by ``alma-sweep`` (``sweeps/``) and ``alma-data-prep --slurm-shards``
 (``data_prep/slurm_jobs.py``).
 """
 
 from __future__ import annotations
 
+import getpass
 import os
 import shlex
 import subprocess
 from pathlib import Path
 
-from .errors import ClusterError
+from ..errors import ClusterError
 
 
 def run_slurm(command: list[str], timeout: float = 120) -> str:
@@ -31,3 +33,20 @@ def run_slurm(command: list[str], timeout: float = 120) -> str:
         message = " ".join(done.stderr.split()) or f"exit status {done.returncode}"
         raise ClusterError(f"{shlex.join(command)} failed: {message}")
     return done.stdout
+
+
+def query_queue(array_job_ids: set[str]) -> dict[int, tuple[str, str]] | None:
+    """Array task index -> (state, job id) for this sweep's jobs in squeue; None if unreachable."""
+    try:
+        out = run_slurm(["squeue", "-h", "-r", "-u", getpass.getuser(), "-o", "%F|%K|%T|%i"], 30)
+    except ClusterError:
+        return None
+    queue: dict[int, tuple[str, str]] = {}
+    for line in out.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) != 4 or parts[0] not in array_job_ids or not parts[1].isdigit():
+            continue
+        index, state = int(parts[1]), parts[2]
+        if index not in queue or state == "RUNNING":  # a running link outranks a pending one
+            queue[index] = (state, parts[3])
+    return queue

@@ -1,4 +1,4 @@
-"""Checking config flags against the real ``fairseq-train`` parser, plugin included.
+"""Checking a command line against the real ``fairseq-train`` parser, plugin included.
 
 fairseq builds its parser in two passes (``fairseq.options.parse_args_and_arch``): the first pass
 reads ``--task``/``--arch``/``--criterion``/``--optimizer``/``--lr-scheduler``..., the second adds
@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import logging
 import re
-from pathlib import Path
 from typing import Mapping, NamedTuple, NoReturn
 
-from ..errors import UsageError
-from .run_config import PLUGIN_DIR, RunConfig
+from ..fairseq_glue.user_dir import load_plugin
 
 _INVALID_CHOICE = re.compile(r"argument (\S+): invalid choice: '(.*?)' \(choose from (.*)\)")
 
@@ -31,30 +28,6 @@ def _raise_instead_of_exit(message: str) -> NoReturn:
     builds the parser itself, so it cannot be a subclass.
     """
     raise argparse.ArgumentError(None, message)
-
-
-def load_plugin() -> None:
-    """Register fairseq_alma's components the way ``fairseq-train --user-dir`` does.
-
-    ``import_user_module`` skips the tasks/ and models/ auto-import when the package is already
-    imported (it is: this module lives in it), so those folders are imported here too; importing
-    a module twice is a no-op, so nothing registers twice.
-    """
-    from fairseq import utils
-    from fairseq.models import import_models
-    from fairseq.tasks import import_tasks
-
-    utils_logger = logging.getLogger("fairseq.utils")
-    level = utils_logger.level
-    utils_logger.setLevel(logging.WARNING)  # not "--user-dir ... has already been imported"
-    try:
-        utils.import_user_module(argparse.Namespace(user_dir=str(PLUGIN_DIR)))
-    finally:
-        utils_logger.setLevel(level)
-    if (PLUGIN_DIR / "tasks").is_dir():
-        import_tasks(str(PLUGIN_DIR / "tasks"), f"{PLUGIN_DIR.name}.tasks")
-    if (PLUGIN_DIR / "models").is_dir():
-        import_models(str(PLUGIN_DIR / "models"), f"{PLUGIN_DIR.name}.models")
 
 
 class FlagProblem(NamedTuple):
@@ -124,21 +97,3 @@ def argv_flag_problem(argv: list[str], flags: Mapping[str, object]) -> FlagProbl
     if extra:
         return FlagProblem(f"fairseq-train does not accept: {' '.join(extra)}")
     return None
-
-
-def check_config_flags(config: RunConfig) -> None:
-    """Parse every grid point of ``config`` with fairseq-train's parser (see module docstring);
-    raise ``UsageError`` naming the file (and grid point) that sets the flag at fault."""
-    for point in config.grid_points():
-        argv = config.to_argv(point, config.seeds[0], "alma-sweep-flag-check")
-        problem = argv_flag_problem(argv, {**config.args, **point})
-        if problem is not None:
-            raise UsageError(f"{_origin(config, problem.flag, point)}: {problem.message}")
-
-
-def _origin(config: RunConfig, flag: str | None, point: dict) -> str:
-    path: Path = config.flag_origin(flag) if flag else config.path
-    if not point:
-        return str(path)
-    shown = ", ".join(f"{k}={v}" for k, v in point.items())
-    return f"{path} (grid point {shown})"

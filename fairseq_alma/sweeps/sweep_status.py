@@ -1,0 +1,84 @@
+"""``alma-sweep status`` and ``cancel``: where each run and each scoring task of a sweep stands,
+from the sweep's records and run directories, the queue telling running from pending.
+
+Two calls for status, runs first, then scoring: what is known about the runs is shown even when
+the scoring plan cannot be read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import UsageError
+from .score_plan import load_plan, task_state
+from .slurm_commands import query_queue, run_slurm
+from .train_records import RunStatus, load_jobs, load_submissions, run_status
+
+
+@dataclass(frozen=True)
+class TrainingStatus:
+    """Every run of a sweep; ``queue_unreachable``: submitted, but squeue did not answer."""
+
+    sweep_dir: Path
+    runs: list[RunStatus]
+    queue_unreachable: bool
+
+
+@dataclass(frozen=True)
+class ScoreTaskStatus:
+    """One task of the latest scoring plan: its state and Slurm job ("-" when not submitted)."""
+
+    index: int
+    name: str
+    mode: str
+    state: str
+    slurm_job: str
+
+
+def training_status(sweep_dir: Path) -> TrainingStatus:
+    """The state of every run (``train_records.run_status``)."""
+    table = load_jobs(sweep_dir)
+    submissions = load_submissions(sweep_dir)
+    queue = query_queue({str(s["job_id"]) for s in submissions}) if submissions else None
+    runs = [run_status(job, bool(submissions), queue) for job in table["jobs"]]
+    return TrainingStatus(sweep_dir, runs, queue is None and bool(submissions))
+
+
+def scoring_status(sweep_dir: Path) -> list[ScoreTaskStatus] | None:
+    """Every task of the latest scoring plan (None before the first ``alma-sweep score``): the
+    queue's word while it is queued, else what its output directory says (scored / stale /
+    failed / not scored)."""
+    plan = load_plan(sweep_dir)
+    if plan is None:
+        return None
+    submissions = plan.get("submissions") or []
+    last = submissions[-1] if submissions else None
+    queue = query_queue({str(last["job_id"])}) if last else {}
+    return [_task_status(task, last, queue) for task in plan["tasks"]]
+
+
+def _task_status(task: dict[str, Any], last: dict[str, Any] | None,
+                 queue: dict[int, tuple[str, str]] | None) -> ScoreTaskStatus:
+    queued = (queue or {}).get(task["index"])
+    if queued is not None:
+        state = "running" if queued[0] == "RUNNING" else queued[0].lower()
+        return ScoreTaskStatus(task["index"], task["name"], task["mode"], state, queued[1])
+    state = task_state(task)
+    submitted = last is not None and task["index"] in last.get("tasks", [])
+    if state == "not scored" and submitted and queue is not None:
+        state = "failed"  # left the queue without outputs: OUT_DIR/score.log says why
+    job = f"{last['job_id']}_{task['index']}" if submitted else "-"
+    return ScoreTaskStatus(task["index"], task["name"], task["mode"], state, job)
+
+
+def cancel_sweep(sweep_dir: Path) -> list[str]:
+    """scancel every job submitted from ``sweep_dir`` (training and scoring); their ids."""
+    load_jobs(sweep_dir)
+    job_ids = [str(s["job_id"]) for s in load_submissions(sweep_dir)]
+    job_ids += [str(s["job_id"]) for s in (load_plan(sweep_dir) or {}).get("submissions", [])]
+    if not job_ids:
+        raise UsageError(f"{sweep_dir}: nothing was submitted from this sweep directory")
+    run_slurm(["scancel", *job_ids])
+    return job_ids

@@ -1,0 +1,198 @@
+"""``alma-sweep submit``: from a request to a planned job array, and submitting it.
+
+Three steps, so the caller can say what happens between them: ``load_sweep_config`` (the config
+with the request's grid and seeds, cheap), ``check_config_flags`` (``run_config.py``: imports
+fairseq, seconds) and ``plan_submission`` (profile, program, jobs, the sbatch script). Nothing
+is written before ``submit_links``, which submits only the runs that are not done: running it
+again on the same directory resumes each unfinished run from its checkpoint.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import UsageError
+from ..stream.atomic import atomic_write_json, atomic_write_text
+from .global_batch import apply_global_batch
+from .resource_profile import ResourceProfile, resolve_profile
+from .run_config import RunConfig, load_run_config
+from .slurm_commands import query_queue, run_slurm
+from .train_plan import SweepJob, parse_grid_option, parse_seeds_option, plan_sweep
+from .train_records import load_jobs, load_submissions, record_submission, run_status
+from .train_script import array_spec, check_sbatch_path, render_sweep_script, sbatch_command
+
+
+@dataclass(frozen=True)
+class SubmitRequest:
+    """What ``alma-sweep submit`` was asked, as given (``grid``: ``FLAG=V1,V2`` texts)."""
+
+    config: str
+    sweep_dir: Path
+    grid: tuple[str, ...] = ()
+    seeds: str | None = None
+    profile: str | None = None
+    max_parallel: int | None = None
+    chain_stages: int = 1
+    stages_per_link: int | None = None
+    program: str = "fairseq-train"
+
+
+@dataclass(frozen=True)
+class Link:
+    """One job of a chain: ``link`` of ``links``; ``stop_after_stage`` None runs to the end."""
+
+    link: int
+    stop_after_stage: int | None
+
+
+@dataclass(frozen=True)
+class TrainSubmission:
+    """A planned sweep: its jobs, the array script and the chain of jobs per run."""
+
+    sweep_dir: Path
+    config: RunConfig
+    profile: ResourceProfile
+    program: list[str]
+    jobs: list[SweepJob]
+    script: str
+    links: list[Link]
+    max_parallel: int
+
+    @property
+    def script_path(self) -> Path:
+        return self.sweep_dir / "sweep.sbatch"
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """One sbatch call that succeeded."""
+
+    job_id: str
+    array: str
+    link: Link
+    links: int
+
+
+def load_sweep_config(request: SubmitRequest) -> RunConfig:
+    """The request's config with its ``--grid`` and ``--seeds``; flags not yet checked."""
+    check_sbatch_path(request.sweep_dir, "--sweep-dir")
+    if request.chain_stages < 1:
+        raise UsageError("--chain-stages must be >= 1")
+    if request.chain_stages > 1 and not request.stages_per_link:
+        raise UsageError(
+            f"--chain-stages {request.chain_stages} needs --stages-per-link N "
+            "(each job trains N more stages; the last one runs to the end)"
+        )
+    if request.stages_per_link is not None and (request.chain_stages == 1
+                                                or request.stages_per_link < 1):
+        raise UsageError("--stages-per-link N needs N >= 1 and --chain-stages K > 1")
+    grid: dict[str, list] = {}
+    for text in request.grid:
+        flag, values = parse_grid_option(text)
+        if flag in grid:
+            raise UsageError(f"--grid {flag} given twice; list all its values in one --grid")
+        grid[flag] = values
+    config = load_run_config(request.config, check_flags=False).with_grid(grid)
+    if request.seeds:
+        config = config.with_seeds(parse_seeds_option(request.seeds))
+    return config
+
+
+def resolve_program(text: str) -> list[str]:
+    """``--program`` as absolute tokens: a bare name is looked up next to this Python first (the
+    venv's console scripts), then on PATH, so jobs run the same installation as alma-sweep."""
+    tokens = shlex.split(text)
+    if not tokens:
+        raise UsageError("--program is empty; give a command such as fairseq-train")
+    head = tokens[0]
+    if "/" in head:
+        found = Path(head).resolve() if Path(head).exists() else None
+    else:
+        beside = Path(sys.executable).parent / head
+        found = beside if beside.exists() else (Path(p) if (p := shutil.which(head)) else None)
+    if found is None:
+        raise UsageError(f"--program: '{head}' not found next to {sys.executable} nor on PATH")
+    return [str(found)] + tokens[1:]
+
+
+def plan_submission(request: SubmitRequest, config: RunConfig) -> TrainSubmission:
+    """Profile, program, jobs (with the global batch laid out) and the array script."""
+    sweep_dir = request.sweep_dir
+    profile = resolve_profile(request.profile, config.resources, config.path)
+    program = resolve_program(request.program)
+    jobs = apply_global_batch(plan_sweep(config, sweep_dir), config.global_batch,
+                              profile.world_size, str(config.path))
+    max_parallel = request.max_parallel or len(jobs)
+    if max_parallel < 1:
+        raise UsageError("--max-parallel must be >= 1")
+    job_name = "alma-" + re.sub(r"[^A-Za-z0-9._-]", "_", sweep_dir.name)
+    script = render_sweep_script(
+        jobs, profile, program=program, sweep_dir=sweep_dir, workdir=Path.cwd(),
+        job_name=job_name, max_parallel=max_parallel, source=str(config.path),
+    )
+    links = [
+        Link(link, link * request.stages_per_link if link < request.chain_stages else None)
+        for link in range(1, request.chain_stages + 1)
+    ]
+    return TrainSubmission(sweep_dir, config, profile, program, jobs, script, links,
+                           max_parallel)
+
+
+def runs_to_submit(plan: TrainSubmission) -> list[int]:
+    """Indices of the runs not done; refuses missing data, another sweep in the same directory,
+    or runs of this one still in the queue."""
+    sweep_dir, config, jobs = plan.sweep_dir, plan.config, plan.jobs
+    for part in config.data.split(":"):
+        if not Path(part).exists():
+            raise UsageError(f"{config.path}: data directory {Path(part).resolve()} not found")
+    if (sweep_dir / "jobs.json").exists():
+        old = load_jobs(sweep_dir)
+        # Same runs = same names and flags; the program may change (a fixed wrapper, say).
+        if [(j["name"], j["argv"]) for j in old["jobs"]] != [(j.name, j.argv) for j in jobs]:
+            raise UsageError(
+                f"{sweep_dir} holds a different sweep (its jobs.json has other runs or flags); "
+                "use a new --sweep-dir, or delete the old one"
+            )
+        queued = query_queue({str(s["job_id"]) for s in load_submissions(sweep_dir)})
+        if queued:
+            raise UsageError(
+                f"{sweep_dir} still has {len(queued)} run(s) queued or running; "
+                "wait (alma-sweep status) or alma-sweep cancel first"
+            )
+    submitted = bool(load_submissions(sweep_dir)) if sweep_dir.exists() else False
+    return [job.index for job in jobs if run_status(job.to_json(), submitted, {}).state != "done"]
+
+
+def submit_links(plan: TrainSubmission, todo: list[int]) -> Iterator[Submitted]:
+    """Write jobs.json and the script, then submit the chain for the runs ``todo``; yields each
+    job as Slurm accepts it (a later sbatch may still fail)."""
+    sweep_dir, profile = plan.sweep_dir, plan.profile
+    table = {
+        "config": str(plan.config.path),
+        "sources": [str(p) for p in plan.config.sources],
+        "program": plan.program,
+        "profile": profile.name,
+        "sbatch_options": profile.sbatch_options(),
+        "jobs": [job.to_json() for job in plan.jobs],
+    }
+    (sweep_dir / "logs").mkdir(parents=True, exist_ok=True)
+    atomic_write_json(sweep_dir / "jobs.json", table)
+    atomic_write_text(plan.script_path, plan.script)
+    plan.script_path.chmod(0o755)  # a script, executable as before (atomic writes follow the umask)
+    array = array_spec(todo, plan.max_parallel)
+    previous = None
+    for link in plan.links:
+        command = sbatch_command(plan.script_path, array, previous, link.stop_after_stage)
+        job_id = run_slurm(command).strip().split(";")[0]
+        record_submission(sweep_dir, {"job_id": job_id, "array": array, "link": link.link,
+                                      "links": len(plan.links),
+                                      "stop_after_stage": link.stop_after_stage,
+                                      "after": previous, "command": command})
+        yield Submitted(job_id, array, link, len(plan.links))
+        previous = job_id
