@@ -35,6 +35,7 @@ from ..stream.run_dir import RunDirectory, fingerprint_hash
 from ..stream.schedule import ArrivalInfo
 from ..stream.stage_clock import StageClock
 from ..stream.stop import StopSignal, stage_limit
+from ..stream.upgrade import clock_from_counter, upgrade_training_state
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +173,7 @@ class StreamTraining:
     def advance_clock(self, stages_done: int) -> None:
         """The stage that just ended must have all its counted updates; the next one starts."""
         if self.clock_unknown or stages_done < self.clock.stage:
-            return  # a fresh start (stage 0 done), a boundary already passed, or a 0.1 checkpoint
+            return  # a fresh start (stage 0 done), a boundary already passed, or an old checkpoint without a clock
         if stages_done < self.task.plan.num_stages:
             self.clock.next_stage(stages_done + 1)
         elif not self.clock.done:
@@ -188,10 +189,13 @@ class StreamTraining:
                         self.clock.stage, num_updates + 1, self.clock.skipped)
         return done
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: Optional[Dict[str, Any]]) -> None:
+        """The training state of the checkpoint fairseq restored (None: one of 0.1, which had
+        none), in today's form (``stream/upgrade.py``)."""
+        state = upgrade_training_state(state, self.run_dir, self.deferred)
         self.progress.load_state_dict(state["progress"])
-        self.growth = list(state.get("growth", []))
-        if "clock" in state:
+        self.growth = list(state["growth"])
+        if state["clock"] is not None:
             self.clock.load_state_dict(state["clock"])
             self.started_stage = int(state["started_stage"])
         else:
@@ -204,11 +208,10 @@ class StreamTraining:
         a checkpoint written before progress travelled in checkpoints)."""
         if self.live:
             return
-        self.live = True
         if self.resuming and self.deferred is not None:
-            self.progress.adopt_log(upto_stage=self.deferred)
-            self.growth = self.run_dir.read_growth()
-            self.clock_unknown = True
+            self.load_state_dict(None)
+            return
+        self.live = True
         self._resolve_deferred()
 
     def _resolve_deferred(self) -> None:
@@ -294,11 +297,10 @@ class StreamTraining:
         """Stage-start actions, once per stage, before its first update attempt (the clock and
         ``started_stage`` travel in the checkpoint: a resume never repeats them)."""
         self.resolve_start()
-        if self.clock_unknown:  # a 0.1 checkpoint: the position is fairseq's counter (no skips then)
+        if self.clock_unknown:  # an old checkpoint without a clock (``stream/upgrade.py``)
             self.clock_unknown = False
-            self.clock.stage, self.clock.counted = divmod(update_num, self.task.budget)
-            self.clock.stage += 1
-            self.started_stage = self.clock.stage - (1 if self.clock.counted == 0 else 0)
+            clock, self.started_stage = clock_from_counter(update_num, self.task.budget)
+            self.clock.load_state_dict(clock)
         if self.started_stage < self.clock.stage:
             self.start_stage(self.clock.stage, optimizer)
 
