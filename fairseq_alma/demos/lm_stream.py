@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .steps import PACKAGE_DIR, step, tool
+from ..fairseq_glue.user_dir import PLUGIN_DIR
+from .steps import step, tool
 
 COMMON_TRAIN = [
     "--task", "alma_stream", "--arch", "switch_transformer_lm_tiny", "--criterion", "switch_cross_entropy",
@@ -52,7 +53,7 @@ def train_settings(settings: LmDemoSettings, data: Path, runs: Path, logs: Path,
     warmup = str(max(1, settings.updates_per_stage // 10))
     for i, (name, flags) in enumerate(named_flags, start=first):
         step(f"{i}/{total} train {name}: the whole stream in one fairseq-train",
-             [tool("fairseq-train"), str(data), "--user-dir", str(PACKAGE_DIR), *COMMON_TRAIN,
+             [tool("fairseq-train"), str(data), "--user-dir", str(PLUGIN_DIR), *COMMON_TRAIN,
               "--updates-per-stage", str(settings.updates_per_stage), "--warmup-updates", warmup,
               "--save-dir", str(runs / name), *flags],
              logs / f"train_{name}.log")

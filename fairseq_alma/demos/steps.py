@@ -15,8 +15,6 @@ from pathlib import Path
 
 from ..errors import AlmaError
 
-PACKAGE_DIR = Path(__file__).resolve().parent.parent  # the --user-dir
-
 # One intra-op thread unless the user says otherwise: the demos' models are tiny, and on a busy
 # machine OpenMP threads spin-waiting for each other slow them down many times over.
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}

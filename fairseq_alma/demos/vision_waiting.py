@@ -18,12 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import AlmaError
+from ..fairseq_glue.user_dir import PLUGIN_DIR
 from ..report import figures, tables
 from ..stream.atomic import atomic_write_json
 from ..stream.records import ArrivalRecord
 from ..stream.run_view import RunView
 from ..stream.series import ReportSeries, series_from_records
-from .steps import PACKAGE_DIR, tool
+from .steps import tool
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class Run:
 def train_command(run: Run, settings: VisionDemoSettings, save_dir: Path) -> list[str]:
     """The ``fairseq-train`` command of one run (App. B.1 values except epochs and B)."""
     return [
-        tool("fairseq-train"), "digits", "--user-dir", str(PACKAGE_DIR),
+        tool("fairseq-train"), "digits", "--user-dir", str(PLUGIN_DIR),
         "--task", "alma_stream", "--vision-dataset", "digits",
         "--arch", "alma_vision",
         "--vision-method", "sm", "--vision-arch", "mlp", "--vision-width", str(run.width),

@@ -15,6 +15,7 @@ import logging
 from typing import Any
 
 from ..errors import UsageError
+from ..stream.upgrade import drop_added_defaults
 
 logger = logging.getLogger("fairseq_alma")
 
@@ -199,10 +200,6 @@ TASK_NOT_FINGERPRINTED = ("data", "save_dir", "max_epoch", "tensorboard_logdir",
                           "max_tokens_valid", "required_batch_size_multiple", "update_freq",
                           "distributed_world_size", "data_buffer_size", "tpu", "use_plasma_view",
                           "plasma_path")
-# Settings added after run directories were written, by section, with their default: in the
-# fingerprint only when not at it, so a run directory written before a setting existed still
-# resumes, and one that used a setting refuses a command without it (or with another value).
-ADDED_SETTINGS = {"task": {"replay_ratio": 0.0}, "lr_scheduler": {"stage_lr_schedule": "restart"}}
 
 
 def run_fingerprint(node: Any) -> dict[str, Any]:
@@ -226,9 +223,4 @@ def run_fingerprint(node: Any) -> dict[str, Any]:
     task = section(node, "task")
     if task is not None:
         out["task"] = {key: plain(task.get(key)) for key in task if key not in TASK_NOT_FINGERPRINTED}
-    for name, defaults in ADDED_SETTINGS.items():
-        part = out.get(name)
-        for key, default in defaults.items():
-            if isinstance(part, dict) and key in part and part[key] == default:
-                del part[key]
-    return out
+    return drop_added_defaults(out)  # as written before those settings existed

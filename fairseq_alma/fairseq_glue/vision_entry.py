@@ -5,7 +5,8 @@
 it to build the model, the first moment it holds both the task's flags (data, ``--wait``,
 ``--replay``, ``--seed``, ``--save-dir``, ``--batch-size``) and the learner's
 (``--arch alma_vision``, ``models/alma_vision.py``); the entry turns them into a ``VisionRun``
-and runs the stream with ``runner.run_vision_stream``, the code the sweep and the demo run too.
+and runs the stream in a ``StreamSession`` (``stream/session.py``, opened with the ranks' agreement)
+with ``runner.run_vision_session``, the code the sweep and the demo run too.
 The process then ends (exit 0, or the requeue status after a signal); fairseq's own trainer,
 optimizer and checkpoints are never involved.
 """
@@ -18,15 +19,15 @@ from typing import Any, NoReturn
 import torch
 from fairseq.tasks import FairseqTask
 
-from ..errors import AlmaError, UsageError, require
+from ..errors import UsageError, require
 from .config import given, refuse_flags
 from ..ranks import raise_unless_all_ok, world
 from ..stream.progress import StreamPlan
-from ..stream.run_dir import RunDirectory
+from ..stream.session import StreamSession
 from ..stream.stop import StopSignal, stage_limit
 from ..vision.devices import resolve_device
 from ..vision.learners import LearnerSpec
-from ..vision.runner import VisionRun, run_vision_stream
+from ..vision.runner import VisionRun, run_vision_session
 from ..vision.stage_trainer import OptimizerSpec, StageTrainConfig
 
 logger = logging.getLogger(__name__)
@@ -122,21 +123,18 @@ class VisionStreamEntry(FairseqTask):
         refuse_lm_only_stream_flags(self.cfg)
         run = vision_run(self.cfg, cfg)
         torch.set_num_threads(int(cfg.vision_threads))
-        error, run_dir = None, None
-        try:  # rank 0 takes the directory; every rank learns whether it could
-            run_dir = RunDirectory.for_training(self.cfg.save_dir, world()[1])
-        except AlmaError as err:
-            error = err
-        raise_unless_all_ok(error)
         limit = stage_limit(run.plan.num_stages, self.cfg.max_epoch or None)
+        # rank 0 takes the directory; every rank learns whether it could
+        session = StreamSession.open(run.plan, self.cfg.save_dir, rank=world()[1],
+                                     agree=raise_unless_all_ok, stop_after=limit)
         logger.info("vision stream: %s %s%d, B=%d, w=%d%s, %d epochs per stage on %s, up to stage %d of %d",
                     run.learner.method, run.learner.arch, run.learner.width, run.plan.num_megabatches,
                     run.plan.wait, " replay" if run.plan.replay else "", run.training.epochs, run.device,
                     limit, run.plan.num_stages)
-        records = run_vision_stream(run, run_dir, stop=StopSignal().install(), stop_after=limit,
-                                    restart=bool(self.cfg.restart_stream))
+        session.stop = StopSignal().install()
+        records = run_vision_session(run, session, restart=bool(self.cfg.restart_stream))
         logger.info("vision stream: %d of %d arrivals recorded in %s", len(records),
-                    run.plan.num_megabatches + 1, run_dir.stream_log)
+                    run.plan.num_megabatches + 1, session.run_dir.stream_log)
         if torch.distributed.is_initialized():  # every rank ran the same stream; leave together
             torch.distributed.barrier()
             torch.distributed.destroy_process_group()

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ..errors import RunDirError, UsageError
+from ..errors import UsageError
 from .records import ArrivalRecord
 from .replay import check_replay_ratio, replay_slots
 from .run_dir import RunDirectory
@@ -149,14 +149,3 @@ class StreamProgress:
         for obj in state.get("records", []):
             item = ArrivalRecord.from_json(obj)
             self.records[item.arrival] = item
-
-    def adopt_log(self, upto_stage: int) -> None:
-        """Resume from a checkpoint written before records travelled in checkpoints: take the
-        records of stages <= ``upto_stage`` from ``stream.jsonl``."""
-        if not self.run_dir.stream_log.is_file():
-            return
-        try:
-            logged = self.run_dir.read_records()
-        except RunDirError as err:
-            raise RunDirError(f"cannot resume: {err}") from None
-        self.records = {r.arrival: r for r in logged if r.stage <= upto_stage}

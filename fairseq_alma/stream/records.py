@@ -19,8 +19,8 @@ Fields (JSON keys):
   wall_time                                      wall-clock seconds the run has spent so far (time
                                                  queued or stopped between resumes not counted)
 Any other key is kept verbatim in ``extra`` so newer writers do not break older readers.
-Files of fairseq-alma <= 0.2 named the FLOPs ``infer_flops_per_example`` although the LM wrote
-per-token numbers; reading maps it to the per-token (LM) or per-image (vision) field.
+Files of fairseq-alma <= 0.2 named the FLOPs ``infer_flops_per_example``; reading upgrades them
+(``upgrade.py``).
 
 Why ``write_records`` rewrites the whole file instead of appending: the task keeps its records in
 its checkpointed state and re-materialises the file from them, so a run killed between writing a
@@ -39,6 +39,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .upgrade import LEGACY_INFER_FLOPS, upgrade_record_json
+
 from ..errors import RunDirError
 from .atomic import atomic_write_text
 
@@ -54,7 +56,6 @@ _REQUIRED = (
     "wall_time",
 )
 _INFER_FLOPS = ("infer_flops_per_token", "infer_flops_per_image")  # LM, vision: one of them
-_LEGACY_INFER_FLOPS = "infer_flops_per_example"
 _METRICS = ("eval_ppl", "eval_nll", "eval_tokens", "test_error")
 
 
@@ -137,7 +138,7 @@ class ArrivalRecord:
             self.eval_tokens = int(self.eval_tokens)
         self.valid = {key: float(value) for key, value in self.valid.items()}
         clash = set(self.extra) & (set(_REQUIRED) | set(_METRICS) | set(_INFER_FLOPS)
-                                   | {_LEGACY_INFER_FLOPS} | set(self.valid))
+                                   | {LEGACY_INFER_FLOPS} | set(self.valid))
         if clash or any(key.startswith("valid_") for key in self.extra):
             raise ValueError(
                 f"extra keys {sorted(self.extra)} clash with record fields; use other names"
@@ -164,9 +165,7 @@ class ArrivalRecord:
         missing = [name for name in _REQUIRED if name not in obj]
         if missing:
             raise ValueError(f"missing key(s) {', '.join(missing)}")
-        if _LEGACY_INFER_FLOPS in obj:  # <= 0.2: per token for an LM, per image for vision
-            unit = _INFER_FLOPS[0] if obj.get("eval_ppl") is not None else _INFER_FLOPS[1]
-            obj = {(unit if k == _LEGACY_INFER_FLOPS else k): v for k, v in obj.items()}
+        obj = upgrade_record_json(obj)
         known = {name: obj[name] for name in _REQUIRED + _INFER_FLOPS + _METRICS if name in obj}
         valid = {k: v for k, v in obj.items() if k.startswith("valid_")}
         extra = {k: v for k, v in obj.items() if k not in known and k not in valid}

@@ -36,6 +36,7 @@ from ..errors import RunDirError
 from .atomic import atomic_write_json, atomic_write_stream, atomic_write_text
 from .lock import HOLDER_FILE, LOCK_FILE, RunLock
 from .records import ArrivalRecord, read_records, write_records
+from .upgrade import note_run_without_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -154,8 +155,7 @@ class RunDirectory:
         if restart and self.run_files():
             moved = self.move_aside()
         elif old is None and self.run_files():
-            logger.warning("%s has no %s (a run of fairseq-alma 0.1): its settings cannot be "
-                           "checked; continuing it", self.path, RUN_FILE)
+            note_run_without_fingerprint(self.path)
         if old != fingerprint or moved is not None:
             atomic_write_json(self.path / RUN_FILE, {"fingerprint": fingerprint,
                                                      "hash": fingerprint_hash(fingerprint)})

@@ -85,9 +85,7 @@ class StageClock:
         self.stage, self.counted, self.skipped = (int(state[k]) for k in ("stage", "counted",
                                                                            "skipped"))
         self.skipped_by_stage = {int(k): int(v) for k, v in state["skipped_by_stage"].items()}
-        # absent in checkpoints written before partial replay (no replay then: nothing to place)
-        self.skipped_slots = {int(k): [int(u) for u in v]
-                              for k, v in state.get("skipped_slots", {}).items()}
+        self.skipped_slots = {int(k): [int(u) for u in v] for k, v in state["skipped_slots"].items()}
 
 
 def stage_position(num_updates: int, budget: int) -> tuple[int, int]:

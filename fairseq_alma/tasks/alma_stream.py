@@ -254,7 +254,7 @@ class AlmaStreamTask(LanguageModelingTask):
 
     def stop_requested(self, num_updates: int) -> bool:
         """Asked by ``fairseq_glue/patches.install_requeue_save`` after every update."""
-        return self.training is not None and all_ranks_stop(self.training.stop.requested)
+        return self.training is not None and all_ranks_stop(self.training.session.stop_requested)
 
     def state_dict(self) -> Dict[str, Any]:
         """fairseq keeps this in every checkpoint (``task_state``): the dictionary trained with."""

@@ -4,6 +4,7 @@ The one way vision streams run.  ``fairseq-train --task alma_stream --vision-dat
 (``fairseq_glue/vision_entry.py``), the in-process sweep (``sweep.py``) and ``alma-vision-demo`` all build a
 ``VisionRun`` and call ``run_vision_stream``:
 
+    a StreamSession (stream/session.py) owns the run directory, the records and the stop
     resume (checkpoint_last.pt)  ->  close_stage(0): the untrained model, arrival 0
     for each stage s of the plan:    input statistics of the arrived mega-batches, grow
                                      (learner.before_stage), train epochs with
@@ -28,11 +29,12 @@ from typing import Any
 import torch
 
 from ..checkpoint_load import load_checkpoint
-from ..errors import Preempted, RunDirError, UsageError
-from ..stream.progress import StreamPlan, StreamProgress
+from ..errors import RunDirError, UsageError
+from ..stream.progress import StreamPlan
 from ..stream.records import ArrivalRecord
 from ..stream.run_dir import RunDirectory
 from ..stream.schedule import ArrivalInfo, Stage
+from ..stream.session import StreamSession
 from ..stream.stop import StopSignal
 from .data import load_vision_data
 from .dataset import VisionData
@@ -87,17 +89,16 @@ class VisionRun:
 class _VisionStream:
     """One run of ``run_vision_stream``: learner, data, progress and the checkpoint."""
 
-    def __init__(self, run: VisionRun, run_dir: RunDirectory, data: VisionData) -> None:
+    def __init__(self, run: VisionRun, session: StreamSession, data: VisionData) -> None:
         if run.training.augment and not data.is_image:
             raise UsageError(f"--vision-augment crop-flip needs images, but {data.name} holds "
                              f"feature vectors; use --vision-augment none")
-        self.run, self.run_dir = run, run_dir
+        self.run, self.session, self.run_dir = run, session, session.run_dir
         self.device = torch.device(run.device)
         self.data = _on_device(data, self.device)
         self.partition = make_partition(data, run.plan, run.seed, run.valid_fraction)
         self.statistics = arrived_statistics(self.data, self.partition)
         self.learner = build_learner(run.learner, data.input_shape, data.num_classes).to(self.device)
-        self.progress = StreamProgress(run.plan, run_dir)
         self.stages: dict[int, dict[str, Any]] = {}  # what each stage did (FLOPs, best epoch)
         self.seconds_before = 0.0
         self.started = time.perf_counter()
@@ -118,7 +119,7 @@ class _VisionStream:
                         "model": {k: v.cpu() for k, v in learner["model"].items()},
                         "generator": learner["generator"]},
             "stages": {s: dict(info) for s, info in self.stages.items()},
-            "progress": self.progress.state_dict(), "run_seconds": self.run_seconds(),
+            "progress": self.session.progress.state_dict(), "run_seconds": self.run_seconds(),
         }
 
     def save(self) -> None:
@@ -132,6 +133,7 @@ class _VisionStream:
     def resume(self) -> None:
         path = self.run_dir.last_checkpoint
         if not path.is_file():
+            self.session.restore_records(None)
             return
         state = load_checkpoint(path)  # CRC-checked, nothing unpickled but plain values
         if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
@@ -142,15 +144,13 @@ class _VisionStream:
         self.learner.load_checkpoint_state({**state["learner"], "spec": spec})
         self.learner.to(self.device)
         self.stages = {int(s): dict(info) for s, info in state["stages"].items()}
-        self.progress.load_state_dict(state["progress"])
+        self.session.restore_records(state["progress"])
         self.seconds_before = float(state["run_seconds"])
         logger.info("resumed %s after stage %d", self.run_dir.path, self.stages_done)
 
     # ---- the stream ------------------------------------------------------------------------
-    def close_stage(self) -> None:
-        new = self.progress.close_stage(self.stages_done, self.measure, self.record)
-        if new:
-            logger.info("arrivals %s: test error %.4f", [r.arrival for r in new], new[0].test_error)
+    def recorded(self, new: list[ArrivalRecord]) -> None:
+        logger.info("arrivals %s: test error %.4f", [r.arrival for r in new], new[0].test_error)
 
     def measure(self) -> float:
         return evaluate(self.learner, self.data.x_test, self.data.y_test,
@@ -224,21 +224,23 @@ def run_vision_stream(run: VisionRun, run_dir: RunDirectory, data: VisionData | 
     A ``stop`` signal is honoured between stages (and between epochs by the stage trainer):
     the run raises ``Preempted``; the same call continues.
     """
+    session = StreamSession(run.plan, run_dir, stop=stop, stop_after=stop_after)
+    return run_vision_session(run, session, data, restart)
+
+
+def run_vision_session(run: VisionRun, session: StreamSession, data: VisionData | None = None,
+                       restart: bool = False) -> list[ArrivalRecord]:
+    """``run_vision_stream`` in a session already opened (``fairseq_glue/vision_entry.py``
+    opens it with the ranks' agreement)."""
     check_amp(run.training.amp, torch.device(run.device))
     data = data if data is not None else load_vision_data(run.dataset, run.data_path)
-    stream = _VisionStream(run, run_dir, data)  # checks the flags against the data first
-    fingerprint = {"settings": run.settings(), "data": data_digest(data)}
-    run_dir.check_fingerprint(fingerprint, restart)
-    run_dir.claim(fingerprint, restart)
+    stream = _VisionStream(run, session, data)  # checks the flags against the data first
+    session.learner = stream
+    session.claim({"settings": run.settings(), "data": data_digest(data)}, restart)
     stream.resume()
-    stream.close_stage()
-    last = min(run.plan.num_stages, stop_after or run.plan.num_stages)
-    for stage in run.plan.schedule[stream.stages_done:last]:
-        if stop is not None and stop.requested:
-            raise Preempted(f"preempted by {stop.signal_name} before stage {stage.index}; "
-                            f"{run_dir.last_checkpoint} holds stage {stream.stages_done}; run the "
-                            f"same command to continue")
-        stream.train(stage, stop)
-        stream.close_stage()
+    session.stage_boundary(stream.stages_done)
+    for stage in session.stages_to_train(stream.stages_done):
+        stream.train(stage, session.stop)
+        session.stage_boundary(stream.stages_done)
         stream.save()
-    return stream.progress.ordered()
+    return session.progress.ordered()

@@ -1,0 +1,231 @@
+"""One training run of a stream, owned by one object: ``StreamSession``.
+
+Why one owner: an LM learner (driven by fairseq's hooks, ``fairseq_glue/stream_training.py``)
+and a vision learner (its own loop, ``vision/runner.py``) live through the same run: take the
+run directory, make sure it holds this run, restore where the run stands, end stages, start
+stages, stop early.  Written twice, the two copies drift; here the session owns the run
+directory (and its lock), the fingerprint, the progress and its records, the stage clock, the
+stop signal and stage limit and the growth log, and the learner reports a few events:
+
+  open(...)              rank 0 locks the directory; ``prepare`` (fingerprint, claim) runs on
+                         every rank and the ranks agree before anything is trained
+  restore(state)         the state the learner's checkpoint held (None: a checkpoint of 0.1),
+                         upgraded to today's form (``upgrade.py``); ``start()`` when none came;
+                         ``restore_records`` for a learner that resumes at stage boundaries
+  stage_boundary(s)      stage s is over: the clock must have its counted updates, then
+                         ``StreamProgress.close_stage(s)`` keeps, measures and records.  A
+                         boundary met before the state is known waits for it
+  stage_to_start(n)      the stage whose start actions are due at update counter n (once each)
+  after_update(n)        one update attempt; True when the stage's budget is complete
+  grew(stage, info)      one growth step, written to ``growth.jsonl``
+  stages_to_train(done)  the stages a loop trains in this process, stopping on a signal
+  state_dict()           what the learner's checkpoint keeps
+
+The learner answers three questions (``measure``, ``record``, ``keep_checkpoint``) and is told
+of new records (``recorded``).  Nothing here imports fairseq or torch: the rank agreement is
+passed in (``ranks.raise_unless_all_ok``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+from ..errors import AlmaError, Preempted
+from .progress import StreamPlan, StreamProgress
+from .records import ArrivalRecord
+from .run_dir import RunDirectory
+from .schedule import ArrivalInfo, Stage
+from .stage_clock import StageClock
+from .stop import StopSignal
+from .upgrade import clock_from_counter, upgrade_training_state
+
+logger = logging.getLogger(__name__)
+
+
+class Learner(Protocol):
+    """What the session asks the learner at a stage's end."""
+
+    def measure(self) -> Any: ...
+
+    def record(self, info: ArrivalInfo, measured: Any) -> ArrivalRecord: ...
+
+
+class StreamSession:
+    """The run of one stream in one training process (module doc)."""
+
+    def __init__(self, plan: StreamPlan, run_dir: RunDirectory, *, budget: int | None = None,
+                 stop: StopSignal | None = None, stop_after: int | None = None) -> None:
+        self.plan, self.run_dir = plan, run_dir
+        self.learner: Learner | None = None
+        self.fingerprint: dict[str, Any] = {}
+        self.finished = False  # the directory holds this run, finished: nothing to train
+        self.progress = StreamProgress(plan, run_dir)
+        self.clock = StageClock(budget) if budget else None  # counted / skipped updates
+        self.stop = stop
+        self.last_stage = min(plan.num_stages, stop_after or plan.num_stages)
+        self.growth: list[dict[str, Any]] = []
+        self.started_stage = 0  # the last stage whose start actions ran
+        self.resuming = run_dir.last_checkpoint.exists()  # the learner will restore it
+        self.live = False  # False until the session knows the progress (fresh, or restored)
+        self.deferred: int | None = None  # a stage boundary met before that
+        self.clock_unknown = False  # restored from a checkpoint without a clock
+
+    @classmethod
+    def open(cls, plan: StreamPlan, path: str | os.PathLike, *, rank: int = 0,
+             agree: Callable[[AlmaError | None], None] | None = None,
+             prepare: Callable[[StreamSession], None] | None = None,
+             **options: Any) -> StreamSession:
+        """Take the run directory (rank 0 locks it) and run ``prepare`` (fingerprint, claim);
+        ``agree(error)`` makes every rank stop if any rank failed, before anything is trained."""
+        error, session = None, None
+        try:
+            session = cls(plan, RunDirectory.for_training(path, rank), **options)
+            if prepare is not None:
+                prepare(session)
+        except AlmaError as err:
+            error = err
+        if agree is not None:
+            agree(error)
+        elif error is not None:
+            raise error
+        return session
+
+    def claim(self, fingerprint: dict[str, Any], restart: bool = False,
+              finished: Callable[[], bool] | None = None) -> None:
+        """Refuse another run here (every rank; nothing written); then, unless the directory
+        holds this run already ``finished()`` (the same command on a finished run changes no
+        byte of it), make it this run's."""
+        self.fingerprint = fingerprint
+        self.run_dir.check_fingerprint(fingerprint, restart)
+        self.finished = (not restart and finished is not None
+                         and self.run_dir.read_fingerprint() == fingerprint and finished())
+        if not self.finished:
+            self.run_dir.claim(fingerprint, restart)  # --restart-stream moves the old run aside
+            self.resuming = self.run_dir.last_checkpoint.exists()
+
+    def close(self) -> None:
+        self.run_dir.close()
+
+    # ---- where the run stands --------------------------------------------------------------
+    def restore(self, state: dict[str, Any] | None) -> None:
+        """The state the learner's checkpoint held, in today's form (``upgrade.py``)."""
+        state = upgrade_training_state(state, self.run_dir, self.deferred)
+        self.progress.load_state_dict(state["progress"])
+        self.growth = list(state["growth"])
+        if state["clock"] is not None and self.clock is not None:
+            self.clock.load_state_dict(state["clock"])
+            self.started_stage = int(state["started_stage"])
+        else:
+            self.clock_unknown = self.clock is not None
+        self.live = True
+        self._resolve_deferred()
+
+    def restore_records(self, progress: dict[str, Any] | None) -> None:
+        """For a learner that resumes at stage boundaries (vision: ``checkpoint_last.pt`` holds
+        the learner after its last finished stage): the records its checkpoint held, if any;
+        no clock, no boundary waits."""
+        if progress is not None:
+            self.progress.load_state_dict(progress)
+        self.live = True
+
+    def start(self) -> None:
+        """Before the first update: no state was restored (a fresh run, or a checkpoint of 0.1,
+        whose state lived only in the run directory's files)."""
+        if self.live:
+            return
+        if self.resuming and self.deferred is not None:
+            self.restore(None)
+            return
+        self.live = True
+        self._resolve_deferred()
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"progress": self.progress.state_dict(), "growth": list(self.growth)}
+        if self.clock is not None:
+            state.update(clock=self.clock.state_dict(), started_stage=self.started_stage)
+        return state
+
+    # ---- stage end ---------------------------------------------------------------------
+    def stage_boundary(self, stages_done: int) -> list[ArrivalRecord]:
+        """Stage ``stages_done`` is over: close it (``StreamProgress.close_stage``).  The first
+        boundary of a resumed process may come before its state is back: it waits for it."""
+        if not self.live:
+            self.deferred = stages_done
+            return []
+        return self._end_stage(stages_done)
+
+    def _resolve_deferred(self) -> None:
+        if self.deferred is not None:
+            stages_done, self.deferred = self.deferred, None
+            self._end_stage(stages_done)
+
+    def _end_stage(self, stages_done: int) -> list[ArrivalRecord]:
+        self._advance_clock(stages_done)
+        learner = self.learner
+        assert learner is not None, "StreamSession.learner is set before the first stage ends"
+        keep = getattr(learner, "keep_checkpoint", None)
+        new = self.progress.close_stage(min(stages_done, self.plan.num_stages), learner.measure,
+                                        learner.record, keep_checkpoint=keep)
+        recorded = getattr(learner, "recorded", None)
+        if new and recorded is not None:
+            recorded(new)
+        return new
+
+    def _advance_clock(self, stages_done: int) -> None:
+        """The stage that just ended must have all its counted updates; the next one starts."""
+        clock = self.clock
+        if clock is None or self.clock_unknown or stages_done < clock.stage:
+            return  # no clock, a fresh start (stage 0 done), a boundary passed, or an old checkpoint
+        if stages_done < self.plan.num_stages or not clock.done:
+            clock.next_stage(stages_done + 1)  # after the last stage: raises, its data ran out
+
+    # ---- updates and stage start -----------------------------------------------------------
+    def stage_to_start(self, update_num: int) -> int | None:
+        """The stage whose start actions are due before update ``update_num`` (fairseq's
+        counter), or None; each stage's once (the clock and ``started_stage`` travel in the
+        checkpoint: a resume never repeats them)."""
+        self.start()
+        assert self.clock is not None
+        if self.clock_unknown:  # an old checkpoint without a clock (``upgrade.py``)
+            self.clock_unknown = False
+            clock, self.started_stage = clock_from_counter(update_num, self.clock.budget)
+            self.clock.load_state_dict(clock)
+        if self.started_stage < self.clock.stage:
+            self.started_stage = self.clock.stage
+            return self.clock.stage
+        return None
+
+    def after_update(self, num_updates: int) -> bool:
+        """One update attempt, with fairseq's counter after it: True when the stage's budget of
+        counted updates is complete (the trainer ends the stage there, however many skipped)."""
+        clock = self.clock
+        assert clock is not None
+        done = clock.attempt(num_updates)
+        if clock.skipped and num_updates == clock.expected_updates() and not done:
+            logger.info("stage %d: update %d skipped by the trainer (%d skipped in this stage)",
+                        clock.stage, num_updates + 1, clock.skipped)
+        return done
+
+    def grew(self, stage: int, info: dict[str, Any]) -> None:
+        """A growth step of ``stage``; a resumed run may redo one: replaced, never duplicated."""
+        self.growth = [entry for entry in self.growth if entry["stage"] < stage] + [info]
+        self.run_dir.write_growth(self.growth)
+
+    # ---- stopping ------------------------------------------------------------------------
+    @property
+    def stop_requested(self) -> bool:
+        return self.stop is not None and self.stop.requested
+
+    def stages_to_train(self, stages_done: int) -> Iterator[Stage]:
+        """The stages after ``stages_done`` up to the stage limit, for a loop that resumes at
+        stage boundaries; a stop signal raises ``Preempted`` before the next one."""
+        for stage in self.plan.schedule[stages_done:self.last_stage]:
+            if self.stop_requested:
+                raise Preempted(f"preempted by {self.stop.signal_name} before stage {stage.index}; "
+                                f"{self.run_dir.last_checkpoint} holds stage {stages_done}; run the "
+                                f"same command to continue")
+            yield stage
+            stages_done = stage.index
