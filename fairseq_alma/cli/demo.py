@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 
 from ..errors import AlmaError
-from ..console import run_console
+from ..console import OneLineArgumentParser, run_console
+from ..out_paths import check_dir_path
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # the --user-dir
 
@@ -106,8 +107,25 @@ def train_settings(args: argparse.Namespace, data: Path, runs: Path, logs: Path,
              logs / f"train_{name}.log")
 
 
+def demo_problem(args: argparse.Namespace) -> str | None:
+    """The first flag of the demo that cannot work, as one line (None: all can); checked
+    before anything is built, not when the step that uses it fails minutes later."""
+    if args.updates_per_stage < 20:
+        return f"--updates-per-stage must be >= 20 (got {args.updates_per_stage})"
+    if not args.corpus_mb > 0:
+        return f"--corpus-mb must be > 0 (got {args.corpus_mb:g}); the default is 3"
+    for flag in ("vocab_size", "workers"):
+        if getattr(args, flag) < 1:
+            return f"--{flag.replace('_', '-')} must be >= 1 (got {getattr(args, flag)})"
+    try:
+        check_dir_path(args.out, "--out")
+    except AlmaError as err:
+        return str(err)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="alma-demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineArgumentParser(prog="alma-demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="demo_out", help="working directory for every output (default: demo_out)")
     parser.add_argument("--corpus-mb", type=float, default=3.0, help="size of the demo corpus in MB (default 3)")
     parser.add_argument("--vocab-size", type=int, default=2000, help="BPE vocabulary of the demo (paper: 50000)")
@@ -118,8 +136,9 @@ def main(argv: list[str] | None = None) -> int:
                              "--replay-ratio 0.25 vs --replay, every stage scored on every period); "
                              "its outputs go to OUT/drift/")
     args = parser.parse_args(argv)
-    if args.updates_per_stage < 20:
-        parser.error(f"--updates-per-stage must be >= 20 (got {args.updates_per_stage})")
+    problem = demo_problem(args)
+    if problem:
+        parser.error(problem)
 
     logging.getLogger().setLevel(logging.WARNING)  # importing fairseq set the root logger to DEBUG
     if args.drift:

@@ -39,6 +39,7 @@ from ..stream.metrics import perplexity_from_nll
 from ..stream.period_matrix import PeriodMatrix, format_matrix
 from ..stream.series import ReportSeries, flops_convention
 from ..console import OneLineArgumentParser, run_console
+from ..out_paths import check_file_path
 from .score_runs import StreamRun, check_members, load_run
 
 logger = logging.getLogger("fairseq_alma.cli.score")
@@ -243,6 +244,9 @@ def _check_flags(args: argparse.Namespace) -> None:
     for flag in ("batch_size", "tokens_per_sample", "max_eval_tokens"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1 (got {getattr(args, flag)})")
+    for flag in ("json", "csv", "plot"):  # refused now, not after the scoring they would record
+        if getattr(args, flag):
+            check_file_path(getattr(args, flag), f"--{flag}")
     if len({os.path.realpath(d) for d in args.run_dirs}) != len(args.run_dirs):
         raise UsageError("a RUN_DIR is given twice; pass each run once")
     if args.from_log:

@@ -57,6 +57,8 @@ from ..slurm_commands import run_slurm as _slurm
 from ..stream.atomic import atomic_write_json, atomic_write_text
 from ..tables import format_table
 from ..console import OneLineArgumentParser, run_console
+from ..out_paths import check_dir_path
+from .sweep_args import check_max_parallel
 
 
 def query_queue(array_job_ids: set[str]) -> dict[int, tuple[str, str]] | None:
@@ -106,6 +108,8 @@ def _print_table(jobs: list[SweepJob]) -> None:
 def submit(args: argparse.Namespace) -> int:
     sweep_dir = Path(args.sweep_dir).resolve()
     check_sbatch_path(sweep_dir, "--sweep-dir")
+    check_dir_path(args.sweep_dir, "--sweep-dir")
+    check_max_parallel(args.max_parallel)
     if args.chain_stages < 1:
         raise UsageError("--chain-stages must be >= 1")
     if args.chain_stages > 1 and not args.stages_per_link:
@@ -124,11 +128,11 @@ def submit(args: argparse.Namespace) -> int:
     config = load_run_config(args.config, check_flags=False).with_grid(grid)
     if args.seeds:
         config = config.with_seeds(parse_seeds_option(args.seeds))
+    profile = resolve_profile(args.profile, config.resources, config.path)
     points = len(config.grid_points())
     print(f"alma-sweep: checking {points} grid point(s) of {config.path} against fairseq-train's "
           "flags (imports fairseq: a few seconds)", file=sys.stderr, flush=True)
     check_config_flags(config)
-    profile = resolve_profile(args.profile, config.resources, config.path)
     program = _resolve_program(args.program)
     jobs = apply_global_batch(plan_sweep(config, sweep_dir), config.global_batch,
                               profile.world_size, str(config.path))
@@ -379,8 +383,7 @@ def score(args: argparse.Namespace) -> int:
     sweep_dir = Path(args.sweep_dir).resolve()
     check_sbatch_path(sweep_dir, "SWEEP_DIR")
     table = load_jobs(sweep_dir)
-    if args.max_parallel is not None and args.max_parallel < 1:
-        raise UsageError("--max-parallel must be >= 1")
+    check_max_parallel(args.max_parallel)
     profile = _score_profile(args.profile, table, sweep_dir)
     options = _score_options(args, profile)
     old = load_plan(sweep_dir) or {}

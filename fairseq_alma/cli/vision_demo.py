@@ -35,7 +35,8 @@ from ..stream.run_view import RunView
 from ..stream.series import ReportSeries, series_from_records
 from ..report import figures, tables
 from .demo import PACKAGE_DIR, tool
-from ..console import run_console
+from ..console import OneLineArgumentParser, run_console
+from ..out_paths import check_dir_path
 
 
 @dataclass(frozen=True)
@@ -121,8 +122,8 @@ def verdict(cers: dict[int, list[float]], num_megabatches: int) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="alma-vision-demo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineArgumentParser(prog="alma-vision-demo", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
     add("--out", default="vision_demo_out", help="directory for runs, logs, table and plots")
     add("--num-megabatches", type=int, default=50,
@@ -143,6 +144,10 @@ def check_args(args: argparse.Namespace) -> str | None:
         return f"--waits must all be in [1, {args.num_megabatches}] (B), got {args.waits}"
     if min(args.widths) < 1 or args.epochs_per_stage < 1 or args.jobs < 1 or min(args.seeds) < 0:
         return "--widths, --epochs-per-stage and --jobs must be >= 1 and --seeds >= 0"
+    try:
+        check_dir_path(args.out, "--out")
+    except AlmaError as err:
+        return str(err)
     return None
 
 
