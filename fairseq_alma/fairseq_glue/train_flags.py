@@ -27,7 +27,7 @@ SIZES = {
     "--max-tokens-valid": ("dataset", "max_tokens_valid"),
     "--required-batch-size-multiple": ("dataset", "required_batch_size_multiple"),
 }
-FP16_FLAGS = ("fp16", "memory_efficient_fp16", "amp")
+FP16_FLAGS = ("memory_efficient_fp16", "amp", "fp16")  # fairseq sets fp16 with the first
 
 
 def check_run_inputs(cfg: Any) -> None:
@@ -40,6 +40,10 @@ def check_run_inputs(cfg: Any) -> None:
         value = given(cfg, section_name, key)
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be >= 1 (got {value}); leave it out for fairseq's default")
+    max_epoch = given(cfg, "optimization", "max_epoch")
+    if max_epoch is not None and max_epoch < 0:
+        raise UsageError(f"--max-epoch must be >= 0 (got {max_epoch}): in a stream, stop after "
+                         "stage N; 0 or left out trains every stage")
     for value in given(cfg, "optimization", "update_freq") or []:
         if value < 1:
             raise UsageError(f"--update-freq must be >= 1 (got {value}): batches accumulated per "
