@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from fairseq_alma.errors import DataError
+from fairseq_alma.out_paths import check_dir_path
 from fairseq_alma.stream.atomic import TEMP_SUFFIX
 from fairseq_alma.stream.lock import try_flock
 
@@ -58,15 +59,7 @@ def check_output_dir(options: PrepOptions) -> None:
     """Refuse an ``--out`` this run must not write into (see the module docstring)."""
     out_dir = options.out
     out = os.path.realpath(out_dir)
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise DataError(f"--out {out_dir}: exists and is not a directory; give the path of a "
-                        "directory (a new one is created)")
-    above = os.path.dirname(out)
-    while not os.path.exists(above):
-        above = os.path.dirname(above)
-    if not os.path.isdir(above):
-        raise DataError(f"--out {out_dir}: {above} is a file, not a directory; give the path "
-                        "of a directory (a new one is created)")
+    check_dir_path(out_dir, "--out", DataError)
     for given in ([options.from_binarized] if options.from_binarized else options.inputs):
         real = os.path.realpath(given)
         if os.path.isdir(real) and os.path.commonpath([real, out]) == real:

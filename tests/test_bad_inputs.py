@@ -2,8 +2,11 @@
 names the file or flag and what to do, a nonzero exit status, and leaves every file it was
 given exactly as it was (hashed before and after).  Never a traceback, never exit 0.
 
-The cases run two at a time (each is mostly fairseq's start-up).  Fixtures: one tiny prepared
-stream, one finished 2-stage run on it, and small vision .npz files.
+Every case fails before any training or model build, so it costs one start of its command:
+fairseq-train cases run as subprocesses two at a time (each is mostly fairseq's start-up), the
+other commands' cases meanwhile in this process through their console ``main(argv)``
+(``IN_PROCESS``).  Fixtures: one tiny prepared stream, one finished 2-stage run on it, and
+small vision .npz files.
 """
 
 from __future__ import annotations
@@ -177,8 +180,62 @@ LM_CASES = [
     Case("checkpoint truncated", lambda c: (lm(c, c.data, damaged_checkpoint(c, "r", True)), [c.tmp / "r"]),
          r"checkpoint_last.pt: not a readable checkpoint .*move it aside and run the same command"),
     Case("checkpoint damaged", lambda c: (lm(c, c.data, damaged_checkpoint(c, "r", False)), [c.tmp / "r"]),
-         r"checkpoint_last.pt: damaged \(record .* fails its CRC check\); move it aside"),
+         r"checkpoint_last.pt: damaged \(record .* fails its CRC check\); move it aside"),    Case("tokens-per-sample 0", lambda c: (lm(c, c.data, c.tmp / "r", "--tokens-per-sample", "0"), []), r"--tokens-per-sample must be >= 1 .*got 0"),
+    Case("tokens-per-sample negative", lambda c: (lm(c, c.data, c.tmp / "r", "--tokens-per-sample", "-4"), []), r"--tokens-per-sample must be >= 1 .*got -4"),
+    Case("tokens-per-sample beyond the model", lambda c: (lm(c, c.data, c.tmp / "r", "--tokens-per-sample", "64", "--max-target-positions", "32"), []),
+         r"--tokens-per-sample 64 .*--max-target-positions 32"),
+    Case("batch-size 0", lambda c: (lm(c, c.data, c.tmp / "r", "--batch-size", "0"), []), r"--batch-size must be >= 1 .*got 0"),
+    Case("batch-size negative", lambda c: (lm(c, c.data, c.tmp / "r", "--batch-size", "-8"), []), r"--batch-size must be >= 1 .*got -8"),
+    Case("batch-size-valid 0", lambda c: (lm(c, c.data, c.tmp / "r", "--batch-size-valid", "0"), []), r"--batch-size-valid must be >= 1 .*got 0"),
+    Case("max-tokens 0", lambda c: (lm(c, c.data, c.tmp / "r", "--max-tokens", "0"), []), r"--max-tokens must be >= 1 .*got 0"),
+    Case("max-tokens below a block", lambda c: (lm(c, c.data, c.tmp / "r", "--max-tokens", "16"), []), r"--max-tokens 16 .*--tokens-per-sample 32"),
+    Case("update-freq 0", lambda c: (lm(c, c.data, c.tmp / "r", "--update-freq", "0"), []), r"--update-freq must be >= 1 .*got 0"),
+    Case("update-freq negative", lambda c: (lm(c, c.data, c.tmp / "r", "--update-freq", "-2"), []), r"--update-freq must be >= 1 .*got -2"),
+    Case("required-batch-size-multiple 0", lambda c: (lm(c, c.data, c.tmp / "r", "--required-batch-size-multiple", "0"), []),
+         r"--required-batch-size-multiple must be >= 1"),
+    Case("fp16 on CPU", lambda c: (lm(c, c.data, c.tmp / "r", "--fp16"), []), r"--fp16 trains on CUDA GPUs only .*drop --fp16"),
+    Case("memory-efficient fp16 on CPU", lambda c: (lm(c, c.data, c.tmp / "r", "--memory-efficient-fp16"), []), r"--memory-efficient-fp16 trains on CUDA GPUs only"),
+    Case("amp on CPU", lambda c: (lm(c, c.data, c.tmp / "r", "--amp"), []), r"--amp trains on CUDA GPUs only"),
+    Case("zero sharding in one process", lambda c: (lm(c, c.data, c.tmp / "r", "--zero-sharding", "os"), []),
+         r"--zero-sharding os shards the optimizer state over the processes of a run; this one has 1"),
+    Case("expert parallel above world size", lambda c: (lm(c, c.data, c.tmp / "r", "--moe-expert-parallel-size", "2"), []),
+         r"--moe-expert-parallel-size 2 must divide the number of processes \(1\)"),
+    Case("expert parallel 0", lambda c: (lm(c, c.data, c.tmp / "r", "--moe-expert-parallel-size", "0"), []), r"--moe-expert-parallel-size must be an integer >= 1"),
+    Case("expert parallel not dividing experts", lambda c: (lm(c, c.data, c.tmp / "r", "--moe-experts", "3", "--moe-expert-parallel-size", "2"), []),
+         r"--moe-experts \(3\) must be divisible by --moe-expert-parallel-size \(2\)"),
+    Case("max-update cuts the stream", lambda c: (lm(c, c.data, c.tmp / "r", "--max-update", "4"), []),
+         r"--max-update 4 stops the stream before its end \(2 stages x 3 updates = 6\)"),
+    Case("max-epoch negative", lambda c: (lm(c, c.data, c.tmp / "r", "--max-epoch", "-1"), []), r"--max-epoch must be >= 0 \(got -1\)"),
+    Case("save-dir is a file", lambda c: (lm(c, c.data, c.tmp / "x.txt"), [c.tmp / "x.txt"]), r"--save-dir .*x.txt: exists and is not a directory"),
+    Case("save-dir under a file", lambda c: (lm(c, c.data, c.tmp / "x.txt" / "r"), [c.tmp / "x.txt"]), r"--save-dir .*x.txt/r: .*x.txt is a file"),
+    Case("eval subset missing", lambda c: (lm(c, c.data, c.tmp / "r", "--eval-subset", "test"), []), r"--eval-subset test: .*test.bin.* missing"),
+    Case("checkpoint of another architecture", lambda c: (lm(c, c.data, _last_only(c), "--decoder-layers", "4"), [c.tmp / "r"]),
+         r"checkpoint_last.pt holds another model \(model.decoder_layers: 2 -> 4\); move it aside"),
+    Case("checkpoint of another expert count", lambda c: (lm(c, c.data, _last_only(c), "--moe-experts", "4"), [c.tmp / "r"]),
+         r"checkpoint_last.pt .*another model .*moe_experts: 2 -> 4.*move it aside"),
+    Case("DATA is a file", lambda c: (lm(c, c.tmp / "x.txt", c.tmp / "r"), [c.tmp / "x.txt"]), r"DATA .*x.txt: not a directory; give the --out directory of alma-data-prep"),
+    Case("wait negative", lambda c: (lm(c, c.data, c.tmp / "r", "--wait", "-1"), []), r"--wait must be in \[1, 2\]"),
+    Case("updates-per-stage negative", lambda c: (lm(c, c.data, c.tmp / "r", "--updates-per-stage", "-3"), []), r"--updates-per-stage must be >= 1"),
+    Case("replay-ratio 1", lambda c: (lm(c, c.data, c.tmp / "r", "--replay-ratio", "1"), []), r"--replay-ratio"),
+    Case("replay with replay-ratio", lambda c: (lm(c, c.data, c.tmp / "r", "--replay", "--replay-ratio", "0.5"), []), r"--replay-ratio"),
+    Case("capacity negative", lambda c: (lm(c, c.data, c.tmp / "r", "--capacity-factor", "-1"), []), r"--capacity-factor must be > 0"),
+    Case("max experts below experts", lambda c: (lm(c, c.data, c.tmp / "r", "--moe-max-experts", "1"), []), r"--moe-max-experts"),
+    Case("growth past the last stage", lambda c: (lm(c, c.data, c.tmp / "r", "--moe-max-experts", "4", "--grow-experts", "2", "--grow-at-stages", "3"), []),
+         r"--grow-at-stages must list stages in \[2, 2\]"),
+    Case("warmup negative", lambda c: (lm(c, c.data, c.tmp / "r", "--warmup-updates", "-1"), []), r"--warmup-updates must be in \[0, 3\)"),
+    Case("alma-train batch-size 0", lambda c: ([tool("alma-train"), str(c.data), *LM_FLAGS[4:], "--save-dir", str(c.tmp / "r"), "--batch-size", "0"], []),
+         r"--batch-size must be >= 1"),
+    Case("alma-train fp16 on CPU", lambda c: ([tool("alma-train"), str(c.data), *LM_FLAGS[4:], "--save-dir", str(c.tmp / "r"), "--fp16"], []),
+         r"--fp16 trains on CUDA GPUs only"),
 ]
+
+
+def _last_only(ctx: Ctx) -> Path:
+    """A --save-dir holding only the finished run's checkpoint_last.pt (no run.json to compare)."""
+    save = ctx.tmp / "r"
+    save.mkdir()
+    shutil.copy(ctx.done / "checkpoint_last.pt", save / "checkpoint_last.pt")
+    return save
 
 
 def _with(ctx: Ctx, name: str, text: str) -> Path:
@@ -200,7 +257,22 @@ VISION_CASES = [
     Case("vision width 0", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--vision-width", "0"), []), r"--vision-width must be >= 1"),
     Case("ff new layers negative", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--vision-method", "ff", "--ff-new-layers", "-1"), []), r"--ff-new-layers must be >= 0 \(0: width growth only\)"),
     Case("vision fp16 flag", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--fp16"), []), r"--fp16 does not apply to vision streams"),
-    Case("vision amp fp16 on cpu", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--vision-amp", "fp16"), []), r"--vision-amp fp16 needs a CUDA device"),
+    Case("vision amp fp16 on cpu", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--vision-amp", "fp16"), []), r"--vision-amp fp16 needs a CUDA device"),    Case("vision batch-size 0", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--batch-size", "0"), []), r"--batch-size must be >= 1 .*got 0"),
+    Case("vision batch-size negative", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--batch-size", "-5"), []), r"--batch-size must be >= 1 .*got -5"),
+    Case("vision growth layer beyond the model", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--vision-method", "gmoe", "--moe-mixture-layers", "0,7"), []),
+         r"--moe-mixture-layers 0,7: layer 7 is not in the mlp backbone \(layers 0-\d\)"),
+    Case("vision growth layer not a number", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--vision-method", "gmoe", "--moe-mixture-layers", "first"), []),
+         r"--moe-mixture-layers takes comma-separated layer indices"),
+    Case("vision epochs 0", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--epochs-per-stage", "0"), []), r"--epochs-per-stage must be >= 1"),
+    Case("vision B 0", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--num-megabatches", "0"), []), r"--num-megabatches must be an integer >= 1 \(got 0\)"),
+    Case("vision wait > B", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--wait", "3"), []), r"--wait must be in \[1, 2\]"),
+    Case("vision valid fraction 1", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--valid-fraction", "1.5"), []), r"--valid-fraction must be in \[0, 1\)"),
+    Case("vision members 0", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--vision-method", "ens", "--ensemble-members", "0"), []), r"--ensemble-members must be >= 1"),
+    Case("vision growth rate negative", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--vision-method", "ff", "--ff-growth-rate", "-0.5"), []), r"--ff-growth-rate must be > 0"),
+    Case("vision threads 0", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--vision-threads", "0"), []), r"--vision-threads must be >= 1"),
+    Case("vision lr negative", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--vision-lr", "-1"), []), r"--vision-lr must be >= 0"),
+    Case("vision replay-ratio", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--replay-ratio", "0.5"), []), r"--replay-ratio 0.5 is for language-model streams"),
+    Case("vision save-dir is a file", lambda c: (vision(c, "digits", c.tmp / "x.txt", "--vision-dataset", "digits"), [c.tmp / "x.txt"]), r"--save-dir .*x.txt: exists and is not a directory"),
 ]
 
 SCORE_CASES = [
@@ -214,8 +286,23 @@ SCORE_CASES = [
     Case("score damaged stage checkpoint", lambda c: ([tool("alma-score"), str(_damaged_stage(c))], [c.tmp / "r"]), r"checkpoint_stage2.pt: not a readable checkpoint", prog="alma-score"),
     Case("score checkpoint of another run", lambda c: ([tool("alma-score"), str(other_run_checkpoint(c))], [c.tmp / "mixed"]),
          r"checkpoint_stage1.pt belongs to another run than .*run.json", prog="alma-score"),
-    Case("score bad batch size", lambda c: ([tool("alma-score"), str(c.done), "--batch-size", "0"], [c.done]), r"--batch-size must be >= 1", prog="alma-score"),
+    Case("score bad batch size", lambda c: ([tool("alma-score"), str(c.done), "--batch-size", "0"], [c.done]), r"--batch-size must be >= 1", prog="alma-score"),    Case("score tokens-per-sample 0", lambda c: ([tool("alma-score"), str(c.done), "--tokens-per-sample", "0"], [c.done]), r"--tokens-per-sample must be >= 1", prog="alma-score"),
+    Case("score max-eval-tokens 0", lambda c: ([tool("alma-score"), str(c.done), "--max-eval-tokens", "0"], [c.done]), r"--max-eval-tokens must be >= 1", prog="alma-score"),
+    Case("score subset missing", lambda c: ([tool("alma-score"), str(c.done), "--subset", "test"], [c.done]), r"--subset test: no such split in .*data \(the stream's evaluation mega-batch is 'eval'\)", prog="alma-score"),
+    Case("score run given twice", lambda c: ([tool("alma-score"), str(c.done), str(c.done)], [c.done]), r"a RUN_DIR is given twice", prog="alma-score"),
+    Case("score from-log with ens", lambda c: ([tool("alma-score"), str(c.done), "--from-log", "--mode", "ens"], [c.done]), r"--from-log works with --mode single only", prog="alma-score"),
+    Case("score fp16 on CPU", lambda c: ([tool("alma-score"), str(c.done), "--fp16", "--cpu"], [c.done]), r"--fp16", prog="alma-score"),
+    Case("score json is a directory", lambda c: ([tool("alma-score"), str(c.done), "--from-log", "--json", str(c.tmp)], [c.done, c.tmp]), r"--json .*: is a directory; give the path of a file to write", prog="alma-score"),
+    Case("score unfinished run", lambda c: ([tool("alma-score"), str(_unfinished(c)), "--from-log"], [c.tmp / "r"]), r"stream.jsonl", prog="alma-score"),
 ]
+
+
+def _unfinished(ctx: Ctx) -> Path:
+    """A copy of the finished run stopped after its first arrival (stream.jsonl cut)."""
+    save = ctx.copy(ctx.done, "r")
+    lines = (save / "stream.jsonl").read_text().splitlines()
+    (save / "stream.jsonl").write_text(lines[0] + "\n")
+    return save
 
 
 def _damaged_stage(ctx: Ctx) -> Path:
@@ -278,8 +365,57 @@ TOOL_CASES = [
          r"--out .* holds files that are not an alma-data-prep stream \(x.txt\); choose a new or empty directory", prog="alma-data-prep"),
     Case("prep out is a file", lambda c: (prep(c, c.tmp / "x.txt"), [c.tmp]), r"--out .*x.txt: exists and is not a directory", prog="alma-data-prep"),
     Case("prep absurd mega-batches", lambda c: (prep(c, c.copy(c.data, "d"), "--num-megabatches", str(10**12)), [c.tmp]),
-         r"--num-megabatches 1000000000000 needs at least 1,000,000,000,002 documents .* can hold at most 13; lower it", prog="alma-data-prep"),
+         r"--num-megabatches 1000000000000 needs at least 1,000,000,000,002 documents .* can hold at most 13; lower it", prog="alma-data-prep"),    Case("prep out under a file", lambda c: (prep(c, c.tmp / "x.txt" / "o"), [c.tmp]), r"--out .*x.txt/o: .*x.txt is a file", prog="alma-data-prep"),
+    Case("prep eval-size negative", lambda c: (prep(c, c.tmp / "o", "--eval-size", "-1"), [c.tmp]), r"--eval-size", prog="alma-data-prep"),
+    Case("prep vocab 0", lambda c: (prep(c, c.tmp / "o", "--vocab-size", "0"), [c.tmp]), r"--vocab-size", prog="alma-data-prep"),
+    Case("prep workers 0", lambda c: (prep(c, c.tmp / "o", "--workers", "0"), [c.tmp]), r"--workers", prog="alma-data-prep"),
+    Case("prep from-binarized missing", lambda c: ([tool("alma-data-prep"), "--from-binarized", str(c.tmp / "nowhere"), "--out", str(c.tmp / "o")], [c.tmp]),
+         r"nowhere", prog="alma-data-prep"),
+    Case("sweep max-parallel 0", lambda c: (sweep(c, "--max-parallel", "0"), [c.tmp]), r"--max-parallel must be >= 1 \(got 0\)", prog="alma-sweep"),
+    Case("sweep max-parallel negative", lambda c: (sweep(c, "--max-parallel", "-2"), [c.tmp]), r"--max-parallel must be >= 1 \(got -2\)", prog="alma-sweep"),
+    Case("sweep profile missing fields", lambda c: (sweep(c, "--profile", str(_file(c, "p.yaml", "description: half a profile\nnodes: 1\n"))), [c.tmp]),
+         r"p.yaml: missing time, and gpus_per_node or ntasks_per_node; set them as in .*local-cpu.yaml", prog="alma-sweep"),
+    Case("sweep profile empty", lambda c: (sweep(c, "--profile", str(_file(c, "p.yaml", ""))), [c.tmp]), r"p.yaml", prog="alma-sweep"),
+    Case("sweep dir is a file", lambda c: ([tool("alma-sweep"), "submit", str(SWEEP_CONFIG), "--sweep-dir", str(c.tmp / "x.txt"), "--dry-run"], [c.tmp]),
+         r"--sweep-dir .*x.txt: exists and is not a directory", prog="alma-sweep"),
+    Case("sweep status not a sweep", lambda c: ([tool("alma-sweep"), "status", str(c.tmp)], [c.tmp]), r"jobs.json", prog="alma-sweep"),
+    Case("sweep config not yaml", lambda c: ([tool("alma-sweep"), "submit", str(bad_config(c, "data: [x\n")), "--sweep-dir", str(c.tmp / "s"), "--dry-run"], []),
+         r"bad.yaml", prog="alma-sweep"),
+    Case("vision sweep out is a file", lambda c: ([tool("alma-vision-sweep"), "--out", str(c.tmp / "x.txt"), "--waits", "1", "--num-megabatches", "2"], [c.tmp]),
+         r"--out .*x.txt: exists and is not a directory", prog="alma-vision-sweep"),
+    Case("vision sweep epochs 0", lambda c: ([tool("alma-vision-sweep"), "--out", str(c.tmp / "s"), "--epochs-per-stage", "0"], []),
+         r"--epochs-per-stage must be >= 1", prog="alma-vision-sweep"),
+    Case("vision sweep members 0", lambda c: ([tool("alma-vision-sweep"), "--out", str(c.tmp / "s"), "--methods", "ens", "--members", "0"], []),
+         r"--members must be >= 1", prog="alma-vision-sweep"),
+    Case("vision sweep widths 0", lambda c: ([tool("alma-vision-sweep"), "--out", str(c.tmp / "s"), "--widths", "0"], []),
+         r"--widths must all be >= 1", prog="alma-vision-sweep"),
+    Case("vision demo out is a file", lambda c: ([tool("alma-vision-demo"), "--out", str(c.tmp / "x.txt")], [c.tmp]),
+         r"--out .*x.txt: exists and is not a directory", prog="alma-vision-demo"),
+    Case("vision demo B 0", lambda c: ([tool("alma-vision-demo"), "--out", str(c.tmp / "v"), "--num-megabatches", "0"], []),
+         r"--num-megabatches must be >= 1", prog="alma-vision-demo"),
+    Case("vision demo jobs 0", lambda c: ([tool("alma-vision-demo"), "--out", str(c.tmp / "v"), "--jobs", "0"], []), r"--jobs", prog="alma-vision-demo"),
+    Case("report input missing", lambda c: ([tool("alma-report"), str(c.tmp / "nowhere"), "--out", str(c.tmp / "o")], []), r"nowhere", prog="alma-report"),
+    Case("report out is a file", lambda c: ([tool("alma-report"), str(c.done), "--out", str(c.tmp / "x.txt")], [c.done, c.tmp]),
+         r"--out .*x.txt: exists and is not a directory", prog="alma-report"),
+    Case("report unfinished run", lambda c: ([tool("alma-report"), str(_unfinished(c)), "--out", str(c.tmp / "o")], [c.tmp / "r"]), r"stream.jsonl", prog="alma-report"),
+    Case("report json unreadable", lambda c: ([tool("alma-report"), str(_file(c, "s.json", "{")), "--out", str(c.tmp / "o")], [c.tmp]), r"s.json", prog="alma-report"),
+    Case("demo out is a file", lambda c: ([tool("alma-demo"), "--out", str(c.tmp / "x.txt")], [c.tmp]), r"--out .*x.txt: exists and is not a directory", prog="alma-demo"),
+    Case("demo few updates", lambda c: ([tool("alma-demo"), "--out", str(c.tmp / "d"), "--updates-per-stage", "5"], []), r"--updates-per-stage must be >= 20", prog="alma-demo"),
+    Case("demo corpus 0", lambda c: ([tool("alma-demo"), "--out", str(c.tmp / "d"), "--corpus-mb", "0"], []), r"--corpus-mb must be > 0", prog="alma-demo"),
+    Case("demo vocab 0", lambda c: ([tool("alma-demo"), "--out", str(c.tmp / "d"), "--vocab-size", "0"], []), r"--vocab-size must be >= 1", prog="alma-demo"),
+    Case("demo workers 0", lambda c: ([tool("alma-demo"), "--out", str(c.tmp / "d"), "--workers", "0"], []), r"--workers must be >= 1", prog="alma-demo"),
 ]
+
+SWEEP_CONFIG = REPO / "train_configs" / "examples" / "tiny_stream.yaml"
+
+
+def sweep(ctx: Ctx, *extra: str) -> list[str]:
+    return [tool("alma-sweep"), "submit", str(SWEEP_CONFIG), "--sweep-dir", str(ctx.tmp / "s"), "--dry-run", *extra]
+
+
+def _file(ctx: Ctx, name: str, text: str) -> Path:
+    (ctx.tmp / name).write_text(text)
+    return ctx.tmp / name
 
 CASES = LM_CASES + VISION_CASES + SCORE_CASES + TOOL_CASES
 
@@ -305,26 +441,78 @@ def fixtures(tmp_path_factory):
     return data, other, done
 
 
+# Commands whose console entry is a ``main(argv)`` that leaves no state behind: their cases run
+# in this process (the same function the installed script calls), one at a time in the main
+# thread, while the fairseq-train cases (fairseq's own entry, with --user-dir) run as
+# subprocesses beside them.  Saves a process start (torch, fairseq) per case.
+IN_PROCESS = {
+    "alma-data-prep": "data_prep.cli", "alma-score": "fairseq_alma.cli.score",
+    "alma-sweep": "fairseq_alma.cli.sweep", "alma-vision-sweep": "fairseq_alma.cli.vision_sweep",
+    "alma-vision-demo": "fairseq_alma.cli.vision_demo", "alma-report": "fairseq_alma.cli.report",
+    "alma-demo": "fairseq_alma.cli.demo",
+}
+
+
+def _call_main(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """``main(argv[1:])`` of the command, as its console script runs it: the exit status it
+    returns or exits with, what it printed, and any exception's traceback on stderr."""
+    import contextlib
+    import importlib
+    import io
+    import traceback
+
+    main = importlib.import_module(IN_PROCESS[os.path.basename(argv[0])]).main
+    out, err = io.StringIO(), io.StringIO()
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                status = main(argv[1:]) or 0
+            except SystemExit as exit_:
+                status = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+            except Exception:  # noqa: BLE001 - a bug: shown as the traceback a user would see
+                traceback.print_exc()
+                status = 1
+    finally:
+        os.chdir(here)
+    return subprocess.CompletedProcess(argv, status, out.getvalue(), err.getvalue())
+
+
 def _run_case(case: Case, ctx: Ctx) -> tuple[Case, subprocess.CompletedProcess, dict, dict]:
     argv, watched = case.setup(ctx)
     before = {str(p): _tree_hash(p) for p in watched}
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=ctx.tmp,
-                          env={**ENV, **case.env})
+    if case.prog in IN_PROCESS:
+        assert not case.env and os.path.basename(argv[0]) == case.prog, case.name
+        proc = _call_main(argv, ctx.tmp)
+    else:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=ctx.tmp,
+                              env={**ENV, **case.env})
     after = {str(p): _tree_hash(p) for p in watched}
     return case, proc, before, after
 
 
+def _run_all(cases: list[Case], contexts: list[Ctx]) -> list[tuple]:
+    """Subprocess cases two at a time in threads; in-process cases meanwhile in this thread."""
+    jobs = list(zip(cases, contexts))
+    local = [job for job in jobs if job[0].prog in IN_PROCESS]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {id(job[0]): pool.submit(_run_case, *job) for job in jobs if job not in local}
+        done = {id(job[0]): _run_case(*job) for job in local}
+        done |= {key: future.result() for key, future in futures.items()}
+    return [done[id(case)] for case in cases]
+
+
 def test_every_case_is_one_line_and_changes_nothing(fixtures, tmp_path):
     data, other, done = fixtures
-    assert len(CASES) >= 40
+    assert len(CASES) >= 100
     contexts = []
     for i, _ in enumerate(CASES):
         scratch = tmp_path / f"case{i}"
         scratch.mkdir()
         (scratch / "x.txt").write_text("one document\n")
         contexts.append(Ctx(data, other, done, scratch))
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(_run_case, CASES, contexts))
+    results = _run_all(CASES, contexts)
     failures = []
     for case, proc, before, after in results:
         lines = [line for line in proc.stderr.splitlines() if line.startswith(f"{case.prog}: ")]

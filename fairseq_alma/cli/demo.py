@@ -24,15 +24,17 @@ import logging
 import sys
 from pathlib import Path
 
-from ..console import run_console
+from ..console import OneLineArgumentParser, run_console
 from ..demos.drift import run_drift_demo
 from ..demos.lm_stream import LmDemoSettings
 from ..demos.table2 import run_table2_demo
+from ..errors import AlmaError
+from ..out_paths import check_dir_path
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="alma-demo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineArgumentParser(prog="alma-demo", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
     add("--out", default="demo_out", help="working directory for every output (default: demo_out)")
     add("--corpus-mb", type=float, default=3.0, help="size of the demo corpus in MB (default 3)")
@@ -46,11 +48,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def demo_problem(args: argparse.Namespace) -> str | None:
+    """The first flag of the demo that cannot work, as one line (None: all can); checked
+    before anything is built, not when the step that uses it fails minutes later."""
+    if args.updates_per_stage < 20:
+        return f"--updates-per-stage must be >= 20 (got {args.updates_per_stage})"
+    if not args.corpus_mb > 0:
+        return f"--corpus-mb must be > 0 (got {args.corpus_mb:g}); the default is 3"
+    for flag in ("vocab_size", "workers"):
+        if getattr(args, flag) < 1:
+            return f"--{flag.replace('_', '-')} must be >= 1 (got {getattr(args, flag)})"
+    try:
+        check_dir_path(args.out, "--out")
+    except AlmaError as err:
+        return str(err)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.updates_per_stage < 20:
-        parser.error(f"--updates-per-stage must be >= 20 (got {args.updates_per_stage})")
+    problem = demo_problem(args)
+    if problem:
+        parser.error(problem)
     settings = LmDemoSettings(out=Path(args.out), corpus_mb=args.corpus_mb, vocab_size=args.vocab_size,
                               updates_per_stage=args.updates_per_stage, workers=args.workers)
     logging.getLogger().setLevel(logging.WARNING)  # importing fairseq set the root logger to DEBUG

@@ -36,8 +36,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from ..errors import UsageError
 from ..console import OneLineArgumentParser, run_console
+from ..errors import UsageError
+from ..out_paths import check_dir_path
 
 logger = logging.getLogger("fairseq_alma.cli.report")
 
@@ -65,6 +66,7 @@ def write_report(args: argparse.Namespace) -> list[str]:
     from ..report.inputs import common_eval_slice, read_inputs
     from ..report.seeds import SeedGroup, group_by_seed, replay_pairs
 
+    check_dir_path(args.out, "--out")
     runs = read_inputs(args.inputs)
     sliced = common_eval_slice(runs)
     try:

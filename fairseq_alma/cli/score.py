@@ -33,6 +33,7 @@ import warnings
 
 from ..console import OneLineArgumentParser, run_console
 from ..lm.score_distributed import world_from_env
+from ..out_paths import check_file_path
 from ..report.inputs import expand_run_dirs
 from ..scoring import LOGGER_NAME
 from ..scoring.flags import SCORE_FLAGS
@@ -82,7 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     def start() -> int:
         world = world_from_env()  # an incomplete torchrun/srun environment: one line
         _configure_logging(world.is_main)
-        results = score(request_from_args(args, expand_run_dirs(args.run_dirs)), world)
+        request = request_from_args(args, expand_run_dirs(args.run_dirs))
+        for flag in ("json", "csv", "plot"):  # refused now, not after the scoring they record
+            if getattr(args, flag):
+                check_file_path(getattr(args, flag), f"--{flag}")
+        results = score(request, world)
         if world.is_main:
             try:
                 print(results_text(results), end="", flush=True)

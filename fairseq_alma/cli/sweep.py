@@ -34,11 +34,12 @@ from .sweep_parser import build_parser, score_array_request, submit_request
 def submit(args: argparse.Namespace) -> int:
     request = submit_request(args)
     config = train_submit.load_sweep_config(request)
+    profile = train_submit.sweep_profile(request, config)
     points = len(config.grid_points())
     print(f"alma-sweep: checking {points} grid point(s) of {config.path} against fairseq-train's "
           "flags (imports fairseq: a few seconds)", file=sys.stderr, flush=True)
     check_config_flags(config)
-    plan = train_submit.plan_submission(request, config)
+    plan = train_submit.plan_submission(request, config, profile)
     print(sweep_text.submission_plan(plan), end="")
     if args.dry_run:
         print(sweep_text.submission_dry_run(plan), end="")

@@ -55,6 +55,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.argv = ["alma-train", *argv]
     from fairseq_cli.train import cli_main
 
+    from ..fairseq_glue.patches import install_command_patches
+
+    # the package was imported (and its patches installed) before fairseq_cli.train was: wrap
+    # its main and flag parsing now, so alma-train refuses what fairseq-train refuses
+    install_command_patches()
     cli_main()
     return 0
 

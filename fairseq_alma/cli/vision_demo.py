@@ -21,13 +21,15 @@ import logging
 import sys
 from pathlib import Path
 
-from ..console import run_console
+from ..console import OneLineArgumentParser, run_console
 from ..demos.vision_waiting import VisionDemoSettings, run_vision_demo
+from ..errors import AlmaError
+from ..out_paths import check_dir_path
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="alma-vision-demo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineArgumentParser(prog="alma-vision-demo", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
     add("--out", default="vision_demo_out", help="directory for runs, logs, table and plots")
     add("--num-megabatches", type=int, default=50,
@@ -46,8 +48,16 @@ def check_args(args: argparse.Namespace) -> str | None:
         return f"--num-megabatches must be >= 1, got {args.num_megabatches}"
     if not all(1 <= w <= args.num_megabatches for w in args.waits):
         return f"--waits must all be in [1, {args.num_megabatches}] (B), got {args.waits}"
-    if min(args.widths) < 1 or args.epochs_per_stage < 1 or args.jobs < 1 or min(args.seeds) < 0:
-        return "--widths, --epochs-per-stage and --jobs must be >= 1 and --seeds >= 0"
+    for flag, values in (("--widths", args.widths), ("--epochs-per-stage", [args.epochs_per_stage]),
+                         ("--jobs", [args.jobs])):
+        if min(values) < 1:
+            return f"{flag} must be >= 1, got {min(values)}"
+    if min(args.seeds) < 0:
+        return f"--seeds must be >= 0, got {min(args.seeds)}"
+    try:
+        check_dir_path(args.out, "--out")
+    except AlmaError as err:
+        return str(err)
     return None
 
 

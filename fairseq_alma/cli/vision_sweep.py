@@ -9,11 +9,11 @@ import argparse
 import logging
 from collections.abc import Sequence
 
+from ..console import OneLineArgumentParser, run_console
 from ..vision.data import DATASET_KINDS
 from ..vision.devices import AMP_MODES
 from ..vision.learners import METHODS
 from ..vision.sweep import format_table, run_sweep
-from ..console import OneLineArgumentParser, run_console
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -110,6 +110,9 @@ def check_training_flags(cfg: Any) -> None:
     FSDP on a GPU must still score on a CPU."""
     import torch
 
+    from .train_flags import check_lm_training, check_run_inputs
+
+    check_run_inputs(cfg)
     model = cfg.get("model") if hasattr(cfg, "get") else None
     arch = str(model.get("_name") or "") if model is not None and hasattr(model, "get") else ""
     if arch == "alma_vision":  # the vision learner checks its own flags (fairseq_glue/vision_entry.py)
@@ -128,6 +131,7 @@ def check_training_flags(cfg: Any) -> None:
     if kernel == "segments" and torch.cuda.is_available() and not given(cfg, "common", "cpu"):
         raise UsageError("--moe-expert-kernel segments is the CPU kernel (it reads every block's expert "
                          "loads back to the host); on a GPU use --moe-expert-kernel batched or auto")
+    check_lm_training(cfg)
 
 
 def check_sharding(node: Any, growth: bool) -> None:

@@ -53,11 +53,13 @@ class StreamTraining:
     def __init__(self, task: Any) -> None:
         from .config import check_sharding, stage_lr_settings, stream_training_settings
         from .patches import install_stream_training_patches
+        from .train_flags import check_stream_start
 
         self.task, self.cfg = task, task.cfg
         # flags first: a refused combination leaves the run directory untouched
         check_sharding(self.cfg, growth=bool(task.growth_plan))
         limit = stage_limit(task.plan.num_stages, self.cfg.max_epoch or None)
+        check_stream_start(task, limit, self.cfg.save_dir, bool(self.cfg.restart_stream))
         self.session = StreamSession.open(task.plan, self.cfg.save_dir, rank=world()[1],
                                           agree=raise_unless_all_ok, prepare=self.claim_run,
                                           budget=task.budget, stop_after=limit)

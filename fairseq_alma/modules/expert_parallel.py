@@ -265,20 +265,26 @@ class ExpertParallelSwitchFFN(SwitchFFN):
         torch.autograd.Variable._execution_engine.queue_callback(average)
 
 
-def build_switch_ffn(cfg: SwitchFFNConfig, expert_parallel_size: int = 1) -> SwitchFFN:
-    """``SwitchFFN(cfg)``, sharded over ``expert_parallel_size`` ranks when training runs on
-    several processes.  A single process (e.g. fairseq-eval-lm on a checkpoint of an
-    expert-parallel run) holds all experts: the checkpoint layout is the same."""
+def check_expert_parallel_size(num_experts: int, expert_parallel_size: int) -> None:
+    """``--moe-expert-parallel-size`` the experts can be split by: every rank holds the same
+    number of experts (checked when the model is built, and by fairseq-train before that)."""
     require(
         expert_parallel_size >= 1,
         f"--moe-expert-parallel-size must be an integer >= 1 (got {expert_parallel_size})",
     )
     if expert_parallel_size > 1:
         require(
-            cfg.num_experts % expert_parallel_size == 0,
-            f"--moe-experts ({cfg.num_experts}) must be divisible by --moe-expert-parallel-size "
+            num_experts % expert_parallel_size == 0,
+            f"--moe-experts ({num_experts}) must be divisible by --moe-expert-parallel-size "
             f"({expert_parallel_size}): every rank holds the same number of experts",
         )
+
+
+def build_switch_ffn(cfg: SwitchFFNConfig, expert_parallel_size: int = 1) -> SwitchFFN:
+    """``SwitchFFN(cfg)``, sharded over ``expert_parallel_size`` ranks when training runs on
+    several processes.  A single process (e.g. fairseq-eval-lm on a checkpoint of an
+    expert-parallel run) holds all experts: the checkpoint layout is the same."""
+    check_expert_parallel_size(cfg.num_experts, expert_parallel_size)
     if expert_parallel_size == 1 or distributed_world_size() == 1:
         return SwitchFFN(cfg)
     return ExpertParallelSwitchFFN(cfg, expert_parallel_size)

@@ -136,6 +136,18 @@ def parse_profile(data: dict[str, Any], name: str, where: str) -> ResourceProfil
     return profile
 
 
+def check_required_keys(data: dict[str, Any], where: str) -> None:
+    """A profile must say how long a job may run (``time``) and where its processes run
+    (``gpus_per_node``, or ``ntasks_per_node`` on CPU nodes): a default would silently give a
+    GPU sweep CPU jobs, or every run a one-hour limit."""
+    missing = [key for key in ("time",) if data.get(key) is None]
+    if data.get("gpus_per_node") is None and data.get("ntasks_per_node") is None:
+        missing.append("gpus_per_node or ntasks_per_node")
+    if missing:
+        raise UsageError(f"{where}: missing {', and '.join(missing)}; set them as in "
+                         f"{PROFILES_DIR / 'local-cpu.yaml'}")
+
+
 def profile_path(name_or_path: str) -> Path:
     """``gpu-node-8`` -> slurm/profiles/gpu-node-8.yaml; a path (with / or .yaml) stays as is."""
     if "/" in name_or_path or name_or_path.endswith((".yaml", ".yml")):
@@ -151,7 +163,9 @@ def load_profile(name_or_path: str | Path) -> ResourceProfile:
         raise UsageError(
             f"resource profile {path} not found (profiles in {PROFILES_DIR}: {', '.join(known)})"
         )
-    return parse_profile(read_yaml_mapping(path, "resource profile"), path.stem, str(path))
+    data = read_yaml_mapping(path, "resource profile")
+    check_required_keys(data, str(path))
+    return parse_profile(data, path.stem, str(path))
 
 
 def resolve_profile(
@@ -163,6 +177,7 @@ def resolve_profile(
     if isinstance(resources, str):
         return load_profile(resources)
     if isinstance(resources, dict):
+        check_required_keys(resources, f"{config_path}: resources")
         return parse_profile(resources, "inline", f"{config_path}: resources")
     raise UsageError(
         f"{config_path}: no resources: set 'resources: PROFILE' or pass --profile "

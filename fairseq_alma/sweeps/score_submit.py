@@ -34,7 +34,7 @@ from .score_plan import (
 from .score_script import render_score_script
 from .slurm_commands import query_queue, run_slurm
 from .train_records import load_jobs, load_submissions, run_status
-from .train_script import array_spec, check_sbatch_path
+from .train_script import array_spec, check_max_parallel, check_sbatch_path
 
 # alma-score flags that `alma-sweep score` sets itself, and why (a user's is refused with this).
 SCORE_OWN_FLAGS = {
@@ -154,8 +154,7 @@ def prepare_scoring(request: ScoreArrayRequest) -> ScoringSetup:
     sweep_dir = request.sweep_dir
     check_sbatch_path(sweep_dir, "SWEEP_DIR")
     table = load_jobs(sweep_dir)
-    if request.max_parallel is not None and request.max_parallel < 1:
-        raise UsageError("--max-parallel must be >= 1")
+    check_max_parallel(request.max_parallel)
     profile = _score_profile(request.profile, table, sweep_dir)
     options = _score_options(request.options, profile)
     return ScoringSetup(sweep_dir, table, profile, options, request.max_parallel)

@@ -24,6 +24,15 @@ LAUNCH_TASK = SLURM_DIR / "launch_task.sh"
 _SBATCH_UNSAFE = re.compile(r"[\s%#'\"\\]")
 
 
+def check_max_parallel(value: int | None) -> None:
+    """``--max-parallel M`` bounds the array tasks running at once: M >= 1, or not given (then
+    every task may run at once).  Checked before anything is planned or written: ``0`` used to
+    mean "no limit" silently."""
+    if value is not None and value < 1:
+        raise UsageError(f"--max-parallel must be >= 1 (got {value}); leave it out to let every "
+                         "task of the array run at once")
+
+
 def array_spec(indices: Sequence[int], max_parallel: int) -> str:
     """``[0, 1, 2, 5]``, 2 -> ``0-2,5%2`` (Slurm ``--array`` syntax, at most M tasks at once)."""
     if not indices:

@@ -1,8 +1,9 @@
 """``alma-sweep submit``: from a request to a planned job array, and submitting it.
 
-Three steps, so the caller can say what happens between them: ``load_sweep_config`` (the config
-with the request's grid and seeds, cheap), ``check_config_flags`` (``run_config.py``: imports
-fairseq, seconds) and ``plan_submission`` (profile, program, jobs, the sbatch script). Nothing
+Four steps, so the caller can say what happens between them: ``load_sweep_config`` (the config
+with the request's grid and seeds, cheap), ``sweep_profile`` (cheap: a bad profile is refused
+before the slow step), ``check_config_flags`` (``run_config.py``: imports fairseq, seconds) and
+``plan_submission`` (program, jobs, the sbatch script). Nothing
 is written before ``submit_links``, which submits only the runs that are not done: running it
 again on the same directory resumes each unfinished run from its checkpoint.
 """
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UsageError
+from ..out_paths import check_dir_path
 from ..stream.atomic import atomic_write_json, atomic_write_text
 from .global_batch import apply_global_batch
 from .resource_profile import ResourceProfile, resolve_profile
@@ -25,7 +27,13 @@ from .run_config import RunConfig, load_run_config
 from .slurm_commands import query_queue, run_slurm
 from .train_plan import SweepJob, parse_grid_option, parse_seeds_option, plan_sweep
 from .train_records import load_jobs, load_submissions, record_submission, run_status
-from .train_script import array_spec, check_sbatch_path, render_sweep_script, sbatch_command
+from .train_script import (
+    array_spec,
+    check_max_parallel,
+    check_sbatch_path,
+    render_sweep_script,
+    sbatch_command,
+)
 
 
 @dataclass(frozen=True)
@@ -82,6 +90,8 @@ class Submitted:
 def load_sweep_config(request: SubmitRequest) -> RunConfig:
     """The request's config with its ``--grid`` and ``--seeds``; flags not yet checked."""
     check_sbatch_path(request.sweep_dir, "--sweep-dir")
+    check_dir_path(request.sweep_dir, "--sweep-dir")
+    check_max_parallel(request.max_parallel)
     if request.chain_stages < 1:
         raise UsageError("--chain-stages must be >= 1")
     if request.chain_stages > 1 and not request.stages_per_link:
@@ -121,16 +131,21 @@ def resolve_program(text: str) -> list[str]:
     return [str(found)] + tokens[1:]
 
 
-def plan_submission(request: SubmitRequest, config: RunConfig) -> TrainSubmission:
-    """Profile, program, jobs (with the global batch laid out) and the array script."""
+def sweep_profile(request: SubmitRequest, config: RunConfig) -> ResourceProfile:
+    """The resource profile the jobs get (``--profile``, else the config's ``resources``):
+    resolved before fairseq is imported to check the flags, so a bad profile is refused at
+    once."""
+    return resolve_profile(request.profile, config.resources, config.path)
+
+
+def plan_submission(request: SubmitRequest, config: RunConfig,
+                    profile: ResourceProfile) -> TrainSubmission:
+    """Program, jobs (with the global batch laid out) and the array script."""
     sweep_dir = request.sweep_dir
-    profile = resolve_profile(request.profile, config.resources, config.path)
     program = resolve_program(request.program)
     jobs = apply_global_batch(plan_sweep(config, sweep_dir), config.global_batch,
                               profile.world_size, str(config.path))
     max_parallel = request.max_parallel or len(jobs)
-    if max_parallel < 1:
-        raise UsageError("--max-parallel must be >= 1")
     job_name = "alma-" + re.sub(r"[^A-Za-z0-9._-]", "_", sweep_dir.name)
     script = render_sweep_script(
         jobs, profile, program=program, sweep_dir=sweep_dir, workdir=Path.cwd(),

@@ -125,6 +125,8 @@ class AlmaStreamTask(LanguageModelingTask):
             return VisionStreamEntry.setup_task(cfg, **kwargs)
         require(cfg.data is not None, "the stream directory (DATA) is required")
         data = cfg.data.split(os.pathsep)[0]
+        if os.path.exists(data) and not os.path.isdir(data):
+            raise DataError(f"DATA {data}: not a directory; give the --out directory of alma-data-prep")
         manifest = _verify_stream_dir(data)
         require(cfg.updates_per_stage >= 1, f"--updates-per-stage must be >= 1 (got {cfg.updates_per_stage})")
         dictionary = Dictionary.load(os.path.join(data, "dict.txt"))

@@ -33,7 +33,7 @@ from ..errors import UsageError
 from .devices import placement, upcast
 from .flops import count_forward_macs, count_parameters, inference_flops
 from .models import build_backbone
-from .models_moe import GATINGS
+from .models_moe import GATINGS, mixture_layer_count
 from .normalization import InputNormalizer
 
 METHODS = ("sm", "ens", "umix", "gens", "gmoe", "ff")
@@ -94,6 +94,13 @@ class LearnerSpec:
         if self.ff_new_layers < 0:
             raise UsageError(f"--ff-new-layers must be >= 0 (0: width growth only), got "
                              f"{self.ff_new_layers}")
+        if self.mixture_layers is not None:
+            count = mixture_layer_count(self.arch)
+            bad = [layer for layer in self.mixture_layers if not 0 <= layer < count]
+            if bad:
+                raise UsageError(f"--moe-mixture-layers {','.join(map(str, self.mixture_layers))}: "
+                                 f"layer {bad[0]} is not in the {self.arch} backbone (layers "
+                                 f"0-{count - 1})")
         if self.ff_new_candidates < 0:
             raise UsageError(f"ff_new_candidates must be >= 0, got {self.ff_new_candidates}")
 

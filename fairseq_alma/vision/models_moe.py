@@ -182,6 +182,12 @@ class MixtureBlock(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
+def mixture_layer_count(arch: str) -> int:
+    """Layers a gMoE backbone has (what ``--moe-mixture-layers`` may name): the MLP's two
+    hidden layers, or reduced VGG19's convolutions."""
+    return 2 if arch == "mlp" else VGG19_CONV_LAYERS
+
+
 class MoEBackbone(nn.Module):
     """MLP or reduced VGG19 whose layers are MixtureBlocks; returns logits (1, B, classes)."""
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import UsageError
+from ..out_paths import check_dir_path
 from ..stream.atomic import atomic_write_json
 from ..stream.metrics import cumulative, cumulative_error_rate
 from ..stream.progress import StreamPlan
@@ -111,6 +112,9 @@ def _check_lists(args: argparse.Namespace) -> None:
         raise UsageError(f"--seeds must all be >= 0, got {args.seeds}")
     if args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
+    if args.members < 1:
+        raise UsageError(f"--members must be >= 1 (the N of ens and umix), got {args.members}")
+    check_dir_path(args.out, "--out")
 
 
 def _runs(args: argparse.Namespace, data: VisionData) -> list[VisionRun]:
