@@ -69,7 +69,7 @@ def main() -> None:
         print(json.dumps(measure(args.child == "checkpointed", args.sequences, args.tokens,
                                  args.experts)))
         return
-    from fairseq_alma.tables import format_table
+    from fairseq_alma.text_table import format_table
 
     results = {}
     for kind in ("plain", "checkpointed"):

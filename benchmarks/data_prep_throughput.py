@@ -43,7 +43,7 @@ import time
 from itertools import pairwise
 from multiprocessing import Pool
 
-from fairseq_alma.tables import format_table
+from fairseq_alma.text_table import format_table
 
 PREP_FLAGS = ["--vocab-size", "2000", "--valid-size", "0.05", "--spm-threads", "2"]
 STEPS = ("extract", "sentencepiece", "encode", "split", "dictionary", "binarize")

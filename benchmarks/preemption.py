@@ -69,7 +69,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    from fairseq_alma.tables import format_table
+    from fairseq_alma.text_table import format_table
 
     with tempfile.TemporaryDirectory() as tmp:
         data = prepare(Path(tmp))

@@ -48,14 +48,20 @@ def build(name: str, args: argparse.Namespace, task: _Task):
                  decoder_attention_heads=args.heads)
     if name == "transformer_lm":
         from fairseq.criterions.cross_entropy import CrossEntropyCriterion
-        from fairseq.models.transformer_lm import TransformerLanguageModel, TransformerLanguageModelConfig
+        from fairseq.models.transformer_lm import (
+            TransformerLanguageModel,
+            TransformerLanguageModelConfig,
+        )
 
         cfg = OmegaConf.structured(TransformerLanguageModelConfig(
             **sizes, share_decoder_input_output_embed=True, decoder_normalize_before=True,
             tokens_per_sample=args.length, max_target_positions=args.length))
         return TransformerLanguageModel.build_model(cfg, task), CrossEntropyCriterion(task, False)
     from fairseq_alma.criterions.switch_cross_entropy import SwitchCrossEntropyCriterion
-    from fairseq_alma.models.switch_transformer_lm import SwitchTransformerLanguageModel, SwitchTransformerLMConfig
+    from fairseq_alma.models.switch_transformer_lm import (
+        SwitchTransformerLanguageModel,
+        SwitchTransformerLMConfig,
+    )
 
     experts = int(name.split("=")[1])
     cfg = OmegaConf.structured(SwitchTransformerLMConfig(**sizes, moe_experts=experts, tokens_per_sample=args.length))

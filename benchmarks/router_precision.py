@@ -31,7 +31,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=200_000)
     args = parser.parse_args()
-    from fairseq_alma.tables import format_table
+    from fairseq_alma.text_table import format_table
 
     rows = []
     for name, d in (("base", 512), ("large", 768)):

@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 
-from fairseq_alma.tables import format_table
+from fairseq_alma.text_table import format_table
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 USER_DIR = os.path.join(REPO, "fairseq_alma")

@@ -56,8 +56,8 @@ VIEW_OPS = frozenset({"aten::view", "aten::slice", "aten::select", "aten::unsque
 
 
 def build(kind: str, experts: int, d: int, f: int, kernel: str = "auto"):
-    from fairseq_alma.modules import SwitchFFN, SwitchFFNConfig
     from fairseq_alma.models.switch_decoder_layer import DenseFFN
+    from fairseq_alma.modules import SwitchFFN, SwitchFFNConfig
 
     if kind == "dense":
         return DenseFFN(d, f, "relu", 0.0)
@@ -185,7 +185,7 @@ def cpu_benchmark(args: argparse.Namespace) -> dict:
     med = statistics.median
     print(f"dense FFN: {med(d['time_s'] for d in dense_runs) * 1000:.1f} ms fwd+bwd, "
           f"peak extra {med(d['peak_extra_mib'] for d in dense_runs):.0f} MiB", flush=True)
-    from fairseq_alma.tables import format_table
+    from fairseq_alma.text_table import format_table
 
     table, result = [], {"device": "cpu", "dense_ms": med(d["time_s"] for d in dense_runs) * 1000, "rows": []}
     for experts in experts_list:
@@ -277,7 +277,7 @@ def cuda_measure(kind: str, experts: int, d: int, precision: str, tokens: tuple[
 
 
 def cuda_benchmark(args: argparse.Namespace) -> dict:
-    from fairseq_alma.tables import format_table
+    from fairseq_alma.text_table import format_table
 
     experts_list = [int(e) for e in args.experts.split(",")]
     dims = [int(d) for d in args.dims.split(",")]

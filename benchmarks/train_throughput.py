@@ -140,7 +140,7 @@ def main() -> None:
 
     import torch
 
-    from fairseq_alma.tables import format_table
+    from fairseq_alma.text_table import format_table
 
     device = "CPU" if args.tiny else (torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")
     print(f"training throughput on {device}: {args.layers} layers, d {args.dim}, FFN {4 * args.dim}, "

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from fairseq_alma.tables import format_table
+from fairseq_alma.text_table import format_table
 from fairseq_alma.vision.augment import random_crop_flip
 from fairseq_alma.vision.devices import AMP_MODES, autocast, optimizer_step
 from fairseq_alma.vision.learner_builder import build_learner

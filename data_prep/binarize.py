@@ -34,7 +34,7 @@ from fairseq_alma.stream.atomic import atomic_output
 
 from .encoded import CHUNK_IDS, Encoded
 from .fileio import PARTIAL_SUFFIX, sha256_file
-from .progress import Progress
+from .progress_lines import Progress
 
 PADDING_FACTOR = 8
 

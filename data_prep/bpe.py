@@ -30,7 +30,7 @@ from fairseq_alma.stream.atomic import atomic_output
 
 from .encoded import PartWriter, concatenate_parts
 from .fileio import PARTIAL_SUFFIX, aligned_offsets, sha256_file
-from .progress import Progress
+from .progress_lines import Progress
 
 # Sentence sampling uses its own fixed seed, so --seed (the split) never retrains the BPE model.
 SPM_SAMPLE_SEED = 1

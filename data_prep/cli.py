@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from fairseq_alma.console import OneLineArgumentParser, run_console
 from fairseq_alma.errors import DataError
-from fairseq_alma.tables import format_table
+from fairseq_alma.text_table import format_table
 
 from .out_dir import check_output_dir
 from .pipeline import (

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from fairseq_alma.errors import DataError
 from fairseq_alma.stream.atomic import atomic_output
 
-from .progress import Progress
+from .progress_lines import Progress
 
 
 @dataclass(frozen=True)

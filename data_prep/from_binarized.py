@@ -40,7 +40,7 @@ from .pipeline import (
     stream_manifest,
     withdraw_manifest,
 )
-from .progress import Progress
+from .progress_lines import Progress
 from .split import (
     assign_documents,
     check_megabatch_bound,

@@ -36,7 +36,7 @@ from fairseq_alma.errors import DataError
 from fairseq_alma.stream.atomic import atomic_output
 
 from .encoded import Encoded
-from .progress import Progress
+from .progress_lines import Progress
 
 _SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgKMG]?)\s*$")

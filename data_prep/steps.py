@@ -17,7 +17,7 @@ from collections.abc import Callable
 from fairseq_alma.errors import DataError
 from fairseq_alma.stream.atomic import atomic_write_json
 
-from .progress import log
+from .progress_lines import log
 
 STAMP_DIR = ".stamps"
 

@@ -16,7 +16,6 @@ import torch.distributed as dist
 from .errors import AlmaError, RunDirError
 
 
-
 def world() -> tuple[int, int]:
     """(data-parallel world size, this rank); (1, 0) outside torch.distributed."""
     if dist.is_available() and dist.is_initialized():

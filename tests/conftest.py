@@ -13,7 +13,6 @@ REPO = Path(__file__).resolve().parent.parent
 
 from lm_fixtures import RESUMABLE, prepare_stream, preprocess_lm, run, stream_cmd  # noqa: E402
 
-
 NO_CUDA = "needs a CUDA GPU; none is visible to torch here"
 
 

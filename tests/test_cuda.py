@@ -97,7 +97,10 @@ def test_fully_sharded_is_refused_for_a_stream_and_on_one_gpu(stream_dir, tiny_l
     from fairseq.distributed import fsdp_enable_wrap
     from omegaconf import OmegaConf
 
-    from fairseq_alma.models.switch_transformer_lm import SwitchTransformerDecoder, SwitchTransformerLMConfig
+    from fairseq_alma.models.switch_transformer_lm import (
+        SwitchTransformerDecoder,
+        SwitchTransformerLMConfig,
+    )
 
     refused = run(gpu_cmd(stream_dir, tmp_path / "stream", "--ddp-backend", "fully_sharded", "--fp16"), check=False)
     assert refused.returncode == 2 and "cannot train an alma_stream run" in refused.stderr

@@ -216,7 +216,7 @@ def test_alma_score_matrix_accepts_the_stream(periods, shuffled):
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
     from fairseq_alma.fairseq_glue.user_dir import load_plugin
-    from fairseq_alma.lm.eval_matrix import check_period_splits, period_split
+    from fairseq_alma.lm.score_matrix import check_period_splits, period_split
 
     assert check_period_splits(periods, B) == {"eval_per_megabatch": "0.25"}
     with pytest.raises(DataError, match="has none of the per-mega-batch"):

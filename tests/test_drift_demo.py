@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from fairseq_alma.sweeps import load_run_config
 from fairseq_alma.report.drift_verdict import DriftSetting, drift_verdict, format_drift_table
 from fairseq_alma.stream.period_matrix import PeriodMatrix
+from fairseq_alma.sweeps import load_run_config
 
 REPO = Path(__file__).resolve().parent.parent
 DRIFT_CONFIGS = REPO / "train_configs" / "drift"

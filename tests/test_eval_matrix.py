@@ -233,7 +233,7 @@ def test_two_gloo_ranks_give_the_same_matrix(stream, tmp_path):
 @pytest.mark.slow
 def test_a_missing_or_truncated_period_split_is_named(stream, tmp_path):
     from fairseq_alma.errors import DataError
-    from fairseq_alma.lm.eval_matrix import check_period_splits
+    from fairseq_alma.lm.score_matrix import check_period_splits
 
     data = tmp_path / "data"
     shutil.copytree(stream / "data", data)

@@ -79,8 +79,11 @@ def _run_case(rank: int, world: int, case: dict) -> dict:
     from fairseq.distributed import LegacyDistributedDataParallel
 
     from fairseq_alma.errors import UsageError
+    from fairseq_alma.fairseq_glue.expert_parallel import (
+        prepare_expert_parallel,
+        register_optimizer_hooks,
+    )
     from fairseq_alma.modules.expert_parallel import ExpertParallelSwitchFFN, build_switch_ffn
-    from fairseq_alma.fairseq_glue.expert_parallel import prepare_expert_parallel, register_optimizer_hooks
     from fairseq_alma.modules.switch_ffn import SwitchFFN
     from fairseq_alma.modules.switch_ffn_config import SwitchFFNConfig
 

@@ -12,8 +12,8 @@ import shutil
 
 import pytest
 
-from fairseq_alma.fairseq_glue import patches as fairseq_patches
 from fairseq_alma.errors import Preempted, UsageError
+from fairseq_alma.fairseq_glue import patches as fairseq_patches
 
 
 def test_console_errors_reach_the_main_that_cli_main_calls(capsys):
@@ -84,9 +84,8 @@ def test_requeue_save_wraps_the_validate_and_save_that_train_calls():
                  "no_last_checkpoints", "no_save", "keep_interval_updates"):
         assert f"cfg.{name}" in source, name
     # ending a stage's epoch early: the epoch's CountingIterator, truncated, reports its end
-    from fairseq.data import iterators
-
     import torch
+    from fairseq.data import iterators
 
     epoch_itr = iterators.EpochBatchIterator(
         dataset=torch.utils.data.TensorDataset(torch.arange(6)), collate_fn=lambda s: s,

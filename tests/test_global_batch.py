@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from fairseq_alma.sweeps.global_batch import per_step_layout
 from fairseq_alma.errors import UsageError
+from fairseq_alma.sweeps.global_batch import per_step_layout
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "train_configs" / "lm" / "SM_w1_base.yaml"

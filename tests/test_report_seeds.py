@@ -7,6 +7,7 @@ import statistics
 
 import pytest
 
+from fairseq_alma.report.result_tables import format_series_table, report_dict, write_csv
 from fairseq_alma.report.seeds import (
     ReportedRun,
     SeedGroup,
@@ -16,7 +17,6 @@ from fairseq_alma.report.seeds import (
     stat,
     without_keys,
 )
-from fairseq_alma.report.tables import format_table, report_dict, write_csv
 from fairseq_alma.stream.series import ReportSeries
 
 
@@ -54,7 +54,7 @@ def test_runs_differing_only_by_seed_are_grouped():
     assert summary["trained_avg_ppl"].mean == pytest.approx(26.0)
     assert summary["trained_avg_ppl"].std == pytest.approx(statistics.stdev([27.0, 25.0]))
     assert groups[1].summary()["trained_avg_ppl"].std is None  # one seed: no spread claimed
-    table = format_table(groups)
+    table = format_series_table(groups)
     assert "seeds" in table.splitlines()[0]
     row = next(line for line in table.splitlines() if line.startswith("SM_w1"))
     assert "26.00 ± 1.41" in row and row.split()[2] == "2"

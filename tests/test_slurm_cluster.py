@@ -17,8 +17,8 @@ import pytest
 from slurm_cluster import slurm  # noqa: F401  (module-scoped cluster fixture)
 
 from fairseq_alma.cli.sweep import main
-from fairseq_alma.sweeps.train_script import LAUNCH_TASK
 from fairseq_alma.sweeps.train_records import read_jsonl
+from fairseq_alma.sweeps.train_script import LAUNCH_TASK
 
 pytestmark = pytest.mark.slurm
 REPO = Path(__file__).resolve().parents[1]

@@ -31,8 +31,8 @@ from test_distributed_stream import (
 )
 
 from fairseq_alma.cli.sweep import main as sweep_main
-from fairseq_alma.sweeps.train_script import LAUNCH_TASK
 from fairseq_alma.sweeps.train_records import read_jsonl
+from fairseq_alma.sweeps.train_script import LAUNCH_TASK
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[1]

@@ -1,8 +1,12 @@
-"""Analytic Switch-LM FLOPs (formula in fairseq_alma/stream/flops.py) on hand-computed configs."""
+"""Analytic Switch-LM FLOPs (formula in fairseq_alma/stream/transformer_flops.py) on hand-computed configs."""
 
 import pytest
 
-from fairseq_alma.stream.flops import SwitchLMShape, lm_forward_flops_per_token, lm_train_flops
+from fairseq_alma.stream.transformer_flops import (
+    SwitchLMShape,
+    lm_forward_flops_per_token,
+    lm_train_flops,
+)
 
 # 2 layers, d 4, f 8, V 10, context 3, 1 of the 2 FFNs is a Switch layer with 4 experts:
 #   attention   2 x (4*4*4 + 2*3*4) = 2 x (64 + 24) = 176 MACs

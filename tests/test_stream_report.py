@@ -9,7 +9,7 @@ import struct
 import pytest
 
 from fairseq_alma.report.figures import plot_cer_tradeoffs, plot_error_curves, plot_tradeoffs
-from fairseq_alma.report.tables import format_table, report_dict, write_csv, write_json
+from fairseq_alma.report.result_tables import format_series_table, report_dict, write_csv, write_json
 from fairseq_alma.stream.records import ArrivalRecord
 from fairseq_alma.stream.series import ReportSeries, series_from_records
 
@@ -57,7 +57,7 @@ def test_lm_table_exact_layout():
     # (25.5 + 25) / 2 = 25.25.  Anytime (every arrival 1..4, geometric): SM_w1 27.24; SM_w3
     # (800 x 700 x 25.5 x 25) ** 0.25 = 137.46, its two waiting arrivals charged.
     # cum params: 5 x 65M = 325M, 5 x 91M = 455M; TFLOPs: 4e15 / 1e12 = 4000, 3000
-    assert format_table(lm_series()) == (
+    assert format_series_table(lm_series()) == (
         "setting    #experts      params     t0     t1     t2     t3    avg ppl (trained)"
         "    anytime ppl    cum TFLOPs    cum params\n"
         "---------  ----------  --------  -----  -----  -----  -----  -------------------"
@@ -71,7 +71,7 @@ def test_lm_table_exact_layout():
 
 def test_vision_table_exact_layout():
     # CER: 0.875 + 0.5 + 0.25 = 1.625 and 0.875 + 0.875 + 0.125 = 1.875 (Eq. 1)
-    assert format_table(vision_series()) == (
+    assert format_series_table(vision_series()) == (
         "setting    size      params    final error    CER    cum TFLOPs    cum params\n"
         "---------  ------  --------  -------------  -----  ------------  ------------\n"
         "SM_w1      h8        0.001M         0.2500  1.625          2.00        0.003M\n"
@@ -216,7 +216,7 @@ def test_series_from_records():
 
 def test_bad_series():
     with pytest.raises(ValueError, match="mix metrics"):
-        format_table(lm_series() + vision_series())
+        format_series_table(lm_series() + vision_series())
     with pytest.raises(ValueError, match="use plot_cer_tradeoffs for these series"):
         plot_tradeoffs(vision_series(), "unused.png")
     with pytest.raises(ValueError, match="train_flops_cum has 2 entries, metric_by_arrival has 3"):
@@ -226,11 +226,11 @@ def test_bad_series():
     with pytest.raises(ValueError, match="train_flops_cum decreases"):
         ReportSeries("x", "1", [None, 20.0, 19.0], [0.0, 2.0, 1.0], [1, 1, 1])
     with pytest.raises(ValueError, match="no series to report"):
-        format_table([])
+        format_series_table([])
     kaplan = ReportSeries("SM_k", "4", [None, 20.0], [0.0, 1.0], [1, 1], flops_convention="kaplan")
     full = ReportSeries("SM_f", "4", [None, 20.0], [0.0, 1.0], [1, 1], flops_convention="full")
     with pytest.raises(ValueError, match="different --flops-convention"):
-        format_table([kaplan, full])
+        format_series_table([kaplan, full])
 
 
 def test_numpy_scalars_are_stored_as_plain_numbers(tmp_path):

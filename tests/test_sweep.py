@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from fairseq_alma.cli.sweep import main
-from fairseq_alma.sweeps import load_run_config, parse_grid_option, plan_sweep, run_dir_name
-from fairseq_alma.sweeps.train_script import LAUNCH_TASK, array_spec
 from fairseq_alma.errors import UsageError
 from fairseq_alma.stream.atomic import atomic_write_json
+from fairseq_alma.sweeps import load_run_config, parse_grid_option, plan_sweep, run_dir_name
+from fairseq_alma.sweeps.train_script import LAUNCH_TASK, array_spec
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "train_configs" / "examples" / "tiny_sweep.yaml"

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from fairseq_alma.errors import UsageError
-from fairseq_alma.modules import SwitchFFN, SwitchFFNConfig
 from fairseq_alma.models.switch_decoder_layer import DenseFFN
+from fairseq_alma.modules import SwitchFFN, SwitchFFNConfig
 from fairseq_alma.modules.expert_padded import buffer_rows, padded_experts
 from fairseq_alma.modules.switch_routing import route_top1
 

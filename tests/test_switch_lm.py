@@ -187,7 +187,9 @@ def test_checkpoint_activations_keeps_every_gradient_and_counts_the_balance_loss
     import copy
 
     from fairseq_alma.models.umix_switch_transformer_lm import UMixSwitchLMConfig
-    from fairseq_alma.models.umix_switch_transformer_lm import UMixSwitchTransformerLanguageModel as UMixLM
+    from fairseq_alma.models.umix_switch_transformer_lm import (
+        UMixSwitchTransformerLanguageModel as UMixLM,
+    )
 
     torch.manual_seed(0)
     overrides = dict(moe_experts=4, capacity_factor=1.0, dropout=0.2, moe_jitter_eps=0.1)

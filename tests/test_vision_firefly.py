@@ -17,9 +17,9 @@ from fairseq_alma.vision.data import load_vision_data
 from fairseq_alma.vision.firefly import grow_width
 from fairseq_alma.vision.firefly_budget import UnitCosts
 from fairseq_alma.vision.firefly_depth import grow_depth
-from fairseq_alma.vision.flops import count_parameters
 from fairseq_alma.vision.learner_builder import build_learner
 from fairseq_alma.vision.learners import LearnerSpec
+from fairseq_alma.vision.mac_count import count_parameters
 from fairseq_alma.vision.models import StackedMLP, build_backbone
 from fairseq_alma.vision.runner import VisionRun, run_vision_stream
 from fairseq_alma.vision.stage_trainer import StageTrainConfig

@@ -12,9 +12,9 @@ from test_vision_data import _one_thread  # noqa: F401  (autouse: one torch thre
 from fairseq_alma.stream.partition import Megabatch
 from fairseq_alma.stream.schedule import build_schedule
 from fairseq_alma.vision.dataset import VisionData
-from fairseq_alma.vision.flops import count_parameters
 from fairseq_alma.vision.learner_builder import build_learner
 from fairseq_alma.vision.learners import LearnerSpec
+from fairseq_alma.vision.mac_count import count_parameters
 from fairseq_alma.vision.models_moe import MoEBackbone
 from fairseq_alma.vision.moe_tree import TreeGating
 from fairseq_alma.vision.stage_trainer import OptimizerSpec, StageTrainConfig

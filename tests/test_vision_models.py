@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from test_vision_data import _one_thread  # noqa: F401  (autouse: one torch thread)
 from torch import nn
 
-from fairseq_alma.vision.flops import count_forward_macs, count_parameters
 from fairseq_alma.vision.learner_builder import build_learner
 from fairseq_alma.vision.learners import LearnerSpec
+from fairseq_alma.vision.mac_count import count_forward_macs, count_parameters
 from fairseq_alma.vision.models import StackedMLP, StackedVGG, build_backbone
 
 SHAPES = {"mlp": (1, 8, 8), "vgg": (3, 32, 32)}

@@ -62,7 +62,7 @@ def _file_tag(label: str) -> str:
 
 def write_report(args: argparse.Namespace) -> list[str]:
     """Read, group, render; returns what was written, in order.  Bad input: ``UsageError``."""
-    from ..report import eval_matrix, figures, tables
+    from ..report import figures, matrix_table, result_tables
     from ..report.inputs import common_eval_slice, read_inputs
     from ..report.seeds import SeedGroup, group_by_seed, replay_pairs
 
@@ -71,7 +71,7 @@ def write_report(args: argparse.Namespace) -> list[str]:
     sliced = common_eval_slice(runs)
     try:
         groups = [SeedGroup([run]) for run in runs] if args.no_seed_groups else group_by_seed(runs)
-        metric, _ = tables.same_shape(groups)
+        metric, _ = result_tables.same_shape(groups)
     except ValueError as err:
         raise UsageError(str(err)) from None
     out = Path(args.out)
@@ -90,11 +90,11 @@ def write_report(args: argparse.Namespace) -> list[str]:
         written.append(str(out / name))
 
     note = f"{sliced}\n" if sliced else ""  # under the table, and in the Markdown copy
-    print(tables.format_table(groups) + note, end="", flush=True)
+    print(result_tables.format_series_table(groups) + note, end="", flush=True)
     emit(f"{stem}.md", lambda path: path.write_text(
-        tables.format_markdown(groups) + (f"\n{note}" if note else ""), "utf-8"))
-    emit(f"{stem}.csv", lambda path: tables.write_csv(groups, path))
-    emit(f"{stem}.json", lambda path: tables.write_json(groups, path))
+        result_tables.format_markdown(groups) + (f"\n{note}" if note else ""), "utf-8"))
+    emit(f"{stem}.csv", lambda path: result_tables.write_csv(groups, path))
+    emit(f"{stem}.json", lambda path: result_tables.write_json(groups, path))
     if metric == "ppl":
         emit("fig5_tradeoffs.png", lambda path: figures.plot_tradeoffs(groups, path))
         emit("fig3_perplexity_curves.png", lambda path: figures.plot_error_curves(groups, path))
@@ -107,16 +107,16 @@ def write_report(args: argparse.Namespace) -> list[str]:
             members = [g for g in groups if g.first.num_experts == size]
             emit(name, lambda path, members=members: figures.plot_error_curves(members, path))
     try:
-        matrices = eval_matrix.matrix_groups(groups)
+        matrices = matrix_table.matrix_groups(groups)
     except ValueError as err:
         raise UsageError(str(err)) from None
     if matrices:
         print("\nEach stage on every period (alma-score --matrix; README, Streams that drift)\n"
-              + eval_matrix.format_summary(matrices), end="", flush=True)
+              + matrix_table.format_summary(matrices), end="", flush=True)
         emit("eval_matrix.md", lambda path: path.write_text(
-            eval_matrix.format_summary(matrices, markdown=True), "utf-8"))
-        emit("eval_matrix.csv", lambda path: eval_matrix.write_csv(matrices, path))
-        emit("eval_matrix.json", lambda path: eval_matrix.write_json(matrices, path))
+            matrix_table.format_summary(matrices, markdown=True), "utf-8"))
+        emit("eval_matrix.csv", lambda path: matrix_table.write_csv(matrices, path))
+        emit("eval_matrix.json", lambda path: matrix_table.write_json(matrices, path))
         emit("fig_eval_matrix.png", lambda path: figures.plot_eval_matrix(matrices, path))
     elif metric == "ppl":
         print("eval matrix not drawn: no input was scored with alma-score --matrix", flush=True)

@@ -14,7 +14,7 @@ Modes (§4.1, Table 2):
           members; after s stages the predictor averages members 1..s ("4@s", |θ| = s members).
 
 ``--matrix`` (single mode) also scores every stage checkpoint on every period's held-out slice
-of the mega-batches (splits ``evalmb{k}``, lm/eval_matrix.py): the stage x period matrix and its
+of the mega-batches (splits ``evalmb{k}``, lm/score_matrix.py): the stage x period matrix and its
 in-period, backward and forward summaries (stream/period_matrix.py), printed and in ``--json``.
 
 Data-parallel: under ``torchrun --nproc_per_node N -m fairseq_alma.cli.score ...`` or ``srun``

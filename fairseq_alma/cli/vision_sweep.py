@@ -1,6 +1,6 @@
 """``alma-vision-sweep``: vision streams over methods, sizes, waiting times and seeds, with the
 CER table (paper §5, §6.1).  The runs are ``vision/runner.py``'s, the code ``fairseq-train
---task alma_stream --vision-dataset`` and ``alma-vision-demo`` run too; see ``vision/sweep.py``.
+--task alma_stream --vision-dataset`` and ``alma-vision-demo`` run too; see ``vision/sweep_runs.py``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from ..console import OneLineArgumentParser, run_console
 from ..vision.data import DATASET_KINDS
 from ..vision.devices import AMP_MODES
 from ..vision.learners import METHODS
-from ..vision.sweep import format_table, run_sweep
+from ..vision.sweep_runs import format_sweep_table, run_sweep
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("fairseq_alma.vision.runner").setLevel(logging.INFO)
 
     def sweep() -> None:
-        print(format_table(run_sweep(args)), end="")
+        print(format_sweep_table(run_sweep(args)), end="")
 
     return run_console("alma-vision-sweep", sweep)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..report.figures import plot_tradeoffs
-from ..report.tables import format_table, load_report_json, write_csv, write_json
+from ..report.result_tables import format_series_table, load_report_json, write_csv, write_json
 from .lm_stream import LmDemoSettings, prepare_stream, train_settings
 from .steps import step, tool
 
@@ -60,7 +60,7 @@ def run_table2_demo(settings: LmDemoSettings) -> int:
     write_csv(series, reports / "table2.csv")
     plot_tradeoffs(series, reports / "fig5_tradeoffs.png")
     print(f"\n== {total}/{total} Table 2 at demo scale (perplexity on the evaluation mega-batch)\n")
-    print(format_table(series))
+    print(format_series_table(series))
     print("avg ppl (trained): the paper's Table 2 average, over the arrivals after the first training.\n"
           "anytime ppl: 2 ** (mean cross-entropy in bits over every arrival 1..B), the arrivals before\n"
           "the first training charged with the initialised model, so waiting is not free (README).")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..errors import AlmaError
 from ..fairseq_glue.user_dir import PLUGIN_DIR
-from ..report import figures, tables
+from ..report import figures, result_tables
 from ..stream.atomic import atomic_write_json
 from ..stream.records import ArrivalRecord
 from ..stream.run_view import RunView
@@ -135,7 +135,7 @@ def write_report(settings: VisionDemoSettings, out: Path, results: dict[Run, lis
             series.append(mean_series(w, h, per_seed))
     print(f"\n== CER table (errors averaged over seeds {seeds}; CER sums the test error after "
           f"each of the B + 1 = {settings.num_megabatches + 1} arrivals, Eq. 1)\n")
-    print(tables.format_table(series))
+    print(result_tables.format_series_table(series))
     print("CER per seed:")
     for h in widths:
         for w in waits:
@@ -152,7 +152,7 @@ def write_report(settings: VisionDemoSettings, out: Path, results: dict[Run, lis
         figures.plot_error_curves([s for s in series if s.num_experts == f"h{h}"], plots[-1])
     plots.append(out / "cer_tradeoffs.png")
     figures.plot_cer_tradeoffs(series, plots[-1])
-    tables.write_json(series, out / "report.json")
+    result_tables.write_json(series, out / "report.json")
     atomic_write_json(out / "summary.json", {
         "num_megabatches": settings.num_megabatches, "epochs_per_stage": settings.epochs_per_stage,
         "seeds": seeds, "finding": finding,

@@ -22,7 +22,7 @@ import os
 import time
 from typing import Any, Dict, List
 
-from ..lm.flops import model_flops
+from ..lm.model_flops import model_flops
 from ..lm.nll import Batching, total_nll
 from ..lm.stage_checkpoints import keep_initial_checkpoint, keep_stage_checkpoint
 from ..optim.stage_lr_schedules import describe_schedule, stage_peak
@@ -107,12 +107,11 @@ class StreamTraining:
     def holds_finished_run(self, run_dir: RunDirectory) -> bool:
         """The directory's run (this one) has every arrival recorded and every trained stage's
         checkpoint kept."""
-        from ..errors import UsageError
-        from ..stream.run_view import RunView
-
         import zipfile
 
+        from ..errors import UsageError
         from ..stream.run_dir import damaged_record
+        from ..stream.run_view import RunView
 
         last = run_dir.last_checkpoint
         if last.exists() and (not zipfile.is_zipfile(last) or damaged_record(last) is not None):

@@ -20,7 +20,6 @@ import torch
 from fairseq.tasks import FairseqTask
 
 from ..errors import UsageError, require
-from .config import given, refuse_flags
 from ..ranks import raise_unless_all_ok, world
 from ..stream.progress import StreamPlan
 from ..stream.session import StreamSession
@@ -29,6 +28,7 @@ from ..vision.devices import resolve_device
 from ..vision.learners import LearnerSpec
 from ..vision.runner import VisionRun, run_vision_session
 from ..vision.stage_trainer import OptimizerSpec, StageTrainConfig
+from .config import given, refuse_flags
 
 logger = logging.getLogger(__name__)
 

@@ -18,9 +18,14 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from fairseq import utils
-from fairseq.distributed import fsdp_wrap
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
-from fairseq.models import FairseqIncrementalDecoder, FairseqLanguageModel, register_model, register_model_architecture
+from fairseq.distributed import fsdp_wrap
+from fairseq.models import (
+    FairseqIncrementalDecoder,
+    FairseqLanguageModel,
+    register_model,
+    register_model_architecture,
+)
 from fairseq.modules import LayerNorm, PositionalEmbedding
 from fairseq.utils import safe_getattr
 from omegaconf import II
@@ -29,12 +34,17 @@ from torch.utils.checkpoint import checkpoint
 
 from ..errors import UsageError, require
 from ..fairseq_glue.config import section
-from ..modules.expert_parallel import build_switch_ffn
 from ..fairseq_glue.expert_parallel import prepare_expert_parallel
-from .switch_decoder_layer import DenseFFN, SwitchDecoderLayer
+from ..modules.expert_parallel import build_switch_ffn
 from ..modules.switch_ffn import SwitchFFN
 from ..modules.switch_ffn_config import SwitchFFNConfig
-from .checkpoint_format import SWITCH_DECODER_UPGRADES, SWITCH_DECODER_VERSION, register_version, upgrade_state_dict
+from .checkpoint_format import (
+    SWITCH_DECODER_UPGRADES,
+    SWITCH_DECODER_VERSION,
+    register_version,
+    upgrade_state_dict,
+)
+from .switch_decoder_layer import DenseFFN, SwitchDecoderLayer
 
 logger = logging.getLogger(__name__)
 

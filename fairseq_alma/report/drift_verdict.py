@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..stream.period_matrix import PeriodMatrix
-from ..tables import format_table
+from ..text_table import format_table
 
 SAME_COMPUTE = 0.01  # relative spread of training FLOPs under which costs count as equal
 

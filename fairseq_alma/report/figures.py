@@ -24,9 +24,9 @@ from typing import Any
 
 from ..stream.atomic import atomic_write_bytes
 from ..stream.series import ReportSeries
-from .eval_matrix import MatrixGroup
+from .matrix_table import MatrixGroup
+from .result_tables import Rows, as_groups, same_shape
 from .seeds import SeedGroup, Stat
-from .tables import Rows, as_groups, same_shape
 
 _MARKERS = "osD^vP*Xph<>"
 

@@ -9,7 +9,7 @@
   directories it names lend it their fingerprints, so seeds of an ensemble group too.  A series
   scored with ``--max-eval-tokens`` on part of the split keeps that slice: perplexities on
   different tokens are not comparable, so ``common_eval_slice`` refuses to mix slices.  A series
-  scored with ``--matrix`` brings its stage x period matrix (``report/eval_matrix.py``).
+  scored with ``--matrix`` brings its stage x period matrix (``report/matrix_table.py``).
 
 Nothing here imports fairseq or torch: reports are drawn on machines without them.  Every bad
 input is a one-line ``UsageError`` naming the path and what to pass instead.
@@ -27,8 +27,8 @@ from ..errors import UsageError
 from ..stream.records import ArrivalRecord
 from ..stream.run_view import RunView
 from ..stream.series import series_from_records
+from .result_tables import series_from_entry
 from .seeds import SEED_KEYS, ReportedRun, find_key
-from .tables import series_from_entry
 
 
 def expand_run_dirs(paths: list[str]) -> list[str]:

@@ -18,10 +18,10 @@ def results_text(results: list[ScoredSeries]) -> str:
     """Table 2, one line per distinct --max-eval-tokens slice (runs may differ in block length),
     and each --matrix; ``UsageError`` when the series cannot share a table (e.g. runs of
     different stream lengths)."""
-    from ..report import tables
+    from ..report import result_tables
 
     try:
-        text = tables.format_table([series for series, _ in results])
+        text = result_tables.format_series_table([series for series, _ in results])
         notes = dict.fromkeys(extra["eval_slice_note"] for _, extra in results
                               if "eval_slice_note" in extra)
         text += "".join(f"{note}\n" for note in notes)
@@ -36,9 +36,9 @@ def results_text(results: list[ScoredSeries]) -> str:
 
 def results_json(results: list[ScoredSeries]) -> dict[str, Any]:
     """The report's dict, plus each arrival's members and each series' ``scoring`` extras."""
-    from ..report import tables
+    from ..report import result_tables
 
-    payload = tables.report_dict([series for series, _ in results])
+    payload = result_tables.report_dict([series for series, _ in results])
     for entry, (_, extra) in zip(payload["series"], results, strict=True):
         extra = dict(extra)
         members = extra.pop("members_by_arrival")
@@ -53,7 +53,7 @@ def results_json(results: list[ScoredSeries]) -> dict[str, Any]:
 def write_results(results: list[ScoredSeries], json_path: str | None = None,
                   csv_path: str | None = None, plot_path: str | None = None) -> None:
     """The files asked for (None: not written); one line (``UsageError``) when one cannot be."""
-    from ..report import figures, tables
+    from ..report import figures, result_tables
     from ..stream.atomic import atomic_write_json
 
     series = [s for s, _ in results]
@@ -61,7 +61,7 @@ def write_results(results: list[ScoredSeries], json_path: str | None = None,
         if json_path:
             atomic_write_json(json_path, results_json(results))
         if csv_path:
-            tables.write_csv(series, csv_path)
+            result_tables.write_csv(series, csv_path)
         if plot_path:
             ppl = series[0].metric == "ppl"
             draw = figures.plot_tradeoffs if ppl else figures.plot_error_curves

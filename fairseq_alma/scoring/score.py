@@ -50,7 +50,7 @@ def _score_runs(request: ScoreRequest, use_cuda: bool) -> list[ScoredSeries]:
 
         total = checkpoints_to_score(runs, request.mode)
         if request.matrix:  # before anything is scored: a stream without period splits stops here
-            from ..lm.eval_matrix import check_period_splits
+            from ..lm.score_matrix import check_period_splits
 
             for run in runs:
                 check_period_splits(settings_for(run, request).data, len(run.records) - 1)

@@ -87,8 +87,8 @@ def build_series(runs: list[StreamRun], request: ScoreRequest, scorer: Any) -> l
 
 
 def _eval_matrix(run: StreamRun, scorer: Any, settings: Any) -> dict[str, Any]:
-    """--matrix: the run's stage checkpoints on every period (lm/eval_matrix.py), as JSON."""
-    from ..lm.eval_matrix import check_period_splits, score_matrix
+    """--matrix: the run's stage checkpoints on every period (lm/score_matrix.py), as JSON."""
+    from ..lm.score_matrix import check_period_splits, score_matrix
 
     b = len(run.records) - 1
     facts = check_period_splits(settings.data, b)

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..tables import format_table
+from ..text_table import format_table
 
 SUMMARIES = ("in_period", "backward", "forward")
 

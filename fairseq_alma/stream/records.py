@@ -39,10 +39,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .upgrade import LEGACY_INFER_FLOPS, upgrade_record_json
-
 from ..errors import RunDirError
 from .atomic import atomic_write_text
+from .upgrade import LEGACY_INFER_FLOPS, upgrade_record_json
 
 _INT_FIELDS = ("arrival", "stage", "megabatches_seen", "params_active")
 _FLOAT_FIELDS = ("train_flops_cum", "wall_time")

@@ -54,7 +54,7 @@ class ReportSeries:
     params_by_arrival: list[int]
     trained: list[bool] | None = None
     metric: str = "ppl"
-    flops_convention: str | None = None  # LM: how attention FLOPs count (stream/flops.py)
+    flops_convention: str | None = None  # LM: how attention FLOPs count (stream/transformer_flops.py)
 
     def __post_init__(self) -> None:
         if self.metric not in METRICS:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from ..tables import format_table
+from ..text_table import format_table
 from .score_plan import PLAN_FILE, SCORES_DIR
 from .score_script import task_srun_command
 from .score_submit import ScoreArray, ScorePlan

@@ -72,7 +72,7 @@ class AlmaStreamConfig(LanguageModelingConfig):
     )
     eval_subset: str = field(default="eval", metadata={"help": "split scored after every arrival (the evaluation mega-batch)"})
     flops_convention: ChoiceEnum(["full", "kaplan", "params"]) = field(default="full", metadata={"help": (
-        "how stream.jsonl counts FLOPs (fairseq_alma/stream/flops.py): full = attention scores "
+        "how stream.jsonl counts FLOPs (fairseq_alma/stream/transformer_flops.py): full = attention scores "
         "QK and AV over the whole context, as computed; kaplan = Kaplan et al. 2020 (QK only); "
         "params = 2 FLOPs per parameter used, which gives the paper's 126 GFLOPs for the large "
         "model")})

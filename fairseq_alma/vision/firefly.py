@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .firefly_budget import choose_within_budget
-from .flops import count_forward_macs, count_parameters, training_flops
 from .growable import UnitTensor
+from .mac_count import count_forward_macs, count_parameters, training_flops
 
 SCORE_CHUNK = 128
 NEW_CANDIDATES = 70  # Firefly's public code: K = 70 new-neuron candidates per layer

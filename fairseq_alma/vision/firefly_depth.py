@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from .devices import placement
 from .firefly import loss_gradients
-from .flops import count_parameters, training_flops
+from .mac_count import count_parameters, training_flops
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from ..errors import UsageError
 from .devices import placement, upcast
-from .flops import count_forward_macs, count_parameters, inference_flops
+from .mac_count import count_forward_macs, count_parameters, inference_flops
 from .models import build_backbone
 from .models_moe import GATINGS, mixture_layer_count
 from .normalization import InputNormalizer

@@ -25,8 +25,8 @@ from ..errors import UsageError
 from .devices import placement, to_device, upcast
 from .firefly import grow_width
 from .firefly_depth import grow_depth
-from .flops import count_parameters, inference_flops
 from .learners import Learner, LearnerSpec, SingleModelLearner
+from .mac_count import count_parameters, inference_flops
 from .models import build_backbone
 from .models_moe import MoEBackbone
 from .normalization import InputNormalizer

@@ -36,8 +36,8 @@ from ..errors import Preempted, UsageError
 from .augment import random_crop_flip
 from .devices import AMP_MODES, autocast, check_amp, optimizer_step, to_device, upcast
 from .evaluation import EvalResult, evaluate, validation_losses
-from .flops import inference_flops, training_flops
 from .learners import Learner
+from .mac_count import inference_flops, training_flops
 
 # evaluation's names stay importable from here, where the runner and tests import them
 __all__ = [

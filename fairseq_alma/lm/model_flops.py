@@ -1,10 +1,10 @@
-"""FLOPs of a Switch LM as the stream records them (formula in fairseq_alma/stream/flops.py)."""
+"""FLOPs of a Switch LM as the stream records them (formula in fairseq_alma/stream/transformer_flops.py)."""
 
 from __future__ import annotations
 
 from typing import Any, Tuple
 
-from ..stream.flops import SwitchLMShape
+from ..stream.transformer_flops import SwitchLMShape
 
 
 def _members(model: Any) -> list:
@@ -37,7 +37,7 @@ def model_shape(model: Any, context: int, convention: str = "full") -> SwitchLMS
 def model_flops(model: Any, context: int, train_tokens: int,
                 convention: str = "full") -> Tuple[int, int]:
     """(inference FLOPs per token, training FLOPs for ``train_tokens`` tokens); UMix runs N members.
-    ``convention``: how attention scores count (``stream/flops.py``)."""
+    ``convention``: how attention scores count (``stream/transformer_flops.py``)."""
     shape = model_shape(model, context, convention)
     n = len(_members(model))
     return n * shape.forward_flops_per_token(), n * shape.train_flops(train_tokens)

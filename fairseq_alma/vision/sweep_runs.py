@@ -31,7 +31,7 @@ from ..stream.metrics import cumulative, cumulative_error_rate
 from ..stream.progress import StreamPlan
 from ..stream.run_dir import RunDirectory
 from ..stream.run_view import RunView
-from ..tables import format_table as layout
+from ..text_table import format_table as layout
 from .data import load_vision_data
 from .dataset import VisionData
 from .devices import resolve_device
@@ -80,7 +80,7 @@ def run_or_reuse(data: VisionData, run: VisionRun, out_dir: str, quiet: bool = F
     return summary
 
 
-def format_table(runs: Sequence[RunSummary]) -> str:
+def format_sweep_table(runs: Sequence[RunSummary]) -> str:
     """CER per (method, size, w): mean ± stdev over seeds, plus final error, Mem, Comp."""
     groups: dict[tuple, list[RunSummary]] = {}
     for run in runs:

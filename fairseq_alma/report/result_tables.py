@@ -33,7 +33,7 @@ from typing import Any
 
 from ..stream.atomic import atomic_write_json, atomic_write_text
 from ..stream.series import ReportSeries
-from ..tables import format_table as _format_cells
+from ..text_table import format_table as _format_cells
 from .seeds import BitsAsPerplexity, ReportedRun, SeedGroup, Stat
 
 Rows = Sequence[ReportSeries] | Sequence[SeedGroup]
@@ -149,7 +149,7 @@ def _cells(rows: Rows) -> tuple[list[str], list[list[str]]]:
     return _lm_rows(groups, b, seeds) if metric == "ppl" else _vision_rows(groups, seeds)
 
 
-def format_table(rows: Rows) -> str:
+def format_series_table(rows: Rows) -> str:
     """Table 2's layout for LMs ('*' = not yet trained at that arrival), with both stream
     averages (module doc); or the CER table for vision; plus cumulative TFLOPs and parameters."""
     header, cells = _cells(rows)
@@ -157,7 +157,7 @@ def format_table(rows: Rows) -> str:
 
 
 def format_markdown(rows: Rows) -> str:
-    """``format_table`` as a GitHub Markdown table (for READMEs, papers' supplements)."""
+    """``format_series_table`` as a GitHub Markdown table (for READMEs, papers' supplements)."""
     header, cells = _cells(rows)
     return _format_cells(header, cells, left=2, markdown=True)
 
