@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from fairseq_alma.errors import DataError
+from fairseq_alma.stream.atomic import atomic_output, atomic_write_json
 
 from .corpus import SourceFile
-from .fileio import PARTIAL_SUFFIX, atomic_output, sha256_file, write_json_atomic
+from .fileio import PARTIAL_SUFFIX, sha256_file
 from .manifest import MANIFEST_NAME
 from .out_dir import output_dir
 from .pipeline import (
@@ -276,7 +277,7 @@ def prepare_from_binarized(options: PrepOptions, command: str) -> dict:
                      "dict_sha256": dict_sha}
         manifest = stream_manifest(o, splits, {**dict_info, "size": len(dictionary)},
                                    {"tokenizer": tokenizer}, sources, runner.seconds, command)
-        write_json_atomic(os.path.join(o.out, MANIFEST_NAME), manifest)
+        atomic_write_json(os.path.join(o.out, MANIFEST_NAME), manifest)
         if o.clean:
             shutil.rmtree(os.path.join(o.out, "work"))
         return manifest
