@@ -24,6 +24,9 @@ WHEELHOUSE  ?=
 STAMP       := $(VENV)/.installed
 DEMO_DIR    ?= demo_out
 PYTEST_ARGS ?=
+# Test files run on this many processes (pytest-xdist; one file stays on one process, so a
+# module's fixtures are built once). 2 matches CI's two cores; TEST_WORKERS=0 runs them in one.
+TEST_WORKERS ?= 2
 
 SYSTEM_TORCH := $(filter system,$(TORCH_FROM))
 PIP_INSTALL  := $(PIP) install -q $(if $(WHEELHOUSE),--no-index --find-links $(abspath $(WHEELHOUSE))) $(if $(SYSTEM_TORCH),--ignore-installed)
@@ -80,7 +83,7 @@ demo: install
 	$(VENV)/bin/alma-demo --drift --out $(DEMO_DIR)
 
 test: install test-deps
-	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) --durations=15 $(PYTEST_ARGS) tests
 
 # The Slurm tests start a real single-node cluster (slurmctld, slurmd, munge from Debian's
 # packages). Install them when missing and possible; otherwise those tests skip with the reason.

@@ -31,9 +31,10 @@ import numpy as np
 from fairseq.data import Dictionary, indexed_dataset
 
 from fairseq_alma.stream.atomic import atomic_output
+from fairseq_alma.stream.manifest import sha256_file
 
 from .encoded import CHUNK_IDS, Encoded
-from .fileio import PARTIAL_SUFFIX, sha256_file
+from .fileio import PARTIAL_SUFFIX
 from .progress_lines import Progress
 
 PADDING_FACTOR = 8

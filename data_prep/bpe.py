@@ -27,9 +27,10 @@ import sentencepiece as spm
 
 from fairseq_alma.errors import DataError
 from fairseq_alma.stream.atomic import atomic_output
+from fairseq_alma.stream.manifest import sha256_file
 
 from .encoded import PartWriter, concatenate_parts
-from .fileio import PARTIAL_SUFFIX, aligned_offsets, sha256_file
+from .fileio import PARTIAL_SUFFIX, aligned_offsets
 from .progress_lines import Progress
 
 # Sentence sampling uses its own fixed seed, so --seed (the split) never retrains the BPE model.

@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _verify(data_dir: str) -> None:
-    from .manifest import has_shard_checksums, verify_stream_dir
+    from fairseq_alma.stream.manifest import has_shard_checksums, verify_stream_dir
 
     manifest = verify_stream_dir(data_dir, hashes=True)
     files = 2 * len(manifest["splits"]) + 1

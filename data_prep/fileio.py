@@ -16,14 +16,6 @@ from typing import Any
 PARTIAL_SUFFIX = ".partial"
 
 
-def sha256_file(path: str, chunk_bytes: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(chunk_bytes):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def digest_of(obj: Any) -> str:
     """A stable digest of a JSON-able value (keys sorted), used to chain step keys."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode("utf-8")).hexdigest()

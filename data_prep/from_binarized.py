@@ -26,10 +26,10 @@ import numpy as np
 
 from fairseq_alma.errors import DataError
 from fairseq_alma.stream.atomic import atomic_output, atomic_write_json
+from fairseq_alma.stream.manifest import MANIFEST_NAME, sha256_file
 
 from .corpus import SourceFile
-from .fileio import PARTIAL_SUFFIX, sha256_file
-from .manifest import MANIFEST_NAME
+from .fileio import PARTIAL_SUFFIX
 from .out_dir import output_dir
 from .pipeline import (
     PIPELINE_VERSION,

@@ -25,9 +25,9 @@ import os
 from dataclasses import dataclass
 
 from fairseq_alma.errors import DataError
+from fairseq_alma.stream.manifest import sha256_file
 
 from .bpe import EncodeLines, flatten
-from .fileio import sha256_file
 
 ENCODER_FLAG = "--gpt2-encoder-json"
 VOCAB_FLAG = "--gpt2-vocab-bpe"

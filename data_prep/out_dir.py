@@ -29,20 +29,17 @@ import glob
 import json
 import os
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 from fairseq_alma.errors import DataError
 from fairseq_alma.out_paths import check_dir_path
 from fairseq_alma.stream.atomic import TEMP_SUFFIX
 from fairseq_alma.stream.lock import try_flock
+from fairseq_alma.stream.manifest import MANIFEST_FORMAT, MANIFEST_NAME
 
 from .corpus import discover_sources
 from .fileio import PARTIAL_SUFFIX
-from .manifest import MANIFEST_FORMAT, MANIFEST_NAME
+from .options import PrepOptions
 from .steps import STAMP_DIR
-
-if TYPE_CHECKING:
-    from .pipeline import PrepOptions
 
 # What a run (or a Slurm submission, DIR/slurm) writes into DIR before its first stamp.
 OWN_ENTRIES = {"work", ".lock", STAMP_DIR, "slurm"}

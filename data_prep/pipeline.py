@@ -17,7 +17,7 @@ import datetime
 import glob
 import os
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from functools import cached_property
 from itertools import pairwise
 
@@ -25,6 +25,7 @@ import numpy as np
 
 from fairseq_alma.errors import DataError
 from fairseq_alma.stream.atomic import atomic_output, atomic_write_json
+from fairseq_alma.stream.manifest import MANIFEST_FORMAT, MANIFEST_NAME, sha256_file
 
 from .bpe import (
     SPM_SAMPLE_SEED,
@@ -38,9 +39,9 @@ from .corpus import SourceFile, discover_sources, extract_documents, is_gzip
 from .encoded import FORMAT as ENCODED_FORMAT
 from .encoded import Encoded, concatenate_parts, read_extra
 from .encoded import files as encoded_files
-from .fileio import PARTIAL_SUFFIX, aligned_offsets, sha256_file
+from .fileio import PARTIAL_SUFFIX, aligned_offsets
 from .gpt2_bpe import Gpt2Lines, check_gpt2_files, gpt2_vocabulary
-from .manifest import MANIFEST_FORMAT, MANIFEST_NAME
+from .options import PrepOptions
 from .out_dir import check_output_dir, hold_lock, output_dir, stream_inputs
 from .split import (
     ORDERS,
@@ -60,31 +61,6 @@ ENCODED = "work/encoded"  # prefix of the encoded arrays (encoded.py)
 LABELS = "work/split.labels"  # int32 per document: its split's index in split_names
 COUNTS = "work/train_piece_counts.json"
 SHARDS = "work/shards"  # --num-shards: each shard's encoded arrays, until they are joined
-
-
-@dataclass(frozen=True)
-class PrepOptions:
-    inputs: list[str]
-    out: str
-    vocab_size: int = 50000
-    spm_sample_sentences: int = 1_000_000
-    spm_threads: int = 4
-    byte_fallback: bool = True
-    workers: int = 1
-    seed: int = 1
-    num_megabatches: int = 4
-    eval_size: str = "megabatch"
-    valid_size: str = "0.5M"
-    clean: bool = False
-    bpe: str = "sentencepiece"
-    gpt2_encoder_json: str | None = None
-    gpt2_vocab_bpe: str | None = None
-    from_binarized: str | None = None
-    num_shards: int = 1
-    shard_index: int | None = None
-    prepare_only: bool = False
-    order: str = ORDERS[0]
-    eval_per_megabatch: str | None = None
 
 
 def check_tokenizer_files(options: PrepOptions) -> dict | None:

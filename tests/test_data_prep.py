@@ -17,8 +17,8 @@ import sys
 
 import pytest
 
-from data_prep.manifest import verify_stream_dir
 from fairseq_alma.errors import DataError
+from fairseq_alma.stream.manifest import verify_stream_dir
 
 pytestmark = pytest.mark.slow
 

@@ -23,8 +23,8 @@ from test_data_prep import (
     run_prep,
 )
 
-from data_prep.manifest import verify_stream_dir
 from fairseq_alma.errors import DataError
+from fairseq_alma.stream.manifest import verify_stream_dir
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 
-from data_prep.manifest import data_identity, verify_stream_dir
+from fairseq_alma.stream.manifest import data_identity, verify_stream_dir
 
 pytestmark = pytest.mark.slow
 

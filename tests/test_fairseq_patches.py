@@ -127,7 +127,7 @@ def test_expert_parallel_trainer_members_exist_and_are_wrapped():
 def test_training_config_undoes_the_tpu_mode_of_bf16_after_parsing(monkeypatch):
     """fairseq's parser sets ``tpu`` with ``--bf16``; the console commands convert the namespace
     through the name in their module after parsing, which the patch wraps (an explicit --tpu
-    stays, and fairseq_config.check_precision refuses it)."""
+    stays, and train_flags.check_precision refuses it)."""
     from argparse import Namespace
 
     import fairseq.options

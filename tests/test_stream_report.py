@@ -9,7 +9,12 @@ import struct
 import pytest
 
 from fairseq_alma.report.figures import plot_cer_tradeoffs, plot_error_curves, plot_tradeoffs
-from fairseq_alma.report.result_tables import format_series_table, report_dict, write_csv, write_json
+from fairseq_alma.report.result_tables import (
+    format_series_table,
+    report_dict,
+    write_csv,
+    write_json,
+)
 from fairseq_alma.stream.records import ArrivalRecord
 from fairseq_alma.stream.series import ReportSeries, series_from_records
 

@@ -274,8 +274,8 @@ def test_padding_before_a_real_token_is_refused_in_training_and_masked_in_evalua
 def test_a_checkpoint_trained_with_gpu_only_flags_builds_on_cpu():
     """A checkpoint's saved config carries its training flags (--bf16, FSDP, the GPU kernel):
     building its model to score it on a CPU must not refuse them (they are checked when
-    fairseq-train starts, fairseq_config.check_training_flags)."""
-    from fairseq_alma.fairseq_glue.config import check_training_flags
+    fairseq-train starts, train_flags.check_training_flags)."""
+    from fairseq_alma.fairseq_glue.train_flags import check_training_flags
 
     model_cfg = OmegaConf.to_container(OmegaConf.structured(SwitchTransformerLMConfig(tokens_per_sample=64)))
     model_cfg.update(_name="switch_transformer_lm", moe_expert_kernel="segments")
@@ -290,7 +290,7 @@ def test_a_checkpoint_trained_with_gpu_only_flags_builds_on_cpu():
 
 
 def test_fully_sharded_on_one_gpu_is_refused(monkeypatch):
-    from fairseq_alma.fairseq_glue.config import check_training_flags
+    from fairseq_alma.fairseq_glue.train_flags import check_training_flags
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     cfg = OmegaConf.create({"model": {"_name": "switch_transformer_lm"}, "task": {"_name": "language_modeling"},

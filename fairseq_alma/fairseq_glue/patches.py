@@ -188,7 +188,7 @@ class _TrainingConfig:
       its ``Trainer`` and ``FP16Optimizer`` train bf16 on GPUs (model in bf16, fp32 master
       weights, no loss scaler).  An explicit ``--tpu`` is kept, and refused below.
     * fairseq-train only: the flags a run cannot honour end in one line and exit 2 before
-      anything starts (``config.check_training_flags``), and ``--bf16`` keeps one flat
+      anything starts (``train_flags.check_training_flags``), and ``--bf16`` keeps one flat
       fp32 master copy (``install_flat_bf16_master``)."""
 
     _alma_patch = True
@@ -201,7 +201,7 @@ class _TrainingConfig:
             args.tpu = False
         cfg = self.original(args)
         if self.module_name.endswith(".train"):
-            from .config import check_training_flags
+            from .train_flags import check_training_flags
 
             try:
                 check_training_flags(cfg)

@@ -51,9 +51,9 @@ class StreamTraining:
     """The training side of ``AlmaStreamTask`` (module doc)."""
 
     def __init__(self, task: Any) -> None:
-        from .config import check_sharding, stage_lr_settings, stream_training_settings
+        from .config import stage_lr_settings, stream_training_settings
         from .patches import install_stream_training_patches
-        from .train_flags import check_stream_start
+        from .train_flags import check_sharding, check_stream_start
 
         self.task, self.cfg = task, task.cfg
         # flags first: a refused combination leaves the run directory untouched
@@ -94,7 +94,7 @@ class StreamTraining:
         """Make sure the run directory holds this run, or none (another run there is refused on
         every rank before anything is written), then claim it; the first use of the data hashes
         every shard."""
-        from data_prep.manifest import data_identity
+        from fairseq_alma.stream.manifest import data_identity
 
         from .config import run_fingerprint
 
@@ -128,7 +128,7 @@ class StreamTraining:
     def verify_shards_once(self, run_dir: RunDirectory, data: Dict[str, Any]) -> None:
         """Hash every shard against the manifest the first time this run uses the data (sizes
         are checked at every start); ``data_verified.json`` records it for later starts."""
-        from data_prep.manifest import has_shard_checksums, verify_stream_dir
+        from fairseq_alma.stream.manifest import has_shard_checksums, verify_stream_dir
 
         marker = run_dir.path / "data_verified.json"
         done = fingerprint_hash(data)

@@ -1,6 +1,7 @@
-"""fairseq-train's flags that fairseq itself never checks, refused in one line before anything
-runs (``config.check_training_flags`` calls the first two right after fairseq parsed them; the
-stream training calls ``check_stream_start`` before it takes the run directory).
+"""fairseq-train's flags that fairseq itself never checks or that this plugin cannot train
+correctly, refused in one line before anything runs: ``check_training_flags`` runs once on
+fairseq-train's whole config right after fairseq parsed it (``patches.install_training_flags``);
+the stream training calls ``check_stream_start`` before it takes the run directory.
 
 Why: fairseq turns these into a traceback minutes in (a ZeroDivisionError for
 ``--tokens-per-sample 0``), into a late failure after a stage was trained (blocks longer than
@@ -143,3 +144,87 @@ def _plain(value: Any) -> Any:
     if isinstance(value, dict):
         return {key: _plain(item) for key, item in value.items()}
     return getattr(value, "value", value)
+
+
+def check_precision(node: Any) -> None:
+    """Precision flags this run cannot train correctly, refused before the first update.
+
+    ``--bf16``/``--memory-efficient-bf16`` train on CUDA GPUs (fairseq's trainer: model in bf16,
+    fp32 master weights in ``FP16Optimizer``, no loss scaler; the plugin undoes the TPU mode
+    fairseq 0.12's option parser attaches to the flag, ``fairseq_glue/patches.install_training_flags``).
+    Not on CPU, where fairseq would run bf16 kernels no test covers, nor under fairscale's FSDP,
+    which fairseq 0.12 refuses later with a traceback; ``--tpu`` needs torch_xla."""
+    import torch
+
+    if given(node, "common", "tpu"):  # explicit --tpu (fairseq-train's --bf16 no longer sets it)
+        raise UsageError("--tpu (fairseq's TPU mode) needs torch_xla, which fairseq-alma does not "
+                         "support; train on GPUs (--bf16 or --fp16, without --tpu) or on CPU (--cpu)")
+    flag = next((f"--{key.replace('_', '-')}" for key in ("memory_efficient_bf16", "bf16")
+                 if given(node, "common", key)), None)
+    if flag is None:
+        return
+    if given(node, "common", "cpu") or not torch.cuda.is_available():
+        raise UsageError(f"{flag} trains on CUDA GPUs only (model in bf16, fp32 master weights); "
+                         f"on CPU train in fp32 (drop {flag})")
+    if str(given(node, "distributed_training", "ddp_backend") or "") == "fully_sharded":
+        raise UsageError(f"{flag} with --ddp-backend fully_sharded: fairseq 0.12's FSDP does not "
+                         f"support bf16; use {flag} with --ddp-backend pytorch_ddp (or legacy_ddp)")
+
+
+def check_training_flags(cfg: Any) -> None:
+    """Flags a training run cannot honour, checked once on fairseq-train's whole config right
+    after fairseq parsed it and before anything runs (``fairseq_glue/patches.install_training_flags``).
+
+    Why there and not where the model or task is built: both are built again from a
+    checkpoint's own config when it is scored, and a checkpoint trained with ``--bf16`` or
+    FSDP on a GPU must still score on a CPU."""
+    import torch
+
+    check_run_inputs(cfg)
+    model = cfg.get("model") if hasattr(cfg, "get") else None
+    arch = str(model.get("_name") or "") if model is not None and hasattr(model, "get") else ""
+    if arch == "alma_vision":  # the vision learner checks its own flags (fairseq_glue/vision_entry.py)
+        return
+    check_precision(cfg)
+    task = cfg.get("task")
+    if task is not None and task.get("_name") == "alma_stream" and \
+            str(given(cfg, "distributed_training", "ddp_backend") or "") == "fully_sharded":
+        raise UsageError("--ddp-backend fully_sharded cannot train an alma_stream run: the stream evaluates, "
+                         "counts and grows the model after every arrival outside fairscale's sharded, "
+                         "flattened parameters (on an H100 it failed at the first evaluation); use "
+                         "--ddp-backend pytorch_ddp or legacy_ddp, with --zero-sharding os to shard the "
+                         "optimizer state")
+    check_sharding(cfg, growth=bool(task is not None and str(task.get("grow_experts") or "").strip()))
+    kernel = str(model.get("moe_expert_kernel") or "auto") if model is not None else "auto"
+    if kernel == "segments" and torch.cuda.is_available() and not given(cfg, "common", "cpu"):
+        raise UsageError("--moe-expert-kernel segments is the CPU kernel (it reads every block's expert "
+                         "loads back to the host); on a GPU use --moe-expert-kernel batched or auto")
+    check_lm_training(cfg)
+
+
+def check_sharding(node: Any, growth: bool) -> None:
+    """fairscale's sharding options that an LM stream cannot run correctly, refused before the
+    first update (fairseq itself would fail later, with a traceback, or not at all)."""
+    zero = str(given(node, "distributed_training", "zero_sharding") or "none")
+    backend = str(given(node, "distributed_training", "ddp_backend") or "")
+    fp16_flat = given(node, "common", "fp16") and not given(node, "common", "memory_efficient_fp16") \
+        and not given(node, "common", "fp16_no_flatten_grads")
+    if zero == "os" and fp16_flat:
+        raise UsageError("--zero-sharding os cannot shard --fp16's flat fp32 copy: add "
+                         "--fp16-no-flatten-grads, or use --memory-efficient-fp16")
+    if backend == "fully_sharded":
+        import torch
+
+        if not torch.cuda.is_available() or given(node, "common", "cpu"):
+            raise UsageError("--ddp-backend fully_sharded needs CUDA (fairscale's FSDP); use "
+                             "--ddp-backend legacy_ddp (and --zero-sharding os) on CPU")
+        if (given(node, "distributed_training", "distributed_world_size") or 1) <= 1:
+            raise UsageError("--ddp-backend fully_sharded on one GPU: fairscale 0.4.13 cannot save "
+                             "the optimizer state of a one-process FSDP run (it fails at the first "
+                             "checkpoint, seen on an H100); one GPU needs no sharding: use "
+                             "--ddp-backend pytorch_ddp, with --memory-efficient-fp16 or "
+                             "--checkpoint-activations to cut memory")
+        if growth:
+            raise UsageError("--grow-experts cannot grow experts inside FSDP's flattened, sharded "
+                             "parameters; use --ddp-backend legacy_ddp or pytorch_ddp with "
+                             "--zero-sharding os")

@@ -31,7 +31,7 @@ def check_period_splits(data: str, num_megabatches: int) -> dict[str, Any]:
     """The manifest's facts about the period splits of ``data`` (``eval_per_megabatch``), after
     checking that ``evalmb0 .. evalmb{B-1}`` are listed and their files have the recorded sizes;
     a ``DataError`` naming the data dir (or file) and the way out otherwise."""
-    from data_prep.manifest import load_manifest
+    from fairseq_alma.stream.manifest import load_manifest
 
     data = data.split(os.pathsep)[0]  # fairseq's DATA may list several directories; the first
     manifest = load_manifest(data)

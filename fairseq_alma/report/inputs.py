@@ -143,7 +143,7 @@ def _data_identity(data: Any) -> Any:
     if not data:
         return None
     try:
-        from data_prep.manifest import data_identity, load_manifest
+        from fairseq_alma.stream.manifest import data_identity, load_manifest
 
         return data_identity(load_manifest(str(data).split(os.pathsep)[0]))
     except Exception:  # noqa: BLE001 - a moved or missing stream: its path is all there is

@@ -24,8 +24,8 @@ from typing import Any
 from ..stream.atomic import atomic_write_json, atomic_write_text
 from ..stream.period_matrix import SUMMARIES, PeriodMatrix
 from ..text_table import format_table as _format_cells
-from .seeds import SeedGroup, Stat, stat
 from .result_tables import _cell
+from .seeds import SeedGroup, Stat, stat
 
 
 @dataclass

@@ -127,7 +127,7 @@ def _read_checkpoint(path: str) -> dict:
 def _check_complete(view: RunView, data: str, from_log: bool) -> None:
     """An unfinished run has fewer arrivals than its stream's B: scoring it would mislabel t.
     B is the data's (the stream it is scored on), else the run's fingerprint's."""
-    from data_prep.manifest import load_manifest
+    from fairseq_alma.stream.manifest import load_manifest
 
     try:
         b = int(load_manifest(data.split(os.pathsep)[0])["num_megabatches"])

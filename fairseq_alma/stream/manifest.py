@@ -1,13 +1,20 @@
-"""Reading a prepared stream directory's ``manifest.json``: the contract between data
-preparation and training (DESIGN.md), read wherever a run's stream must be known.
+"""``manifest.json``: what a prepared stream directory holds, read and cheaply checked.
 
-Here, below both ``data_prep`` (which writes and verifies manifests, ``data_prep/manifest.py``)
-and the readers in ``fairseq_alma``, so a reader such as ``alma-sweep score`` learns B from the
-manifest without importing the data preparation package above it.
+The manifest is the contract between data preparation and training (DESIGN.md): the number of
+mega-batches B, tokens and documents per split, the dictionary's checksum, the tokenizer (a
+``sentencepiece`` entry, or a ``tokenizer`` entry of kind ``gpt2`` or ``from-binarized``), the
+sources and the exact command. ``verify_stream_dir`` is what the ``alma_stream`` task calls
+before training: it checks only file sizes and the dictionary's sha256 -- enough to catch a
+missing or truncated shard or a swapped dictionary without reading gigabytes of binaries.
+
+Here, in the stream core below both ``data_prep`` (which writes manifests) and every reader in
+``fairseq_alma`` (the task, scoring, reports, sweeps), so no reader imports the data
+preparation package above it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
@@ -37,3 +44,73 @@ def load_manifest(data_dir: str) -> dict:
     if manifest["num_megabatches"] < 1:
         raise DataError(f"{path}: num_megabatches must be >= 1; re-run alma-data-prep")
     return manifest
+
+
+def sha256_file(path: str, chunk_bytes: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def data_identity(manifest: dict) -> dict:
+    """What the data of a stream is, without where it lives or when it was made: the fields of
+    the manifest that change the tokens (a run's fingerprint holds them). ``tokenizer`` only
+    where present, so runs on sentencepiece streams keep the fingerprint they had."""
+    identity = {key: manifest.get(key) for key in ("num_megabatches", "seed", "splits",
+                                                   "dictionary", "sentencepiece")}
+    if "tokenizer" in manifest:  # its sha256s, not where the files were
+        identity["tokenizer"] = {key: value for key, value in manifest["tokenizer"].items()
+                                 if key not in ("encoder_json", "vocab_bpe", "source")}
+    return identity
+
+
+def expected_splits(num_megabatches: int, per_megabatch_eval: bool = False) -> list[str]:
+    """Every split a stream must hold: with ``--eval-per-megabatch`` (the manifest's
+    ``eval_per_megabatch`` set) also the held-out ``evalmb{k}`` of every mega-batch."""
+    periods = [f"evalmb{k}" for k in range(num_megabatches)] if per_megabatch_eval else []
+    return [*(f"megabatch{k}" for k in range(num_megabatches)), *periods, "eval", "valid"]
+
+
+def verify_stream_dir(data_dir: str, hashes: bool = False) -> dict:
+    """Return the manifest after checking the dictionary and every shard against it.
+
+    Always: ``dict.txt``'s sha256, and every mega-batch / eval / valid (and per-mega-batch
+    ``evalmb{k}``, where the manifest records ``eval_per_megabatch``) ``.bin``/``.idx`` present
+    with its recorded size (cheap: catches a missing, truncated or swapped file).  With
+    ``hashes``, also every shard's sha256 (reads all of them: catches a flipped byte); manifests
+    written before shards had checksums are checked for sizes only.  Raises ``DataError``
+    naming the offending file and what to do."""
+    manifest = load_manifest(data_dir)
+    manifest_path = os.path.join(data_dir, MANIFEST_NAME)
+    dictionary = manifest["dictionary"]
+    dict_path = os.path.join(data_dir, dictionary.get("file", "dict.txt"))
+    if not os.path.isfile(dict_path):
+        raise DataError(f"{dict_path}: missing (listed in {manifest_path})")
+    if sha256_file(dict_path) != dictionary.get("sha256"):
+        raise DataError(f"{dict_path}: sha256 differs from {manifest_path}; the shards "
+                        "were binarized with another dictionary -- re-run alma-data-prep")
+    per_megabatch_eval = manifest.get("eval_per_megabatch") is not None
+    for name in expected_splits(int(manifest["num_megabatches"]), per_megabatch_eval):
+        split = manifest["splits"].get(name)
+        if split is None:
+            raise DataError(f"{manifest_path}: no entry for split {name!r}")
+        for ext in ("bin", "idx"):
+            path = os.path.join(data_dir, f"{name}.{ext}")
+            expected = split.get(f"{ext}_bytes")
+            if not os.path.isfile(path):
+                raise DataError(f"{path}: missing (listed in {manifest_path})")
+            size = os.path.getsize(path)
+            if size != expected:
+                raise DataError(f"{path}: {size} bytes, {manifest_path} says {expected} "
+                                "(truncated or replaced); re-run alma-data-prep")
+            recorded = split.get(f"{ext}_sha256")
+            if hashes and recorded and sha256_file(path) != recorded:
+                raise DataError(f"{path}: sha256 differs from {manifest_path} (the file was "
+                                "changed or damaged); re-run alma-data-prep")
+    return manifest
+
+
+def has_shard_checksums(manifest: dict) -> bool:
+    return all("bin_sha256" in split for split in manifest["splits"].values())

@@ -31,12 +31,21 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..errors import RunDirError
 
-if TYPE_CHECKING:  # run_dir.py imports this module
-    from .run_dir import RunDirectory
+
+class RunFiles(Protocol):
+    """What an upgrade reads of a run directory (``run_dir.RunDirectory`` is one): declared
+    here, not imported, because ``run_dir`` and ``records`` upgrade what they load with this
+    module, which must therefore sit below them."""
+
+    stream_log: Path
+
+    def read_records(self) -> list[Any]: ...
+
+    def read_growth(self) -> list[dict[str, Any]]: ...
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +92,7 @@ def upgrade_clock_state(state: dict[str, Any]) -> dict[str, Any]:
     return state if "skipped_slots" in state else {**state, "skipped_slots": {}}
 
 
-def upgrade_training_state(state: dict[str, Any] | None, run_dir: RunDirectory,
+def upgrade_training_state(state: dict[str, Any] | None, run_dir: RunFiles,
                            stages_done: int | None) -> dict[str, Any]:
     """The LM training state of a checkpoint in today's form: ``progress``, ``growth``, and
     ``clock`` + ``started_stage`` (``clock`` None: unknown, ``clock_from_counter`` rebuilds it at
@@ -101,7 +110,7 @@ def upgrade_training_state(state: dict[str, Any] | None, run_dir: RunDirectory,
     return {**state, "clock": upgrade_clock_state(state["clock"])}
 
 
-def records_from_log(run_dir: RunDirectory, upto_stage: int) -> list[dict[str, Any]]:
+def records_from_log(run_dir: RunFiles, upto_stage: int) -> list[dict[str, Any]]:
     """The records of stages <= ``upto_stage`` in ``stream.jsonl`` (JSON objects), for a
     checkpoint written before records travelled in checkpoints."""
     if not run_dir.stream_log.is_file():

@@ -94,7 +94,7 @@ class AlmaStreamConfig(LanguageModelingConfig):
 
 
 def _verify_stream_dir(data: str) -> dict:
-    from data_prep.manifest import verify_stream_dir
+    from fairseq_alma.stream.manifest import verify_stream_dir
 
     return verify_stream_dir(data)
 
