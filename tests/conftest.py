@@ -16,9 +16,20 @@ from lm_fixtures import RESUMABLE, prepare_stream, preprocess_lm, run, stream_cm
 NO_CUDA = "needs a CUDA GPU; none is visible to torch here"
 
 
+# The longest test files (``make test`` prints the slowest tests), started first: with one file
+# per worker process (pytest-xdist ``--dist loadfile``), a long file started last would run alone
+# at the end while the other worker idles.
+LONGEST_FIRST = ("test_bad_inputs.py", "test_resume_points.py", "test_drift_demo.py",
+                 "test_data_prep_shards.py", "test_data_prep_sources.py", "test_distributed_stream.py")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """A test marked ``cuda`` skips, saying why, wherever torch sees no GPU (``make gpu-check``)."""
+    """The longest files first (``LONGEST_FIRST``), the rest in their order; a test marked
+    ``cuda`` skips, saying why, wherever torch sees no GPU (``make gpu-check``)."""
     import torch
+
+    rank = {name: position for position, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order kept within
 
     if not torch.cuda.is_available():
         for item in items:
