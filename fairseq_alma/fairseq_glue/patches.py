@@ -54,6 +54,7 @@ import zipfile
 from typing import Any
 
 from ..errors import AlmaError, CheckpointError, Preempted
+from ..stream.run_dir import LAST_CHECKPOINT
 
 logger = logging.getLogger(__name__)
 
@@ -411,7 +412,7 @@ def install_requeue_save() -> None:
         if stop_requested is not None and stop_requested(updates):
             seconds = save_for_requeue(cfg, trainer, epoch_itr)
             message = (f"preempted at update {updates}, checkpoint saved in {seconds:.1f}s "
-                       f"({os.path.join(cfg.checkpoint.save_dir, 'checkpoint_last.pt')}); "
+                       f"({os.path.join(cfg.checkpoint.save_dir, LAST_CHECKPOINT)}); "
                        f"run the same command to continue")
             logger.warning(message)
             raise Preempted(message)

@@ -117,9 +117,9 @@ def check_leftover_checkpoint(save_dir: str, node: Any) -> None:
     from omegaconf import OmegaConf
 
     from ..checkpoint_load import load_checkpoint
-    from ..stream.run_dir import RUN_FILE, fingerprint_differences
+    from ..stream.run_dir import LAST_CHECKPOINT, RUN_FILE, fingerprint_differences
 
-    last = os.path.join(save_dir, "checkpoint_last.pt")
+    last = os.path.join(save_dir, LAST_CHECKPOINT)
     if not os.path.isfile(last) or os.path.exists(os.path.join(save_dir, RUN_FILE)):
         return
     state = load_checkpoint(last, mmap=True)

@@ -25,6 +25,7 @@ from typing import Any
 
 from ..errors import UsageError
 from ..stream.records import ArrivalRecord
+from ..stream.run_dir import STREAM_LOG
 from ..stream.run_view import RunView
 from ..stream.series import series_from_records
 from .result_tables import series_from_entry
@@ -128,7 +129,7 @@ def logged_scoring(fingerprint: Mapping[str, Any] | None, metric: str) -> dict[s
 def evaluated_scoring(scoring: Mapping[str, Any], members: list[dict | None]) -> dict[str, Any]:
     """How ``alma-score`` obtained a series' numbers (its JSON's ``scoring``), as
     ``logged_scoring``'s keys: a ``--from-log`` series is its run's own records."""
-    if str(scoring.get("source", "")).endswith("stream.jsonl"):
+    if str(scoring.get("source", "")).endswith(STREAM_LOG):
         return logged_scoring(members[0] if members else None, "ppl")
     settings = scoring.get("settings") or {}
     part = _eval_slice(scoring)
