@@ -3,8 +3,10 @@ names the file or flag and what to do, a nonzero exit status, and leaves every f
 given exactly as it was (hashed before and after).  Never a traceback, never exit 0.
 
 Every case fails before any training or model build, so it costs one start of its command:
-fairseq-train cases run as subprocesses two at a time (each is mostly fairseq's start-up), the
-other commands' cases meanwhile in this process through their console ``main(argv)``
+console-script cases (fairseq-train, alma-train) run two at a time, each in its own fork of a
+process that already imported torch and fairseq (``forked_commands``: the script's own entry
+point, atexit handlers included, without seven seconds of imports per case); the other
+commands' cases meanwhile in this process through their console ``main(argv)``
 (``IN_PROCESS``).  Fixtures: one tiny prepared stream, one finished 2-stage run on it, and
 small vision .npz files.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import re
 import shutil
 import subprocess
@@ -25,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from forked_commands import ForkedCommands
 from lm_fixtures import prepare_stream, run, tool
 
 REPO = Path(__file__).resolve().parent.parent
@@ -443,8 +447,8 @@ def fixtures(tmp_path_factory):
 
 # Commands whose console entry is a ``main(argv)`` that leaves no state behind: their cases run
 # in this process (the same function the installed script calls), one at a time in the main
-# thread, while the fairseq-train cases (fairseq's own entry, with --user-dir) run as
-# subprocesses beside them.  Saves a process start (torch, fairseq) per case.
+# thread, while the fairseq-train cases (fairseq's own entry, with --user-dir) run in forked
+# processes beside them.  Saves a process start (torch, fairseq) per case.
 IN_PROCESS = {
     "alma-data-prep": "data_prep.cli", "alma-score": "fairseq_alma.cli.score",
     "alma-sweep": "fairseq_alma.cli.sweep", "alma-vision-sweep": "fairseq_alma.cli.vision_sweep",
@@ -479,12 +483,15 @@ def _call_main(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(argv, status, out.getvalue(), err.getvalue())
 
 
-def _run_case(case: Case, ctx: Ctx) -> tuple[Case, subprocess.CompletedProcess, dict, dict]:
+def _run_case(case: Case, ctx: Ctx, forked: ForkedCommands | None = None
+              ) -> tuple[Case, subprocess.CompletedProcess, dict, dict]:
     argv, watched = case.setup(ctx)
     before = {str(p): _tree_hash(p) for p in watched}
     if case.prog in IN_PROCESS:
         assert not case.env and os.path.basename(argv[0]) == case.prog, case.name
         proc = _call_main(argv, ctx.tmp)
+    elif forked is not None:
+        proc = forked.run(argv, cwd=ctx.tmp, env=case.env)
     else:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=ctx.tmp,
                               env={**ENV, **case.env})
@@ -493,13 +500,27 @@ def _run_case(case: Case, ctx: Ctx) -> tuple[Case, subprocess.CompletedProcess, 
 
 
 def _run_all(cases: list[Case], contexts: list[Ctx]) -> list[tuple]:
-    """Subprocess cases two at a time in threads; in-process cases meanwhile in this thread."""
+    """Console-script cases two at a time in threads, each thread with its own fork server
+    (``forked_commands``); in-process cases meanwhile in this thread."""
     jobs = list(zip(cases, contexts))
     local = [job for job in jobs if job[0].prog in IN_PROCESS]
+    servers: queue.Queue[ForkedCommands] = queue.Queue()
+
+    def run_forked(case: Case, ctx: Ctx) -> tuple:
+        server = servers.get()
+        try:
+            return _run_case(case, ctx, server)
+        finally:
+            servers.put(server)
+
     with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {id(job[0]): pool.submit(_run_case, *job) for job in jobs if job not in local}
+        for started in [pool.submit(ForkedCommands, ENV) for _ in range(2)]:
+            servers.put(started.result())
+        futures = {id(job[0]): pool.submit(run_forked, *job) for job in jobs if job not in local}
         done = {id(job[0]): _run_case(*job) for job in local}
         done |= {key: future.result() for key, future in futures.items()}
+    while not servers.empty():
+        servers.get().close()
     return [done[id(case)] for case in cases]
 
 
