@@ -188,6 +188,9 @@ LM_CASES = [
     Case("tokens-per-sample negative", lambda c: (lm(c, c.data, c.tmp / "r", "--tokens-per-sample", "-4"), []), r"--tokens-per-sample must be >= 1 .*got -4"),
     Case("tokens-per-sample beyond the model", lambda c: (lm(c, c.data, c.tmp / "r", "--tokens-per-sample", "64", "--max-target-positions", "32"), []),
          r"--tokens-per-sample 64 .*--max-target-positions 32"),
+    Case("wait auto on an LM stream", lambda c: (lm(c, c.data, c.tmp / "r", "--wait", "auto"), []), r"--wait auto: LM streams train a schedule fixed in advance .*use --wait N"),
+    Case("wait not a number", lambda c: (lm(c, c.data, c.tmp / "r", "--wait", "soon"), []),
+         r"argument --wait: a waiting time is a whole number of mega-batches >= 1 or auto, got 'soon'", prog="fairseq-train"),
     Case("batch-size 0", lambda c: (lm(c, c.data, c.tmp / "r", "--batch-size", "0"), []), r"--batch-size must be >= 1 .*got 0"),
     Case("batch-size negative", lambda c: (lm(c, c.data, c.tmp / "r", "--batch-size", "-8"), []), r"--batch-size must be >= 1 .*got -8"),
     Case("batch-size-valid 0", lambda c: (lm(c, c.data, c.tmp / "r", "--batch-size-valid", "0"), []), r"--batch-size-valid must be >= 1 .*got 0"),
@@ -249,6 +252,8 @@ def _with(ctx: Ctx, name: str, text: str) -> Path:
 
 
 VISION_CASES = [
+    Case("vision wait auto on one mega-batch", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--num-megabatches", "1", "--wait", "auto"), []),
+         r"--wait auto: a stream of one mega-batch leaves nothing to decide; use --wait 1"),
     Case("vision without dataset", lambda c: (vision(c, "digits", c.tmp / "r"), []), r"--arch alma_vision needs --vision-dataset"),
     Case("vision unknown dataset", lambda c: (vision(c, "x", c.tmp / "r", "--vision-dataset", "imagenet"), []), r"--vision-dataset 'imagenet' is unknown"),
     Case("vision mnist dir missing", lambda c: (vision(c, str(c.tmp / "nowhere"), c.tmp / "r", "--vision-dataset", "mnist"), []), r"nowhere"),
@@ -353,6 +358,10 @@ TOOL_CASES = [
     Case("sweep missing config", lambda c: ([tool("alma-sweep"), "submit", str(c.tmp / "none.yaml"), "--sweep-dir", str(c.tmp / "s"), "--dry-run"], []), r"none.yaml not found", prog="alma-sweep"),
     Case("sweep unknown key", lambda c: ([tool("alma-sweep"), "submit", str(bad_config(c, "data: x\nargs: {arch: switch_transformer_lm_tiny}\nbogus: 1\n")), "--sweep-dir", str(c.tmp / "s"), "--dry-run"], []),
          r"unknown top-level key 'bogus'", prog="alma-sweep"),
+    Case("vision sweep wait soon", lambda c: ([tool("alma-vision-sweep"), "--out", str(c.tmp / "s"), "--waits", "1", "soon"], []),
+         r"argument --waits: a waiting time is a whole number of mega-batches >= 1 or auto, got 'soon'", prog="alma-vision-sweep"),
+    Case("vision demo wait 0", lambda c: ([tool("alma-vision-demo"), "--out", str(c.tmp / "s"), "--waits", "0", "auto"], []),
+         r"argument --waits: a waiting time is a whole number", prog="alma-vision-demo"),
     Case("vision sweep wait > B", lambda c: ([tool("alma-vision-sweep"), "--out", str(c.tmp / "s"), "--waits", "9", "--num-megabatches", "3"], []),
          r"--waits must all be between 1 and --num-megabatches \(3\)", prog="alma-vision-sweep"),
     Case("prep gpt2 empty vocab.bpe", lambda c: (prep(c, c.tmp / "o", *gpt2_flags(c, "")), [c.tmp]),

@@ -252,3 +252,36 @@ def test_wrong_arch_and_resume_with_other_flags_are_refused(tmp_path):
     message = str(caught.value)
     assert "settings.--wait: 2 -> 1" in message and "settings.learner.width: 4 -> 8" in message
     assert "--restart-stream" in message
+
+
+@pytest.mark.slow
+def test_wait_auto_records_its_decisions_and_resumes_them_after_kill9(tmp_path):
+    """``--wait auto``: one decision per arrival in stream.jsonl, the schedule it makes, the
+    sweep's in-process path gives the same; kill -9 after the first arrival's checkpoint and
+    the same command continues to identical decisions and records."""
+    reference, save = tmp_path / "reference", tmp_path / "killed"
+    run(vision_cmd(reference, wait="auto"))
+    records = read(reference)
+    decisions = [r.get("decision") for r in records]
+    assert decisions[0] is None and all(d["arrival"] == t for t, d in enumerate(decisions) if t)
+    stages = [0]
+    for decision in decisions[1:]:
+        stages.append(stages[-1] + decision["train"])
+        assert decision["pending"] >= 1 and decision["remaining"] == B - decision["arrival"]
+        assert decision["cost_train_now"] > 0 and decision["cost_wait"] > 0
+    assert [r["stage"] for r in records] == stages and stages[-1] >= 1
+    assert [r["trained"] for r in records[1:]] == [d["train"] for d in decisions[1:]]
+    assert comparable(records) == comparable(in_process("sm", "auto", tmp_path / "in_process"))
+    assert load_state(reference / "checkpoint_last.pt")["settings"]["--wait"] == "auto"
+
+    cmd = vision_cmd(save, "--epochs-per-stage", "150", wait="auto")  # slow enough to kill
+    slow_reference = tmp_path / "slow"
+    run(vision_cmd(slow_reference, "--epochs-per-stage", "150", wait="auto"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    wait_for(save / "checkpoint_last.pt", proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=600)
+    assert len(read(save)) < B + 1, "the run finished before the signal; nothing was resumed"
+    run(cmd)
+    assert comparable(read(save)) == comparable(read(slow_reference))

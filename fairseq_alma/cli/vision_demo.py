@@ -25,6 +25,7 @@ from ..console import OneLineArgumentParser, run_console
 from ..demos.vision_waiting import VisionDemoSettings, run_vision_demo
 from ..errors import AlmaError
 from ..out_paths import check_dir_path
+from ..stream.progress import AUTO, parse_wait
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,8 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--out", default="vision_demo_out", help="directory for runs, logs, table and plots")
     add("--num-megabatches", type=int, default=50,
         help="B (default 50: about 26 training examples per mega-batch; paper: 500 on MNIST)")
-    add("--waits", type=int, nargs="+", default=[1, 2, 5, 50],
-        help="waiting times w, each in [1, B] (default: 1 2 5 50)")
+    add("--waits", type=parse_wait, nargs="+", default=[1, 2, 5, 50, AUTO],
+        help="waiting times w, each in [1, B], and auto: train or wait decided at each arrival "
+             "(default: 1 2 5 50 auto)")
     add("--widths", type=int, nargs="+", default=[4, 8], help="MLP hidden widths (default: 4 8)")
     add("--seeds", type=int, nargs="+", default=[1, 2], help="seeds per setting (default: 1 2)")
     add("--epochs-per-stage", type=int, default=50, help="epochs per stage (default 50; paper 100)")
@@ -46,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(args: argparse.Namespace) -> str | None:
     if args.num_megabatches < 1:
         return f"--num-megabatches must be >= 1, got {args.num_megabatches}"
-    if not all(1 <= w <= args.num_megabatches for w in args.waits):
+    if not all(w == AUTO or 1 <= w <= args.num_megabatches for w in args.waits):
         return f"--waits must all be in [1, {args.num_megabatches}] (B), got {args.waits}"
     for flag, values in (("--widths", args.widths), ("--epochs-per-stage", [args.epochs_per_stage]),
                          ("--jobs", [args.jobs])):

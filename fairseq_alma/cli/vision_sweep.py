@@ -10,6 +10,7 @@ import logging
 from collections.abc import Sequence
 
 from ..console import OneLineArgumentParser, run_console
+from ..stream.progress import parse_wait
 from ..vision.data import DATASET_KINDS
 from ..vision.devices import AMP_MODES
 from ..vision.learners import METHODS
@@ -42,12 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--methods", nargs="+", default=["sm"], choices=METHODS, help="learners to run"
     )
-    for flag, default, text in (
-        ("--widths", [8], "hidden width h / channels c"),
-        ("--waits", [1, 2, 5, 10, 20], "waiting times w"),
-        ("--seeds", [1], "seeds (partition, init, data order)"),
+    for flag, default, text, kind in (
+        ("--widths", [8], "hidden width h / channels c", int),
+        ("--waits", [1, 2, 5, 10, 20], "waiting times w, or auto (decided at each arrival)",
+         parse_wait),
+        ("--seeds", [1], "seeds (partition, init, data order)", int),
     ):
-        parser.add_argument(flag, nargs="+", type=int, default=default, help=text)
+        parser.add_argument(flag, nargs="+", type=kind, default=default, help=text)
     parser.add_argument(
         "--num-megabatches", type=int, default=20, help="B (paper: 500 MNIST, 100 CIFAR)"
     )

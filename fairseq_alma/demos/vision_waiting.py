@@ -21,6 +21,7 @@ from ..errors import AlmaError
 from ..fairseq_glue.user_dir import PLUGIN_DIR
 from ..report import figures, result_tables
 from ..stream.atomic import atomic_write_json
+from ..stream.progress import AUTO, wait_order
 from ..stream.records import ArrivalRecord
 from ..stream.run_view import RunView
 from ..stream.series import ReportSeries, series_from_records
@@ -33,7 +34,7 @@ class VisionDemoSettings:
 
     out: Path
     num_megabatches: int
-    waits: tuple[int, ...]
+    waits: tuple[int | str, ...]  # fixed waiting times, and auto (``stream/wait_policy.py``)
     widths: tuple[int, ...]
     seeds: tuple[int, ...]
     epochs_per_stage: int
@@ -44,7 +45,7 @@ class VisionDemoSettings:
 class Run:
     """One stream of the demo: waiting time, MLP width and seed."""
 
-    wait: int
+    wait: int | str
     width: int
     seed: int
 
@@ -95,7 +96,7 @@ def _mean_lists(lists: list[list[float]]) -> list[float]:
     return [statistics.mean(column) for column in zip(*lists, strict=True)]
 
 
-def mean_series(wait: int, width: int, per_seed: list[ReportSeries]) -> ReportSeries:
+def mean_series(wait: int | str, width: int, per_seed: list[ReportSeries]) -> ReportSeries:
     """One series per (w, width): per-arrival errors, FLOPs and |θ| averaged over the seeds
     (CER is linear in the errors, so the mean series' CER is the mean of the seeds' CERs)."""
     return ReportSeries(
@@ -109,9 +110,9 @@ def mean_series(wait: int, width: int, per_seed: list[ReportSeries]) -> ReportSe
     )
 
 
-def verdict(cers: dict[int, list[float]], num_megabatches: int) -> str:
+def verdict(cers: dict[int | str, list[float]], num_megabatches: int) -> str:
     """Does an intermediate w have a lower mean CER than both w = 1 and w = B (§6.1)?"""
-    mean = {w: statistics.mean(v) for w, v in cers.items()}
+    mean = {w: statistics.mean(v) for w, v in cers.items() if w != AUTO}
     middle = [w for w in mean if 1 < w < num_megabatches]
     if 1 not in mean or num_megabatches not in mean or not middle:
         return f"not tested (needs --waits with 1, {num_megabatches} and one in between)"
@@ -122,9 +123,23 @@ def verdict(cers: dict[int, list[float]], num_megabatches: int) -> str:
             f"{mean[num_megabatches]:.3f}")
 
 
+def auto_verdict(cers: dict[int | str, list[float]]) -> str:
+    """Does ``--wait auto`` reach the best fixed w's mean CER, within the seeds' spread?"""
+    fixed = {w: v for w, v in cers.items() if w != AUTO}
+    if AUTO not in cers or not fixed:
+        return "not tested (needs --waits with auto and a fixed w)"
+    best = min(fixed, key=lambda w: statistics.mean(fixed[w]))
+    mean_auto, mean_best = statistics.mean(cers[AUTO]), statistics.mean(fixed[best])
+    spread = max((statistics.stdev(v) for v in (cers[AUTO], fixed[best]) if len(v) > 1), default=0.0)
+    holds = mean_auto <= mean_best + spread
+    return (f"{'HOLDS' if holds else 'does NOT hold'}: auto CER {mean_auto:.3f} vs best fixed "
+            f"w={best} {mean_best:.3f} (seed spread {spread:.3f})")
+
+
 def write_report(settings: VisionDemoSettings, out: Path, results: dict[Run, list]) -> None:
     """CER table, per-seed CERs, the §6.1 verdict, plots and summary.json."""
-    waits, widths, seeds = (sorted(set(values)) for values in (settings.waits, settings.widths, settings.seeds))
+    waits = sorted(set(settings.waits), key=wait_order)
+    widths, seeds = sorted(set(settings.widths)), sorted(set(settings.seeds))
     series, cers, finding = [], {}, {}
     for h in widths:
         cers[h] = {}
@@ -141,11 +156,16 @@ def write_report(settings: VisionDemoSettings, out: Path, results: dict[Run, lis
         for w in waits:
             spread = statistics.stdev(cers[h][w]) if len(seeds) > 1 else 0.0
             values = " ".join(f"{c:7.3f}" for c in cers[h][w])
-            print(f"  h{h:<3} w={w:<3} {values}   (± {spread:.3f})")
+            print(f"  h{h:<3} w={w!s:<4} {values}   (± {spread:.3f})")
     print("\n== paper §6.1: an intermediate waiting time beats w=1 and w=B for small models")
     for h in widths:
         finding[f"h{h}"] = verdict(cers[h], settings.num_megabatches)
         print(f"  h{h}: {finding[f'h{h}']}")
+    if AUTO in waits:
+        print("\n== --wait auto (decided at each arrival) against the best fixed w, chosen in hindsight")
+        for h in widths:
+            finding[f"h{h} auto"] = auto_verdict(cers[h])
+            print(f"  h{h}: {finding[f'h{h} auto']}")
     plots = []
     for h in widths:
         plots.append(out / f"error_curves_h{h}.png")
@@ -165,7 +185,8 @@ def run_vision_demo(settings: VisionDemoSettings) -> None:
     """Every (width, wait, seed) stream, ``settings.jobs`` at a time, then the report."""
     out = Path(settings.out).resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    runs = [Run(w, h, s) for h in sorted(set(settings.widths)) for w in sorted(set(settings.waits))
+    runs = [Run(w, h, s) for h in sorted(set(settings.widths))
+            for w in sorted(set(settings.waits), key=wait_order)
             for s in sorted(set(settings.seeds))]
     print(f"== {len(runs)} streams on the embedded digits (B={settings.num_megabatches}, "
           f"{settings.epochs_per_stage} epochs per stage), {settings.jobs} at a time", flush=True)

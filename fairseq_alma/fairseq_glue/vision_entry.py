@@ -21,7 +21,7 @@ from fairseq.tasks import FairseqTask
 
 from ..errors import UsageError, require
 from ..ranks import raise_unless_all_ok, world
-from ..stream.progress import StreamPlan
+from ..stream.progress import StreamPlan, wait_from_flag
 from ..stream.session import StreamSession
 from ..stream.stop import StopSignal, stage_limit
 from ..vision.devices import resolve_device
@@ -97,7 +97,7 @@ def vision_run(task_cfg: Any, model_cfg: Any) -> VisionRun:
         ff_new_layers=int(model_cfg.ff_new_layers), seed=int(task_cfg.seed))
     return VisionRun(
         dataset=dataset, data_path=data_path,
-        plan=StreamPlan(int(model_cfg.num_megabatches), int(task_cfg.wait), bool(task_cfg.replay)),
+        plan=StreamPlan(int(model_cfg.num_megabatches), wait_from_flag(task_cfg.wait), bool(task_cfg.replay)),
         learner=learner, training=training, valid_fraction=float(model_cfg.valid_fraction),
         seed=int(task_cfg.seed), device=resolve_device(_text(model_cfg.vision_device), bool(given(task_cfg, "common", "cpu"))),
         keep_stage_checkpoints=bool(model_cfg.keep_stage_checkpoints))
@@ -123,14 +123,14 @@ class VisionStreamEntry(FairseqTask):
         refuse_lm_only_stream_flags(self.cfg)
         run = vision_run(self.cfg, cfg)
         torch.set_num_threads(int(cfg.vision_threads))
-        limit = stage_limit(run.plan.num_stages, self.cfg.max_epoch or None)
+        limit = stage_limit(run.plan.max_stages, self.cfg.max_epoch or None)
         # rank 0 takes the directory; every rank learns whether it could
         session = StreamSession.open(run.plan, self.cfg.save_dir, rank=world()[1],
                                      agree=raise_unless_all_ok, stop_after=limit)
-        logger.info("vision stream: %s %s%d, B=%d, w=%d%s, %d epochs per stage on %s, up to stage %d of %d",
+        logger.info("vision stream: %s %s%d, B=%d, w=%s%s, %d epochs per stage on %s, up to stage %d of %d",
                     run.learner.method, run.learner.arch, run.learner.width, run.plan.num_megabatches,
                     run.plan.wait, " replay" if run.plan.replay else "", run.training.epochs, run.device,
-                    limit, run.plan.num_stages)
+                    limit, run.plan.max_stages)
         session.stop = StopSignal().install()
         records = run_vision_session(run, session, restart=bool(self.cfg.restart_stream))
         logger.info("vision stream: %d of %d arrivals recorded in %s", len(records),

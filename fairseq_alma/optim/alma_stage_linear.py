@@ -11,7 +11,7 @@ resumed from any checkpoint gets exactly the learning rates of an uninterrupted 
 
 import logging
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Optional
 
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.optim.lr_scheduler import FairseqLRScheduler, register_lr_scheduler
@@ -35,7 +35,7 @@ class AlmaStageLinearConfig(FairseqDataclass):
     lr: List[float] = II("optimization.lr")
     updates_per_stage: int = II("task.updates_per_stage")
     scale_updates_by_wait: bool = II("task.scale_updates_by_wait")
-    wait: int = II("task.wait")
+    wait: Optional[int] = II("task.wait")  # None: --wait auto, refused for LM streams
 
 
 def stage_budget(updates_per_stage: int, wait: int, scale_updates_by_wait: bool) -> int:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
+from ..stream.progress import AUTO, wait_from_flag
 from ..stream.records import ArrivalRecord
 from ..stream.run_dir import STREAM_LOG
 from ..stream.run_view import RunView
@@ -47,13 +48,14 @@ def expand_run_dirs(paths: list[str]) -> list[str]:
 
 def setting_name(flags: Mapping[str, Any], prefix: str | None = None, lr_schedule: Any = None) -> str:
     """Table 2's names from a run's stream flags: 'SM_w1', 'Ens_w4 (4x steps)', 'gMoE_w1',
+    'SM_wauto' (``--wait auto``),
     ' replay' when replaying, ' replay r=0.25' with partial replay, ' lr decay' with a
     ``--stage-lr-schedule`` other than ALMA's restart; vision runs name their method."""
-    wait, replay = flags.get("wait") or 1, flags.get("replay")
+    wait, replay = wait_from_flag(flags.get("wait", 1)), flags.get("replay")
     ratio = flags.get("replay_ratio") or 0
     steps = flags.get("scale_updates_by_wait")
     prefix = prefix or flags.get("method") or ("gMoE" if flags.get("grow_experts") else "SM")
-    name = f"{prefix}_w{wait}" + (f" ({wait}x steps)" if steps and wait > 1 else "")
+    name = f"{prefix}_w{wait}" + (f" ({wait}x steps)" if steps and wait != AUTO and wait > 1 else "")
     name += " replay" if replay else (f" replay r={ratio:g}" if ratio else "")
     schedule = str(getattr(lr_schedule, "value", lr_schedule)) if lr_schedule else "restart"
     return name + (f" lr {schedule}" if schedule != "restart" else "")

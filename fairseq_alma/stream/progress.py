@@ -22,6 +22,8 @@ exactly the arrivals that are still missing: never one twice, never one lost.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,27 +33,75 @@ from ..errors import UsageError
 from .records import ArrivalRecord
 from .replay import check_replay_ratio, replay_slots
 from .run_dir import RunDirectory
-from .schedule import ArrivalInfo, Stage, arrival_table, build_schedule
+from .schedule import ArrivalInfo, Stage, arrival_table, build_schedule, schedule_at
 
 Measured = TypeVar("Measured")
+
+
+AUTO = "auto"  # --wait auto: decided at each arrival (``wait_policy.py``)
+
+
+def parse_wait(text: str) -> int | str:
+    """A waiting time on the command line: a whole number of mega-batches >= 1, or ``auto``."""
+    if text.strip().lower() == AUTO:
+        return AUTO
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a waiting time is a whole number of mega-batches >= 1 "
+                                         f"or auto, got {text!r}")
+    return value
+
+
+def wait_flag(text: str) -> int | None:
+    """fairseq-train's ``--wait``: any whole number as before (``StreamPlan`` says which are
+    allowed, in one line), ``auto`` as None: the field stays an integer, so the fingerprints
+    of existing runs do not change."""
+    if text.strip().lower() == AUTO:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a waiting time is a whole number of mega-batches >= 1 "
+                                         f"or auto, got {text!r}") from None
+
+
+def wait_from_flag(value: int | str | None) -> int | str:
+    """The plan's waiting time from the integer field (``wait_flag``: None is auto)."""
+    return AUTO if value is None or value == AUTO else int(value)
+
+
+def wait_order(wait: int | str) -> float:
+    """Sort key: fixed waiting times in order, ``auto`` after them."""
+    return float("inf") if wait == AUTO else float(wait)
 
 
 @dataclass(frozen=True)
 class StreamPlan:
     """The stream a learner sees: B mega-batches arriving one by one, waiting time w, replay
     (``replay``: everything seen; ``replay_ratio``: that fraction of each stage's updates from
-    the mega-batches that arrived before the stage's new ones)."""
+    the mega-batches that arrived before the stage's new ones).
+
+    ``wait="auto"``: no schedule in advance; ``decisions`` holds train (True) or wait at each
+    arrival decided so far (1 … len), and the schedule and arrival table cover those arrivals
+    (``with_decision`` adds the next)."""
 
     num_megabatches: int
-    wait: int = 1
+    wait: int | str = 1
     replay: bool = False
     replay_ratio: float = 0.0
+    decisions: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.num_megabatches, bool) or not isinstance(self.num_megabatches, int) \
                 or self.num_megabatches < 1:
             raise UsageError(f"--num-megabatches must be an integer >= 1 (got "
                              f"{self.num_megabatches!r})")
+        if self.adaptive:
+            self._check_adaptive()
+            return
         if isinstance(self.wait, bool) or not isinstance(self.wait, int) \
                 or not 1 <= self.wait <= self.num_megabatches:
             raise UsageError(f"--wait must be in [1, {self.num_megabatches}] (the stream's "
@@ -62,14 +112,43 @@ class StreamPlan:
                              f"--wait {self.wait} the stream of {self.num_megabatches} mega-batches "
                              f"trains one stage, and a stage replays only earlier stages' data")
 
+    def _check_adaptive(self) -> None:
+        if self.num_megabatches < 2:
+            raise UsageError("--wait auto: a stream of one mega-batch leaves nothing to decide; "
+                             "use --wait 1")
+        if self.replay_ratio > 0:
+            raise UsageError("--wait auto with --replay-ratio: not supported (the replayed share "
+                             "of a stage of unknown size); use --replay or no replay")
+        if len(self.decisions) > self.num_megabatches:
+            raise ValueError(f"{len(self.decisions)} decisions for {self.num_megabatches} arrivals")
+
+    @property
+    def adaptive(self) -> bool:
+        return self.wait == AUTO
+
+    @property
+    def decided(self) -> int:
+        """Arrivals whose schedule is known: all of them, unless ``--wait auto``."""
+        return len(self.decisions) if self.adaptive else self.num_megabatches
+
+    def with_decision(self, train: bool) -> StreamPlan:
+        """This plan with the next arrival's decision (``--wait auto``)."""
+        assert self.adaptive and len(self.decisions) < self.num_megabatches
+        return dataclasses.replace(self, decisions=(*self.decisions, bool(train)))
+
     @functools.cached_property
     def schedule(self) -> list[Stage]:
+        if self.adaptive:
+            arrivals = [t for t, train in enumerate(self.decisions, start=1) if train]
+            return schedule_at(arrivals, self.replay)
         return build_schedule(self.num_megabatches, self.wait, self.replay,
                               partial_replay=self.replay_ratio > 0)
 
     @functools.cached_property
     def arrivals(self) -> list[ArrivalInfo]:
-        return arrival_table(self.schedule, self.num_megabatches)
+        if self.decided == 0:  # --wait auto before its first decision: the untrained model
+            return [ArrivalInfo(arrival=0, stage=0, trained=False, megabatches_seen=0)]
+        return arrival_table(self.schedule, self.decided)
 
     @property
     def initial_model_answers(self) -> bool:
@@ -80,6 +159,11 @@ class StreamPlan:
     @property
     def num_stages(self) -> int:
         return len(self.schedule)
+
+    @property
+    def max_stages(self) -> int:
+        """The most stages the stream can have: its schedule's, or B with ``--wait auto``."""
+        return self.num_megabatches if self.adaptive else self.num_stages
 
     def stage(self, index: int) -> Stage:
         """Stage ``index`` (1-based)."""

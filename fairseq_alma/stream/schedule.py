@@ -83,7 +83,7 @@ def build_schedule(num_megabatches: int, wait: int, replay: bool,
     >>> [s.arrival for s in build_schedule(4, 1, replay=False)]
     [1, 2, 3, 4]
     >>> build_schedule(4, 3, replay=False)
-    [Stage(index=1, arrival=3, new_megabatches=(0, 1, 2), train_megabatches=(0, 1, 2))]
+    [Stage(index=1, arrival=3, new_megabatches=(0, 1, 2), train_megabatches=(0, 1, 2), replay_megabatches=())]
     """
     _check_stream_size(num_megabatches)
     if isinstance(wait, bool) or not isinstance(wait, int) or not 1 <= wait <= num_megabatches:
@@ -99,6 +99,25 @@ def build_schedule(num_megabatches: int, wait: int, replay: bool,
         earlier = tuple(range(arrival - wait)) if partial_replay else ()
         stages.append(Stage(index=index, arrival=arrival, new_megabatches=new,
                             train_megabatches=train, replay_megabatches=earlier))
+    return stages
+
+
+def schedule_at(arrivals: list[int], replay: bool) -> list[Stage]:
+    """The stages of a learner that trained at ``arrivals`` (increasing, 1-based; ``--wait
+    auto`` decides them one by one): each on the mega-batches arrived since the one before, or
+    on all arrived ones with replay.
+
+    >>> [(s.arrival, s.new_megabatches) for s in schedule_at([2, 3], replay=False)]
+    [(2, (0, 1)), (3, (2,))]
+    """
+    stages, previous = [], 0
+    for index, arrival in enumerate(arrivals, start=1):
+        if arrival <= previous:
+            raise ValueError(f"training arrivals must increase, got {arrivals}")
+        new = tuple(range(previous, arrival))
+        stages.append(Stage(index=index, arrival=arrival, new_megabatches=new,
+                            train_megabatches=tuple(range(arrival)) if replay else new))
+        previous = arrival
     return stages
 
 

@@ -19,6 +19,7 @@ stop signal and stage limit and the growth log, and the learner reports a few ev
   after_update(n)        one update attempt; True when the stage's budget is complete
   grew(stage, info)      one growth step, written to ``growth.jsonl``
   stages_to_train(done)  the stages a loop trains in this process, stopping on a signal
+  decided(plan)          --wait auto: the next arrival's decision (``wait_policy.py``)
   state_dict()           what the learner's checkpoint keeps
 
 The learner answers three questions (``measure``, ``record``, ``keep_checkpoint``) and is told
@@ -65,7 +66,7 @@ class StreamSession:
         self.progress = StreamProgress(plan, run_dir)
         self.clock = StageClock(budget) if budget else None  # counted / skipped updates
         self.stop = stop
-        self.last_stage = min(plan.num_stages, stop_after or plan.num_stages)
+        self.last_stage = min(plan.max_stages, stop_after or plan.max_stages)
         self.growth: list[dict[str, Any]] = []
         self.started_stage = 0  # the last stage whose start actions ran
         self.resuming = run_dir.last_checkpoint.exists()  # the learner will restore it
@@ -147,6 +148,11 @@ class StreamSession:
         if self.clock is not None:
             state.update(clock=self.clock.state_dict(), started_stage=self.started_stage)
         return state
+
+    def decided(self, plan: StreamPlan) -> None:
+        """``--wait auto``: the plan with the next arrival decided; its records follow."""
+        assert plan.adaptive and plan.decisions[:len(self.plan.decisions)] == self.plan.decisions
+        self.plan = self.progress.plan = plan
 
     # ---- stage end ---------------------------------------------------------------------
     def stage_boundary(self, stages_done: int) -> list[ArrivalRecord]:

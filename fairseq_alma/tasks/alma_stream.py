@@ -40,7 +40,7 @@ from ..lm.budget import fixed_budget_batches, interleave_slots, spare_updates
 from ..lm.growth import parse_growth_plan
 from ..optim.alma_stage_linear import stage_budget
 from ..ranks import all_ranks_stop
-from ..stream.progress import StreamPlan
+from ..stream.progress import StreamPlan, wait_flag
 from ..stream.replay import check_replay_budget, slot_pattern
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class AlmaStreamConfig(LanguageModelingConfig):
-    wait: int = field(default=1, metadata={"help": "waiting time w: mega-batches aggregated per stage (paper §3)"})
+    wait: Optional[int] = field(default=1, metadata={"help": (
+        "waiting time w: mega-batches aggregated per stage (paper §3); or auto (vision streams): "
+        "train or wait decided at each arrival (fairseq_alma/stream/wait_policy.py)")})
     replay: bool = field(default=False, metadata={"help": "train each stage on every mega-batch seen so far"})
     replay_ratio: float = field(default=0.0, metadata={"help": (
         "partial replay: round(r x stage updates) of every stage's updates train on batches drawn from the "
@@ -116,6 +118,14 @@ class AlmaStreamTask(LanguageModelingTask):
         self.training: Any = None  # set when this process trains (build_model)
 
     @classmethod
+    def add_args(cls, parser: Any) -> None:
+        """The dataclass's flags, with ``--wait`` also taking ``auto`` (``wait_flag``)."""
+        super().add_args(parser)
+        for action in parser._actions:
+            if "--wait" in action.option_strings:
+                action.type = wait_flag
+
+    @classmethod
     def setup_task(cls, cfg: AlmaStreamConfig, **kwargs: Any) -> Any:
         from ..fairseq_glue.config import model_name
 
@@ -123,6 +133,8 @@ class AlmaStreamTask(LanguageModelingTask):
             from ..fairseq_glue.vision_entry import VisionStreamEntry
 
             return VisionStreamEntry.setup_task(cfg, **kwargs)
+        require(cfg.wait is not None, "--wait auto: LM streams train a schedule fixed in "
+                "advance for now (vision streams decide at each arrival); use --wait N")
         require(cfg.data is not None, "the stream directory (DATA) is required")
         data = cfg.data.split(os.pathsep)[0]
         if os.path.exists(data) and not os.path.isdir(data):

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 from ..checkpoint_load import load_checkpoint
-from ..errors import RunDirError, UsageError
+from ..errors import Preempted, RunDirError, UsageError
+from ..stream import wait_policy
 from ..stream.progress import StreamPlan
 from ..stream.records import ArrivalRecord
 from ..stream.run_dir import RunDirectory
@@ -39,10 +40,11 @@ from ..stream.stop import StopSignal
 from .data import load_vision_data
 from .dataset import VisionData
 from .devices import check_amp
+from .evaluation import evaluate
 from .learner_builder import build_learner
 from .learners import LearnerSpec
-from .stage_trainer import StageTrainConfig, evaluate
-from .stream_stage import arrived_statistics, make_partition, train_one_stage
+from .stage_trainer import StageTrainConfig
+from .stream_stage import arrived_statistics, make_partition, stage_data, train_one_stage
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +102,10 @@ class _VisionStream:
         self.statistics = arrived_statistics(self.data, self.partition)
         self.learner = build_learner(run.learner, data.input_shape, data.num_classes).to(self.device)
         self.stages: dict[int, dict[str, Any]] = {}  # what each stage did (FLOPs, best epoch)
+        # --wait auto: each arrival's decision, and each model the learner has had as
+        # [mega-batches trained on, of its stage, error on arrived validation (None: not yet)]
+        self.decisions: dict[int, dict[str, Any]] = {}
+        self.models: list[list[Any]] = [[0, 0, None]]
         self.seconds_before = 0.0
         self.started = time.perf_counter()
 
@@ -119,6 +125,8 @@ class _VisionStream:
                         "model": {k: v.cpu() for k, v in learner["model"].items()},
                         "generator": learner["generator"]},
             "stages": {s: dict(info) for s, info in self.stages.items()},
+            "decisions": {t: dict(d) for t, d in self.decisions.items()},
+            "models": [list(model) for model in self.models],
             "progress": self.session.progress.state_dict(), "run_seconds": self.run_seconds(),
         }
 
@@ -144,6 +152,11 @@ class _VisionStream:
         self.learner.load_checkpoint_state({**state["learner"], "spec": spec})
         self.learner.to(self.device)
         self.stages = {int(s): dict(info) for s, info in state["stages"].items()}
+        self.decisions = {int(t): dict(d) for t, d in state.get("decisions", {}).items()}
+        self.models = [list(model) for model in state.get("models", [[0, 0, None]])]
+        if self.run.plan.adaptive:
+            self.session.decided(dataclasses.replace(self.run.plan, decisions=tuple(
+                self.decisions[t]["train"] for t in sorted(self.decisions))))
         self.session.restore_records(state["progress"])
         self.seconds_before = float(state["run_seconds"])
         logger.info("resumed %s after stage %d", self.run_dir.path, self.stages_done)
@@ -159,6 +172,8 @@ class _VisionStream:
     def record(self, info: ArrivalInfo, error: float) -> ArrivalRecord:
         spec, plan = self.run.learner, self.run.plan
         trained = {"best_epoch": self.stages[info.stage]["best_epoch"]} if info.trained else {}
+        if info.arrival in self.decisions:
+            trained["decision"] = self.decisions[info.arrival]
         return ArrivalRecord(
             arrival=info.arrival, stage=info.stage, trained=info.trained,
             megabatches_seen=info.megabatches_seen, params_active=self.learner.params_active(),
@@ -180,7 +195,9 @@ class _VisionStream:
 
         outcome = train_one_stage(self.learner, stage, self.data, self.partition,
                                   self.statistics, self.run.training, self.run.seed,
-                                  plans_growth=stage.index < self.run.plan.num_stages,
+                                  plans_growth=(stage.arrival < self.run.plan.num_megabatches
+                                                if self.run.plan.adaptive
+                                                else stage.index < self.run.plan.num_stages),
                                   progress=progress,
                                   should_stop=None if stop is None else lambda: stop.requested)
         result = outcome.result
@@ -192,6 +209,50 @@ class _VisionStream:
                     f", planned {plan}" if plan else "")
         self.stages[stage.index] = {"flops": float(outcome.flops),
                                     "best_epoch": list(result.best_epoch)}
+
+
+    # ---- --wait auto ---------------------------------------------------------------------
+    def decide(self, arrival: int) -> bool:
+        """Train now or wait at ``arrival`` (``stream/wait_policy.py``), from the current model's
+        error on the validation parts of every arrived mega-batch and the learning curve of the
+        models before it; the decision and its numbers are kept for the arrival's record and
+        the checkpoint."""
+        plan = self.session.plan
+        trained = plan.schedule[-1].arrival if plan.schedule else 0
+        _, _, valid_x, valid_y = stage_data(self.data, self.partition, tuple(range(arrival)))
+        error = evaluate(self.learner, valid_x, valid_y, self.run.training.eval_batch_size,
+                         amp=self.run.training.amp).error
+        self.models[-1][2] = error  # the current model, on more validation data than before
+        decision = wait_policy.decide(
+            arrival, plan.num_megabatches,
+            [wait_policy.ModelPoint(*model) for model in self.models if model[2] is not None],
+            replay=plan.replay)
+        self.decisions[arrival] = decision.to_json()
+        logger.info("arrival %d: %s (error %.4f on arrived validation data, %d mega-batches "
+                    "waiting; predicted error sum to B: %.3f training now, %.3f waiting)",
+                    arrival, "train" if decision.train else "wait", error, decision.pending,
+                    decision.cost_train_now, decision.cost_wait)
+        if decision.train:
+            self.models.append([arrival, arrival if plan.replay else arrival - trained, None])
+        return decision.train
+
+
+def _run_adaptive(stream: _VisionStream, session: StreamSession) -> None:
+    """``--wait auto``: one decision per arrival, then the stage it asks for (if any), the
+    arrival's record and the checkpoint.  A run killed anywhere resumes at the arrival after
+    the last checkpoint and decides it again from the same model and data: the same decision."""
+    for arrival in range(session.plan.decided + 1, session.plan.num_megabatches + 1):
+        if stream.stages_done >= session.last_stage:
+            return  # ALMA_STOP_AFTER_STAGE
+        if session.stop_requested:
+            raise Preempted(f"preempted by {session.stop.signal_name} before arrival {arrival}; "
+                            f"{session.run_dir.last_checkpoint} holds arrival {arrival - 1}; run "
+                            f"the same command to continue")
+        session.decided(session.plan.with_decision(stream.decide(arrival)))
+        if session.plan.decisions[-1]:
+            stream.train(session.plan.stage(session.plan.num_stages), session.stop)
+        session.stage_boundary(stream.stages_done)
+        stream.save()
 
 
 def _tuple(value: Any) -> tuple[int, ...] | None:
@@ -239,6 +300,9 @@ def run_vision_session(run: VisionRun, session: StreamSession, data: VisionData 
     session.claim({"settings": run.settings(), "data": data_digest(data)}, restart)
     stream.resume()
     session.stage_boundary(stream.stages_done)
+    if run.plan.adaptive:
+        _run_adaptive(stream, session)
+        return session.progress.ordered()
     for stage in session.stages_to_train(stream.stages_done):
         stream.train(stage, session.stop)
         session.stage_boundary(stream.stages_done)

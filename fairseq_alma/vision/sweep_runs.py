@@ -28,7 +28,7 @@ from ..errors import UsageError
 from ..out_paths import check_dir_path
 from ..stream.atomic import atomic_write_json
 from ..stream.metrics import cumulative, cumulative_error_rate
-from ..stream.progress import StreamPlan
+from ..stream.progress import AUTO, StreamPlan, wait_order
 from ..stream.run_dir import RunDirectory
 from ..stream.run_view import RunView
 from ..text_table import format_table as layout
@@ -47,7 +47,7 @@ class RunSummary:
     method: str
     arch: str
     width: int
-    wait: int
+    wait: int | str  # or auto
     replay: bool
     seed: int
     cer: float
@@ -86,7 +86,7 @@ def format_sweep_table(runs: Sequence[RunSummary]) -> str:
     for run in runs:
         groups.setdefault((run.method, run.arch, run.width, run.replay, run.wait), []).append(run)
     rows = []
-    for key in sorted(groups):
+    for key in sorted(groups, key=lambda key: (*key[:4], wait_order(key[4]))):
         group = groups[key]
         cers = [run.cer for run in group]
         spread = statistics.stdev(cers) if len(cers) > 1 else 0.0
@@ -105,7 +105,7 @@ def _check_lists(args: argparse.Namespace) -> None:
         raise UsageError(f"--widths must all be >= 1, got {args.widths}")
     if args.num_megabatches < 1:
         raise UsageError(f"--num-megabatches must be >= 1, got {args.num_megabatches}")
-    if not all(1 <= wait <= args.num_megabatches for wait in args.waits):
+    if not all(wait == AUTO or 1 <= wait <= args.num_megabatches for wait in args.waits):
         raise UsageError(f"--waits must all be between 1 and --num-megabatches "
                          f"({args.num_megabatches}), got {args.waits}")
     if min(args.seeds) < 0:

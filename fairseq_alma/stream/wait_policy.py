@@ -1,0 +1,180 @@
+"""``--wait auto``: at every arrival, train now or wait for the next mega-batch (beyond the paper).
+
+The paper finds no formula for the best waiting time: it depends on the horizon, the model,
+how fast it learns and where it starts.  A fixed ``w`` is chosen in hindsight; this rule
+decides at each arrival t from what the learner has there, and nothing else:
+
+  v_now     the current model's error on the validation parts of every mega-batch arrived so
+            far (never trained on: a stage only picks its epoch on its own part)
+  models    for every model the learner has had (the untrained one, then one per stage): n,
+            the mega-batches trained on so far, m, those of the stage that made it, and its
+            error, measured like v_now (refreshed at each arrival while it is the current model)
+  k, R      the mega-batches waiting to be trained on, and R = B - t arrivals still to come
+            (B is known in ALMA)
+
+**The learning curve.**  A model's error is fitted as a power law in the data it effectively
+learnt from:
+
+    e(n, m) = a (1 + m + rho (n - m))^(-alpha)
+
+m is the stage's own data and n - m what earlier stages saw; rho in [0, 1] is how much of that
+the learner keeps.  rho = 1: it keeps all (a fine-tuned learner that does not forget: the error
+falls with n, and frequent stages pay); rho = 0: only the last stage counts (a learner that
+forgets, or starts each stage from scratch: small stages make poor models, and waiting pays).
+With ``--replay`` a stage trains on everything arrived, m = n.  (a, alpha) are least squares
+in log space for each rho of a grid, and the rho with the smallest residual wins.  What the
+points cannot tell comes from the priors: alpha = ``PRIOR_EXPONENT`` (0.5, the middle of the
+exponents reported for classification error in "Deep learning scaling is predictable",
+Hestness et al. 2017) while there is one distinct data size, rho = 1 while n = m for every
+model (the bet of w = 1, given up as soon as the learner's own stages show forgetting).
+
+**The decision.**  For every gap g (train when g mega-batches wait, and every g arrivals after
+that, up to B; the last g never trains again), the curve predicts the error at each arrival
+t … B, and the anytime metric charges their sum (v_now until the first stage).  The learner
+trains now iff the cheapest plan trains at this arrival (g <= k; a tie waits).  This looks
+ahead over the whole horizon: early on a learner that forgets waits for bigger stages; near the
+end a stage must pay for itself over the few arrivals left, and at t = B it trains iff the
+curve predicts a lower error than v_now.  Compute is not priced: a vision stage's cost is its data times its
+epochs, the same for any schedule that trains on the same data.
+
+Pure Python: no torch, so the decisions are exact, cheap and testable anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+PRIOR_EXPONENT = 0.5
+PRIOR_RETENTION = 1.0
+EXPONENT_RANGE = (0.01, 3.0)  # a fit outside it is noise from a handful of points
+RETENTION_GRID = tuple(i / 10 for i in range(11))
+FLOOR = 1e-4  # errors are floored here before taking logs (an error of 0 is a point too)
+
+
+@dataclass(frozen=True)
+class ModelPoint:
+    """One model the learner has had: mega-batches trained on so far (n), those of the stage
+    that made it (m; 0 for the untrained model), and its error on arrived validation data."""
+
+    trained: int
+    stage: int
+    error: float
+
+
+@dataclass(frozen=True)
+class LearningCurve:
+    """e(n, m) = scale (1 + m + retention (n - m))^(-exponent) (module doc)."""
+
+    scale: float
+    exponent: float
+    retention: float
+
+    def __call__(self, trained: int, stage: int) -> float:
+        effective = stage + self.retention * (trained - stage)
+        return self.scale * (1.0 + effective) ** (-self.exponent)
+
+
+def _fit_power_law(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
+    """(log scale, exponent, squared residual) of y = log scale - exponent x."""
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    if spread < 1e-12:
+        exponent = PRIOR_EXPONENT
+    else:
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread
+        exponent = min(max(-slope, EXPONENT_RANGE[0]), EXPONENT_RANGE[1])
+    log_scale = mean_y + exponent * mean_x
+    residual = sum((y - log_scale + exponent * x) ** 2 for x, y in zip(xs, ys))
+    return log_scale, exponent, residual
+
+
+def fit_curve(points: Sequence[ModelPoint]) -> LearningCurve:
+    """The retention and power law that fit the learner's models best (module doc)."""
+    if not points:
+        raise ValueError("fit_curve needs at least the untrained model's point")
+    ys = [math.log(max(p.error, FLOOR)) for p in points]
+    if all(p.trained == p.stage for p in points):
+        grid: Sequence[float] = (PRIOR_RETENTION,)  # nothing tells retention yet
+    else:
+        grid = RETENTION_GRID
+    best: tuple[float, float, float, float] | None = None
+    for retention in reversed(grid):  # ties: the larger retention (the prior's side)
+        xs = [math.log1p(p.stage + retention * (p.trained - p.stage)) for p in points]
+        log_scale, exponent, residual = _fit_power_law(xs, ys)
+        if best is None or residual < best[0] - 1e-12:
+            best = (residual, log_scale, exponent, retention)
+    _, log_scale, exponent, retention = best
+    return LearningCurve(scale=math.exp(log_scale), exponent=exponent, retention=retention)
+
+
+def plan_cost(curve: LearningCurve, current: ModelPoint, gap: int, pending: int, remaining: int,
+              replay: bool) -> float:
+    """Predicted sum of the errors at arrivals t … t + remaining when the learner trains as
+    soon as ``gap`` mega-batches wait (now, if ``pending`` >= gap) and every ``gap`` arrivals
+    after that.  The curve predicts changes from the ``current`` model, whose error is measured:
+    a model the curve rates e' is expected at current.error x e' / e(current)."""
+    steps = remaining + 1
+    delay = max(0, gap - pending)  # arrivals until the first stage
+    if delay >= steps:
+        return steps * current.error
+    calibration = current.error / curve(current.trained, current.stage)
+    total, waiting, seen = delay * current.error, pending + delay, current.trained
+    steps -= delay
+    while steps > 0:  # a stage now; its model answers ``gap`` arrivals (or up to B)
+        seen += waiting
+        span = min(gap, steps)
+        total += span * calibration * curve(seen, seen if replay else waiting)
+        steps -= span
+        waiting = gap
+    return total
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One arrival's choice and the numbers it was made from (written to ``stream.jsonl``)."""
+
+    arrival: int
+    train: bool
+    pending: int  # k: mega-batches arrived and not trained on
+    remaining: int  # R = B - t
+    error_now: float  # v_now
+    best_gap: int  # g of the cheapest plan (> pending + remaining: never train again)
+    cost_train_now: float  # predicted error sum t..B of the cheapest plan that trains now
+    cost_wait: float  # ... of the cheapest plan that waits
+    curve_scale: float
+    curve_exponent: float
+    curve_retention: float
+    models: int  # points the curve was fitted to
+
+    def to_json(self) -> dict[str, Any]:
+        return {key: (round(value, 6) if isinstance(value, float) else value)
+                for key, value in asdict(self).items()}
+
+
+def decide(arrival: int, num_megabatches: int, models: Sequence[ModelPoint],
+           replay: bool = False) -> Decision:
+    """Train now or wait, at ``arrival`` (module doc).  ``models`` holds every model the
+    learner has had, the current one last (its error measured at this arrival)."""
+    current = models[-1] if models else None
+    if current is None or not 1 <= arrival <= num_megabatches or current.trained >= arrival:
+        raise ValueError(f"no decision to make at arrival {arrival} of {num_megabatches} with "
+                         f"models {list(models)}")
+    curve = fit_curve(models)
+    pending, remaining = arrival - current.trained, num_megabatches - arrival
+
+    def cost(gap: int) -> float:
+        return plan_cost(curve, current, gap, pending, remaining, replay)
+
+    never = pending + remaining + 1
+    train_now = min(range(1, pending + 1), key=lambda gap: (cost(gap), gap))
+    wait = min(range(pending + 1, never + 1), key=lambda gap: (cost(gap), gap))
+    cost_now, cost_wait = cost(train_now), cost(wait)
+    train = cost_now < cost_wait  # a tie waits: the same predicted errors for less compute
+    return Decision(arrival=arrival, train=train, pending=pending, remaining=remaining,
+                    error_now=current.error, best_gap=train_now if train else wait,
+                    cost_train_now=cost_now, cost_wait=cost_wait, curve_scale=curve.scale,
+                    curve_exponent=curve.exponent, curve_retention=curve.retention,
+                    models=len(models))

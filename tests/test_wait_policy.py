@@ -1,0 +1,124 @@
+"""``--wait auto``'s rule (``stream/wait_policy.py``) and the plan it grows
+(``StreamPlan.with_decision``): pure Python, exact."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from fairseq_alma.errors import UsageError
+from fairseq_alma.stream.progress import AUTO, StreamPlan, parse_wait, wait_flag, wait_from_flag
+from fairseq_alma.stream.wait_policy import LearningCurve, ModelPoint, decide, fit_curve, plan_cost
+
+
+def _models(curve: LearningCurve, stages: list[int]) -> list[ModelPoint]:
+    """The untrained model and one model per stage of the given sizes, errors on the curve."""
+    points, seen = [ModelPoint(0, 0, curve(0, 0))], 0
+    for size in stages:
+        seen += size
+        points.append(ModelPoint(seen, size, curve(seen, size)))
+    return points
+
+
+@pytest.mark.parametrize("retention", [0.0, 0.3, 1.0])
+def test_fit_recovers_the_curve_that_made_the_points(retention):
+    truth = LearningCurve(scale=0.9, exponent=0.4, retention=retention)
+    fitted = fit_curve(_models(truth, [1, 1, 2, 1, 3]))
+    assert fitted.retention == pytest.approx(retention)
+    assert fitted.exponent == pytest.approx(0.4)
+    assert fitted.scale == pytest.approx(0.9)
+
+
+def test_priors_while_the_points_cannot_tell():
+    assert fit_curve([ModelPoint(0, 0, 0.8)]) == LearningCurve(0.8, 0.5, 1.0)
+    one_stage = fit_curve([ModelPoint(0, 0, 0.8), ModelPoint(1, 1, 0.5)])
+    assert one_stage.retention == 1.0 and one_stage.exponent == pytest.approx(math.log(1.6, 2))
+
+
+def _brute_force(curve, current, gap, pending, remaining, replay):
+    """plan_cost arrival by arrival, as its docstring says."""
+    calibration = current.error / curve(current.trained, current.stage)
+    total, error, waiting, seen = 0.0, current.error, pending, current.trained
+    for _ in range(remaining + 1):
+        if waiting >= gap:
+            seen += waiting
+            error = calibration * curve(seen, seen if replay else waiting)
+            waiting = 0
+        total += error
+        waiting += 1
+    return total
+
+
+def test_plan_cost_is_the_arrival_by_arrival_sum():
+    rng = random.Random(0)
+    for _ in range(300):
+        curve = LearningCurve(rng.uniform(0.1, 1), rng.uniform(0.01, 2), rng.choice([0, 0.5, 1]))
+        trained = rng.randint(0, 20)
+        current = ModelPoint(trained, rng.randint(0, trained), rng.uniform(0.05, 0.9))
+        pending, remaining, replay = rng.randint(1, 9), rng.randint(0, 30), rng.random() < 0.5
+        for gap in range(1, pending + remaining + 3):
+            assert plan_cost(curve, current, gap, pending, remaining, replay) == pytest.approx(
+                _brute_force(curve, current, gap, pending, remaining, replay))
+
+
+def test_a_learner_that_keeps_what_it_learnt_trains_at_every_arrival():
+    models = _models(LearningCurve(0.9, 0.5, 1.0), [1, 1, 1])
+    decision = decide(4, 20, models)
+    assert decision.train and decision.best_gap == 1 and decision.curve_retention == 1.0
+
+
+def test_a_learner_that_forgets_waits_for_a_bigger_stage_then_trains():
+    models = _models(LearningCurve(0.9, 0.5, 0.0), [1, 1, 1])
+    early = decide(4, 20, models)
+    assert not early.train and early.best_gap > 1
+    assert early.cost_wait < early.cost_train_now
+    # the same learner at the last arrival, 5 mega-batches waiting: a stage of 5 beats its
+    # model of 1, and nothing is left to wait for
+    last = decide(8, 8, models)
+    assert last.train and last.pending == 5 and last.remaining == 0
+
+
+def test_the_last_arrival_trains_iff_the_curve_predicts_a_better_model():
+    models = [ModelPoint(0, 0, 0.9), ModelPoint(1, 1, 0.5)]
+    assert decide(2, 2, models).train
+    stuck = [ModelPoint(0, 0, 0.5), ModelPoint(1, 1, 0.5), ModelPoint(2, 1, 0.5)]
+    assert not decide(3, 3, stuck).train  # the curve is flat: nothing to gain
+
+
+def test_decide_refuses_what_is_not_a_decision():
+    with pytest.raises(ValueError):
+        decide(2, 5, [ModelPoint(0, 0, 0.9), ModelPoint(2, 2, 0.5)])  # nothing pending
+    with pytest.raises(ValueError):
+        decide(6, 5, [ModelPoint(0, 0, 0.9)])
+
+
+def test_the_plan_grows_one_decision_at_a_time():
+    plan = StreamPlan(5, AUTO)
+    assert plan.max_stages == 5 and plan.num_stages == 0
+    assert [a.arrival for a in plan.arrivals] == [0]
+    for train in (False, True, True, False):
+        plan = plan.with_decision(train)
+    assert [(s.index, s.arrival, s.train_megabatches) for s in plan.schedule] == [
+        (1, 2, (0, 1)), (2, 3, (2,))]
+    assert [(a.arrival, a.stage, a.trained) for a in plan.arrivals] == [
+        (0, 0, False), (1, 0, False), (2, 1, True), (3, 2, True), (4, 2, False)]
+    assert plan.initial_model_answers
+    replayed = StreamPlan(5, AUTO, replay=True, decisions=(False, True, True))
+    assert replayed.stage(2).train_megabatches == (0, 1, 2)
+
+
+def test_wait_values_on_the_command_line():
+    assert parse_wait("auto") == AUTO and parse_wait("3") == 3
+    assert wait_flag("auto") is None and wait_from_flag(None) == AUTO and wait_from_flag(2) == 2
+    assert wait_flag("0") == 0  # refused by StreamPlan, in fairseq-alma's one line
+    for bad in ("0", "-1", "soon", "1.5"):
+        with pytest.raises(Exception, match="whole number of mega-batches >= 1 or auto"):
+            parse_wait(bad)
+    with pytest.raises(Exception, match="whole number of mega-batches >= 1 or auto"):
+        wait_flag("soon")
+    with pytest.raises(UsageError, match="one mega-batch leaves nothing to decide"):
+        StreamPlan(1, AUTO)
+    with pytest.raises(UsageError, match="--replay-ratio: not supported"):
+        StreamPlan(4, AUTO, replay_ratio=0.25)
