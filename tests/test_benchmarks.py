@@ -51,3 +51,13 @@ def test_train_throughput_tiny_runs(tmp_path):
 def test_profile_lm_step_tiny_runs():
     proc = _bench("profile_lm_step.py", "--tiny")
     assert proc.stdout.count(" step ") == 3
+
+
+def test_adaptive_wait_tiny_runs(tmp_path):
+    """benchmarks/adaptive_wait.py --quick: every fixed w and auto, two seeds, the table, the
+    verdict and the figure."""
+    proc = _bench("adaptive_wait.py", "--quick", "--out", str(tmp_path))
+    result = json.loads((tmp_path / "adaptive_wait.json").read_text())["digits"]["mlp4"]
+    assert list(result["rows"]) == ["1", "2", "4", "auto"]
+    assert all(row["seeds"] == 2 and row["compute"] > 0 for row in result["rows"].values())
+    assert result["verdict"] in proc.stdout and (tmp_path / "adaptive_wait.png").stat().st_size > 0

@@ -31,6 +31,14 @@ def test_fit_recovers_the_curve_that_made_the_points(retention):
     assert fitted.scale == pytest.approx(0.9)
 
 
+def test_one_unlucky_stage_does_not_overturn_the_prior():
+    """Three models, the last no better than the one before: not evidence of forgetting."""
+    points = [ModelPoint(0, 0, 0.9, 10), ModelPoint(1, 1, 0.6, 20), ModelPoint(2, 1, 0.6, 30)]
+    assert fit_curve(points).retention == 1.0
+    noisy = points + [ModelPoint(3, 1, 0.45, 40), ModelPoint(4, 1, 0.5, 50)]
+    assert fit_curve(noisy).retention == 1.0
+
+
 def test_priors_while_the_points_cannot_tell():
     assert fit_curve([ModelPoint(0, 0, 0.8)]) == LearningCurve(0.8, 0.5, 1.0)
     one_stage = fit_curve([ModelPoint(0, 0, 0.8), ModelPoint(1, 1, 0.5)])
@@ -83,8 +91,12 @@ def test_a_learner_that_forgets_waits_for_a_bigger_stage_then_trains():
 def test_the_last_arrival_trains_iff_the_curve_predicts_a_better_model():
     models = [ModelPoint(0, 0, 0.9), ModelPoint(1, 1, 0.5)]
     assert decide(2, 2, models).train
-    stuck = [ModelPoint(0, 0, 0.5), ModelPoint(1, 1, 0.5), ModelPoint(2, 1, 0.5)]
-    assert not decide(3, 3, stuck).train  # the curve is flat: nothing to gain
+    # a learner that forgets, its model from a stage of 4: one mega-batch would make it worse
+    forgets = _models(LearningCurve(0.9, 0.5, 0.0), [4, 4, 4, 4])
+    assert fit_curve(forgets).retention == 0.0
+    assert not decide(17, 17, forgets).train
+    assert not decide(20, 20, forgets).train  # 4 waiting: no better than its model (a tie waits)
+    assert decide(21, 21, forgets).train  # 5 waiting: a bigger stage than any before
 
 
 def test_decide_refuses_what_is_not_a_decision():

@@ -55,6 +55,11 @@ def parse_wait(text: str) -> int | str:
     return value
 
 
+# Why an LM stream refuses --wait auto (fairseq-train, and alma-sweep before it submits)
+AUTO_NOT_FOR_LM = ("--wait auto: LM streams train a schedule fixed in advance for now (vision "
+                   "streams decide at each arrival); use --wait N")
+
+
 def wait_flag(text: str) -> int | None:
     """fairseq-train's ``--wait``: any whole number as before (``StreamPlan`` says which are
     allowed, in one line), ``auto`` as None: the field stays an integer, so the fingerprints

@@ -21,12 +21,15 @@ m is the stage's own data and n - m what earlier stages saw; rho in [0, 1] is ho
 the learner keeps.  rho = 1: it keeps all (a fine-tuned learner that does not forget: the error
 falls with n, and frequent stages pay); rho = 0: only the last stage counts (a learner that
 forgets, or starts each stage from scratch: small stages make poor models, and waiting pays).
-With ``--replay`` a stage trains on everything arrived, m = n.  (a, alpha) are least squares
-in log space for each rho of a grid, and the rho with the smallest residual wins.  What the
-points cannot tell comes from the priors: alpha = ``PRIOR_EXPONENT`` (0.5, the middle of the
-exponents reported for classification error in "Deep learning scaling is predictable",
-Hestness et al. 2017) while there is one distinct data size, rho = 1 while n = m for every
-model (the bet of w = 1, given up as soon as the learner's own stages show forgetting).
+With ``--replay`` a stage trains on everything arrived, m = n.  (a, alpha) are weighted least
+squares in log space (each point weighted by the inverse variance of a log error rate measured
+on its validation examples), for each rho of a grid.  What the points cannot tell comes from
+the priors: alpha = ``PRIOR_EXPONENT`` (0.5, the middle of the exponents reported for
+classification error in "Deep learning scaling is predictable", Hestness et al. 2017) while
+there is one distinct data size, and rho = 1 (the bet of w = 1) unless another rho fits
+clearly better: its drop in residual must be at least ``EVIDENCE`` (4, an F-test at about 95%)
+times the residual variance left, with more than three models.  One stage unlucky on a few
+validation examples then does not turn the policy over.
 
 **The decision.**  For every gap g (train when g mega-batches wait, and every g arrivals after
 that, up to B; the last g never trains again), the curve predicts the error at each arrival
@@ -52,6 +55,7 @@ PRIOR_RETENTION = 1.0
 EXPONENT_RANGE = (0.01, 3.0)  # a fit outside it is noise from a handful of points
 RETENTION_GRID = tuple(i / 10 for i in range(11))
 FLOOR = 1e-4  # errors are floored here before taking logs (an error of 0 is a point too)
+EVIDENCE = 4.0  # F(1, n) at 95% is about 4: how much better a retention must fit than the prior
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,15 @@ class ModelPoint:
     trained: int
     stage: int
     error: float
+    examples: int = 1  # validation examples behind ``error`` (its weight in the fit)
+
+    @property
+    def weight(self) -> float:
+        """Inverse variance of log(error) for an error rate measured on ``examples`` examples
+        (binomial: var log e ~ (1 - e) / (e N)): a point measured on a handful of examples
+        counts little."""
+        error = min(max(self.error, FLOOR), 1.0 - FLOOR)
+        return max(self.examples, 1) * error / (1.0 - error)
 
 
 @dataclass(frozen=True)
@@ -77,36 +90,47 @@ class LearningCurve:
         return self.scale * (1.0 + effective) ** (-self.exponent)
 
 
-def _fit_power_law(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
-    """(log scale, exponent, squared residual) of y = log scale - exponent x."""
-    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
-    spread = sum((x - mean_x) ** 2 for x in xs)
+def _fit_power_law(xs: list[float], ys: list[float],
+                   weights: list[float]) -> tuple[float, float, float]:
+    """(log scale, exponent, weighted squared residual) of y = log scale - exponent x."""
+    total = sum(weights)
+    mean_x = sum(w * x for w, x in zip(weights, xs)) / total
+    mean_y = sum(w * y for w, y in zip(weights, ys)) / total
+    spread = sum(w * (x - mean_x) ** 2 for w, x in zip(weights, xs))
     if spread < 1e-12:
         exponent = PRIOR_EXPONENT
     else:
-        slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread
+        slope = sum(w * (x - mean_x) * (y - mean_y) for w, x, y in zip(weights, xs, ys)) / spread
         exponent = min(max(-slope, EXPONENT_RANGE[0]), EXPONENT_RANGE[1])
     log_scale = mean_y + exponent * mean_x
-    residual = sum((y - log_scale + exponent * x) ** 2 for x, y in zip(xs, ys))
+    residual = sum(w * (y - log_scale + exponent * x) ** 2 for w, x, y in zip(weights, xs, ys))
     return log_scale, exponent, residual
 
 
 def fit_curve(points: Sequence[ModelPoint]) -> LearningCurve:
-    """The retention and power law that fit the learner's models best (module doc)."""
+    """The retention and power law that fit the learner's models best (module doc): weighted
+    least squares in log space for each retention of the grid; a retention other than the
+    prior's only when it explains clearly more than the prior does (its drop in residual at
+    least ``EVIDENCE`` times the residual variance left, an F-test with one extra parameter),
+    so that one stage unlucky on a few validation examples does not turn the policy over."""
     if not points:
         raise ValueError("fit_curve needs at least the untrained model's point")
     ys = [math.log(max(p.error, FLOOR)) for p in points]
-    if all(p.trained == p.stage for p in points):
-        grid: Sequence[float] = (PRIOR_RETENTION,)  # nothing tells retention yet
-    else:
-        grid = RETENTION_GRID
-    best: tuple[float, float, float, float] | None = None
-    for retention in reversed(grid):  # ties: the larger retention (the prior's side)
+    weights = [p.weight for p in points]
+
+    def fit(retention: float) -> tuple[float, float, float]:
         xs = [math.log1p(p.stage + retention * (p.trained - p.stage)) for p in points]
-        log_scale, exponent, residual = _fit_power_law(xs, ys)
-        if best is None or residual < best[0] - 1e-12:
-            best = (residual, log_scale, exponent, retention)
-    _, log_scale, exponent, retention = best
+        return _fit_power_law(xs, ys, weights)
+
+    prior = fit(PRIOR_RETENTION)
+    chosen, retention = prior, PRIOR_RETENTION
+    if len(points) > 3 and any(p.trained != p.stage for p in points):
+        best = min(((fit(r), r) for r in reversed(RETENTION_GRID)),
+                   key=lambda item: item[0][2])  # ties: the larger retention
+        left = best[0][2] / (len(points) - 3)  # residual variance with the retention fitted
+        if prior[2] - best[0][2] > EVIDENCE * left:
+            chosen, retention = best
+    log_scale, exponent, _ = chosen
     return LearningCurve(scale=math.exp(log_scale), exponent=exponent, retention=retention)
 
 

@@ -16,6 +16,7 @@ import re
 from typing import Mapping, NamedTuple, NoReturn
 
 from ..fairseq_glue.user_dir import load_plugin
+from ..stream.progress import AUTO, AUTO_NOT_FOR_LM
 
 _INVALID_CHOICE = re.compile(r"argument (\S+): invalid choice: '(.*?)' \(choose from (.*)\)")
 
@@ -96,4 +97,7 @@ def argv_flag_problem(argv: list[str], flags: Mapping[str, object]) -> FlagProbl
             return FlagProblem(f"'{flag}' takes a value: write {flag}: VALUE", flag)
     if extra:
         return FlagProblem(f"fairseq-train does not accept: {' '.join(extra)}")
+    arch = argv[argv.index("--arch") + 1] if argv.index("--arch") + 1 < len(argv) else None
+    if str(flags.get("wait", "")).strip().lower() == AUTO and arch != "alma_vision":
+        return FlagProblem(AUTO_NOT_FOR_LM, "wait")
     return None

@@ -40,7 +40,7 @@ from ..lm.budget import fixed_budget_batches, interleave_slots, spare_updates
 from ..lm.growth import parse_growth_plan
 from ..optim.alma_stage_linear import stage_budget
 from ..ranks import all_ranks_stop
-from ..stream.progress import StreamPlan, wait_flag
+from ..stream.progress import AUTO_NOT_FOR_LM, StreamPlan, wait_flag
 from ..stream.replay import check_replay_budget, slot_pattern
 
 logger = logging.getLogger(__name__)
@@ -133,8 +133,7 @@ class AlmaStreamTask(LanguageModelingTask):
             from ..fairseq_glue.vision_entry import VisionStreamEntry
 
             return VisionStreamEntry.setup_task(cfg, **kwargs)
-        require(cfg.wait is not None, "--wait auto: LM streams train a schedule fixed in "
-                "advance for now (vision streams decide at each arrival); use --wait N")
+        require(cfg.wait is not None, AUTO_NOT_FOR_LM)
         require(cfg.data is not None, "the stream directory (DATA) is required")
         data = cfg.data.split(os.pathsep)[0]
         if os.path.exists(data) and not os.path.isdir(data):

@@ -103,9 +103,10 @@ class _VisionStream:
         self.learner = build_learner(run.learner, data.input_shape, data.num_classes).to(self.device)
         self.stages: dict[int, dict[str, Any]] = {}  # what each stage did (FLOPs, best epoch)
         # --wait auto: each arrival's decision, and each model the learner has had as
-        # [mega-batches trained on, of its stage, error on arrived validation (None: not yet)]
+        # [mega-batches trained on, of its stage, error on arrived validation (None: not yet),
+        # validation examples behind it]
         self.decisions: dict[int, dict[str, Any]] = {}
-        self.models: list[list[Any]] = [[0, 0, None]]
+        self.models: list[list[Any]] = [[0, 0, None, 0]]
         self.seconds_before = 0.0
         self.started = time.perf_counter()
 
@@ -153,7 +154,7 @@ class _VisionStream:
         self.learner.to(self.device)
         self.stages = {int(s): dict(info) for s, info in state["stages"].items()}
         self.decisions = {int(t): dict(d) for t, d in state.get("decisions", {}).items()}
-        self.models = [list(model) for model in state.get("models", [[0, 0, None]])]
+        self.models = [list(model) for model in state.get("models", [[0, 0, None, 0]])]
         if self.run.plan.adaptive:
             self.session.decided(dataclasses.replace(self.run.plan, decisions=tuple(
                 self.decisions[t]["train"] for t in sorted(self.decisions))))
@@ -222,7 +223,7 @@ class _VisionStream:
         _, _, valid_x, valid_y = stage_data(self.data, self.partition, tuple(range(arrival)))
         error = evaluate(self.learner, valid_x, valid_y, self.run.training.eval_batch_size,
                          amp=self.run.training.amp).error
-        self.models[-1][2] = error  # the current model, on more validation data than before
+        self.models[-1][2:] = [error, int(valid_y.shape[0])]  # the current model, on more data
         decision = wait_policy.decide(
             arrival, plan.num_megabatches,
             [wait_policy.ModelPoint(*model) for model in self.models if model[2] is not None],
@@ -233,7 +234,7 @@ class _VisionStream:
                     arrival, "train" if decision.train else "wait", error, decision.pending,
                     decision.cost_train_now, decision.cost_wait)
         if decision.train:
-            self.models.append([arrival, arrival if plan.replay else arrival - trained, None])
+            self.models.append([arrival, arrival if plan.replay else arrival - trained, None, 0])
         return decision.train
 
 
