@@ -4,15 +4,16 @@ Protocol (written before any run; the defaults are the vision demo's, not tuned 
 
 * Streams: the embedded 8x8 digits (always; B = 50, about 26 training examples per mega-batch,
   the ``alma-vision-demo`` default), MNIST (``--mnist DIR``, B = 500 as in the paper) and
-  CIFAR-10 (``--cifar10 DIR``, B = 100) when their files are given.  An LM stream is not run:
-  LM streams refuse ``--wait auto`` for now (README, "--wait auto").
+  CIFAR-10 (``--cifar10 DIR``, B = 100) when their files are given; and an LM stream (the
+  demo corpus, B = 8: ``adaptive_wait_lm.py`` gives its protocol; ``--no-lm`` skips it).
 * Learners: the single model (SM) of two sizes per stream: MLP widths 8 and 64 (digits,
   MNIST), VGG widths 4 and 16 (CIFAR-10); the paper's optimizers; 50 epochs per stage (digits)
   or the paper's 100 (MNIST, CIFAR-10); no replay (``--replay`` runs the replay variant).
 * Waiting times: w in {1, 2, 4, 8, ...} up to B, plus w = B, and ``auto``; seeds 1, 2, 3.
 * Reported per stream and size: anytime CER (Eq. 1: the sum of the test errors after each of
-  the B + 1 arrivals), final error, compute (training FLOPs spent, Comp) and |θ| (final
-  parameters; Mem = their sum over arrivals), mean ± std over the seeds.
+  the B + 1 arrivals; LM: the anytime NLL in bits per token), final error, compute (training
+  FLOPs spent, Comp) and |θ| (final parameters; Mem = their sum over arrivals), mean ± std
+  over the seeds.
 * Verdict: ``auto`` meets the target when its mean CER is at most the best fixed w's mean CER
   plus the larger of the two seed spreads, at no more mean compute than that w (1% tolerance:
   FLOPs differ by the last mega-batches a schedule leaves untrained).
@@ -21,7 +22,8 @@ Protocol (written before any run; the defaults are the vision demo's, not tuned 
 
 Runs go through the vision sweep's in-process path (``vision/sweep_runs.py``, the code
 ``fairseq-train --arch alma_vision`` runs), one thread each; finished runs in ``--out`` are
-reused, so an interrupted benchmark continues.  About 6 minutes on one CPU core for digits.
+reused, so an interrupted benchmark continues.  About 1 minute for digits and 10 for the LM
+stream on 2 CPU cores.
 
 Usage: python benchmarks/adaptive_wait.py [--out DIR] [--mnist DIR] [--cifar10 DIR] [--quick]
 """
@@ -35,6 +37,8 @@ import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from adaptive_wait_lm import run_lm
 
 from fairseq_alma.cli.vision_sweep import build_parser as sweep_parser
 from fairseq_alma.stream.progress import AUTO, wait_order
@@ -101,9 +105,9 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
-def summarise(stream: Stream, runs: list[RunSummary], out: Path) -> dict:
-    """Per size: one row per w (means over seeds) and the verdict."""
-    result = {}
+def vision_rows(stream: Stream, runs: list[RunSummary], out: Path) -> dict[str, dict]:
+    """Per size, one row per w: means over the seeds."""
+    table = {}
     for width in stream.widths:
         rows = {}
         for wait in sorted({r.wait for r in runs}, key=wait_order):
@@ -116,25 +120,31 @@ def summarise(stream: Stream, runs: list[RunSummary], out: Path) -> dict:
                 "mem": statistics.mean(r.mem for r in group),
                 "params": statistics.mean(final_params(out, r) for r in group),
                 "seeds": len(group)}
-        fixed = {w: row for w, row in rows.items() if w != AUTO}
-        best = min(fixed, key=lambda w: fixed[w]["cer"])
-        auto = rows[AUTO]
-        slack = max(auto["cer_std"], fixed[best]["cer_std"])
-        quality = auto["cer"] <= fixed[best]["cer"] + slack
-        compute = auto["compute"] <= fixed[best]["compute"] * 1.01
-        result[f"{stream.arch}{width}"] = {
-            "rows": rows, "best_fixed": best, "auto_meets_target": quality and compute,
-            "verdict": (f"auto CER {auto['cer']:.3f} ± {auto['cer_std']:.3f} vs best fixed "
+        table[f"{stream.arch}{width}"] = rows
+    return table
+
+
+def judge(rows: dict[str, dict], metric: str) -> dict:
+    """The protocol's verdict on one stream and size (module doc)."""
+    fixed = {w: row for w, row in rows.items() if w != AUTO}
+    best = min(fixed, key=lambda w: fixed[w]["cer"])
+    auto = rows[AUTO]
+    slack = max(auto["cer_std"], fixed[best]["cer_std"])
+    quality = auto["cer"] <= fixed[best]["cer"] + slack
+    compute = auto["compute"] <= fixed[best]["compute"] * 1.01
+    return {"rows": rows, "metric": metric, "best_fixed": best,
+            "auto_meets_target": quality and compute,
+            "verdict": (f"auto {metric} {auto['cer']:.3f} ± {auto['cer_std']:.3f} vs best fixed "
                         f"w={best} {fixed[best]['cer']:.3f} ± {fixed[best]['cer_std']:.3f}: "
                         f"{'within' if quality else 'ABOVE'} the seed spread, compute "
                         f"{auto['compute'] / fixed[best]['compute']:.2f}x that w's "
                         f"-> {'MEETS' if quality and compute else 'MISSES'} the target")}
-    return result
 
 
 def print_tables(name: str, result: dict) -> None:
     for size, entry in result.items():
-        header = ["w", "CER", "±", "final err", "Comp (FLOPs)", "|θ| final", "Mem"]
+        final = "final err" if entry["metric"] == "CER" else "final bits"
+        header = ["w", entry["metric"], "±", final, "Comp (FLOPs)", "|θ| final", "Mem"]
         rows = [[w, f"{r['cer']:.3f}", f"{r['cer_std']:.3f}", f"{r['final_error']:.3f}",
                  f"{r['compute']:.3g}", f"{r['params']:.0f}", f"{r['mem']:.3g}"]
                 for w, r in entry["rows"].items()]
@@ -160,8 +170,9 @@ def plot(results: dict, path: Path) -> None:
                           color="tab:red" if star else "tab:blue", capsize=3, linestyle="none")
             axis.annotate(f"w={wait}", (row["compute"], row["cer"]), fontsize=8,
                           textcoords="offset points", xytext=(5, 5))
-        axis.set(title=f"{stream} {size}", xlabel="training compute (FLOPs)",
-                 ylabel="anytime CER (sum of errors, Eq. 1)")
+        ylabel = ("anytime CER (sum of errors, Eq. 1)" if entry["metric"] == "CER"
+                  else "anytime NLL (bits per token)")
+        axis.set(title=f"{stream} {size}", xlabel="training compute (FLOPs)", ylabel=ylabel)
         axis.grid(alpha=0.3)
     figure.suptitle("--wait auto (star) against fixed waiting times (mean ± std over seeds)")
     figure.tight_layout()
@@ -176,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cifar10", default=None, help="CIFAR-10 python batches (B = 100)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--replay", action="store_true", help="the replay variant")
+    parser.add_argument("--no-lm", action="store_true", help="skip the LM stream")
     parser.add_argument("--quick", action="store_true", help="tiny run for the test suite")
     args = parser.parse_args(argv)
     logging.getLogger().setLevel(logging.WARNING)  # importing fairseq set the root logger to DEBUG
@@ -185,8 +197,13 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for stream in streams(args):
         runs = run_stream(stream, args)
-        results[stream.name] = summarise(stream, runs, out / stream.name)
+        rows = vision_rows(stream, runs, out / stream.name)
+        results[stream.name] = {size: judge(r, "CER") for size, r in rows.items()}
         print_tables(stream.name, results[stream.name])
+    if not args.no_lm:
+        rows = run_lm(out / "lm", args.seeds, args.quick)
+        results["lm"] = {size: judge(r, "anytime NLL") for size, r in rows.items()}
+        print_tables("lm", results["lm"])
     out.mkdir(parents=True, exist_ok=True)
     (out / "adaptive_wait.json").write_text(json.dumps(results, indent=1) + "\n")
     plot(results, out / "adaptive_wait.png")

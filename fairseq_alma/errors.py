@@ -54,6 +54,12 @@ class Preempted(AlmaError):
     exit_status = REQUEUE_EXIT_STATUS
 
 
+class StreamFinished(Exception):
+    """Not an error: a ``--wait auto`` stream decided its last arrival and has no stage left to
+    train, before fairseq's epoch loop reached its bound (B stages); fairseq-train ends with
+    status 0 (``fairseq_glue/patches.py``)."""
+
+
 def require(condition: bool, message: str) -> None:
     """Raise ``UsageError(message)`` unless ``condition`` holds."""
     if not condition:

@@ -31,15 +31,21 @@ def _all_reduce_max(value: float) -> float:
     return float(flag.item())
 
 
+def any_rank(flag: bool) -> bool:
+    """True on every rank when it is True on any (one all-reduce; the flag alone on one rank):
+    ``--wait auto``'s decisions, which every rank makes from its own evaluation, agree."""
+    if world()[0] == 1:
+        return flag
+    return _all_reduce_max(1.0 if flag else 0.0) > 0
+
+
 def all_ranks_stop(requested: bool) -> bool:
     """True on every rank, after the same update, once any rank has ``requested`` a stop.
 
     Asked after every update, so a signal is acted on at the next update boundary, inside
     Slurm's grace period.  With several ranks it costs one one-element all-reduce per update
     (reading it back synchronises a GPU, as fairseq's own per-update logging already does)."""
-    if world()[0] == 1:
-        return requested
-    return _all_reduce_max(1.0 if requested else 0.0) > 0
+    return any_rank(requested)
 
 
 def raise_unless_all_ok(error: AlmaError | None) -> None:

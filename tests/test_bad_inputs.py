@@ -131,6 +131,12 @@ def other_run_checkpoint(ctx: Ctx) -> Path:
     return save
 
 
+def _drifting(path: Path) -> None:
+    """The stream as ``alma-data-prep --order given`` would describe it."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    (path / "manifest.json").write_text(json.dumps({**manifest, "order": "given"}))
+
+
 def bad_config(ctx: Ctx, text: str) -> Path:
     path = ctx.tmp / "bad.yaml"
     path.write_text(text)
@@ -188,7 +194,14 @@ LM_CASES = [
     Case("tokens-per-sample negative", lambda c: (lm(c, c.data, c.tmp / "r", "--tokens-per-sample", "-4"), []), r"--tokens-per-sample must be >= 1 .*got -4"),
     Case("tokens-per-sample beyond the model", lambda c: (lm(c, c.data, c.tmp / "r", "--tokens-per-sample", "64", "--max-target-positions", "32"), []),
          r"--tokens-per-sample 64 .*--max-target-positions 32"),
-    Case("wait auto on an LM stream", lambda c: (lm(c, c.data, c.tmp / "r", "--wait", "auto"), []), r"--wait auto: LM streams train a schedule fixed in advance .*use --wait N"),
+    Case("wait auto with scaled updates", lambda c: (lm(c, c.data, c.tmp / "r", "--wait", "auto", "--scale-updates-by-wait"), []),
+         r"--wait auto with --scale-updates-by-wait: not supported \(every stage gets --updates-per-stage updates"),
+    Case("wait auto with growth", lambda c: (lm(c, c.data, c.tmp / "r", "--wait", "auto", "--moe-max-experts", "4", "--grow-experts", "2"), []),
+         r"--wait auto with --grow-experts: not supported"),
+    Case("wait auto with partial replay", lambda c: (lm(c, c.data, c.tmp / "r", "--wait", "auto", "--replay-ratio", "0.25"), []),
+         r"--wait auto with --replay-ratio: not supported"),
+    Case("wait auto on a drifting stream", lambda c: (lm(c, data_copy(c, "d", _drifting), c.tmp / "r", "--wait", "auto"), [c.tmp / "d"]),
+         r"--wait auto on a stream prepared with --order given: not supported"),
     Case("wait not a number", lambda c: (lm(c, c.data, c.tmp / "r", "--wait", "soon"), []),
          r"argument --wait: a waiting time is a whole number of mega-batches >= 1 or auto, got 'soon'", prog="fairseq-train"),
     Case("batch-size 0", lambda c: (lm(c, c.data, c.tmp / "r", "--batch-size", "0"), []), r"--batch-size must be >= 1 .*got 0"),

@@ -54,10 +54,13 @@ def test_profile_lm_step_tiny_runs():
 
 
 def test_adaptive_wait_tiny_runs(tmp_path):
-    """benchmarks/adaptive_wait.py --quick: every fixed w and auto, two seeds, the table, the
-    verdict and the figure."""
+    """benchmarks/adaptive_wait.py --quick: every fixed w and auto on digits (two seeds) and on
+    an LM stream (fairseq-train, one seed), the tables, the verdicts and the figure."""
     proc = _bench("adaptive_wait.py", "--quick", "--out", str(tmp_path))
-    result = json.loads((tmp_path / "adaptive_wait.json").read_text())["digits"]["mlp4"]
-    assert list(result["rows"]) == ["1", "2", "4", "auto"]
-    assert all(row["seeds"] == 2 and row["compute"] > 0 for row in result["rows"].values())
-    assert result["verdict"] in proc.stdout and (tmp_path / "adaptive_wait.png").stat().st_size > 0
+    results = json.loads((tmp_path / "adaptive_wait.json").read_text())
+    vision, lm = results["digits"]["mlp4"], results["lm"]["d64"]
+    assert list(vision["rows"]) == ["1", "2", "4", "auto"] and list(lm["rows"]) == ["1", "auto"]
+    assert all(row["seeds"] == 2 and row["compute"] > 0 for row in vision["rows"].values())
+    assert lm["rows"]["1"]["seeds"] == 1 and lm["rows"]["auto"]["compute"] > 0
+    assert vision["verdict"] in proc.stdout and lm["verdict"] in proc.stdout
+    assert (tmp_path / "adaptive_wait.png").stat().st_size > 0

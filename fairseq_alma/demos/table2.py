@@ -21,6 +21,7 @@ RUNS = [
     ("SM_w4_4x", ["--moe-experts", "4", "--wait", "4", "--scale-updates-by-wait", "--seed", "1"]),
     ("gEns_w1", ["--moe-experts", "4", "--stage-init", "scratch", "--seed", "3"]),
     ("gMoE_w1", ["--moe-experts", "4", "--moe-max-experts", "12", "--grow-experts", "2,2,4", "--seed", "1"]),
+    ("SM_wauto", ["--moe-experts", "4", "--wait", "auto", "--seed", "1"]),  # beyond the paper
 ]
 SCORES = [
     ("SM_w1", "single", ["SM_w1"]),
@@ -28,6 +29,7 @@ SCORES = [
     ("Ens_w1", "ens", ["SM_w1", "SM_w1_seed2"]),
     ("gEns_w1", "gens", ["gEns_w1"]),
     ("gMoE_w1", "single", ["gMoE_w1"]),
+    ("SM_wauto", "single", ["SM_wauto"]),
 ]
 
 

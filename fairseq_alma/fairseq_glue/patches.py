@@ -53,7 +53,7 @@ import warnings
 import zipfile
 from typing import Any
 
-from ..errors import AlmaError, CheckpointError, Preempted
+from ..errors import AlmaError, CheckpointError, Preempted, StreamFinished
 from ..stream.run_dir import LAST_CHECKPOINT
 
 logger = logging.getLogger(__name__)
@@ -95,6 +95,9 @@ class _ConsoleMain:
 
         try:
             return self.original(*args, **kwargs)
+        except StreamFinished as end:
+            logger.info("%s", end)
+            return None
         except AlmaError as err:
             sys.stdout.flush()
             print(error_line(ERROR_PROG, err), file=sys.stderr, flush=True)

@@ -22,11 +22,12 @@ import os
 import time
 from typing import Any, Dict, List
 
+from ..errors import StreamFinished
 from ..lm.model_flops import model_flops
 from ..lm.nll import Batching, total_nll
 from ..lm.stage_checkpoints import keep_initial_checkpoint, keep_stage_checkpoint
 from ..optim.stage_lr_schedules import describe_schedule, stage_peak
-from ..ranks import raise_unless_all_ok, world
+from ..ranks import any_rank, raise_unless_all_ok, world
 from ..stream.records import ArrivalRecord
 from ..stream.replay import counted_replays
 from ..stream.run_dir import RunDirectory, fingerprint_hash
@@ -58,22 +59,28 @@ class StreamTraining:
         self.task, self.cfg = task, task.cfg
         # flags first: a refused combination leaves the run directory untouched
         check_sharding(self.cfg, growth=bool(task.growth_plan))
-        limit = stage_limit(task.plan.num_stages, self.cfg.max_epoch or None)
+        limit = stage_limit(task.plan.max_stages, self.cfg.max_epoch or None)
         check_stream_start(task, limit, self.cfg.save_dir, bool(self.cfg.restart_stream))
         self.session = StreamSession.open(task.plan, self.cfg.save_dir, rank=world()[1],
                                           agree=raise_unless_all_ok, prepare=self.claim_run,
-                                          budget=task.budget, stop_after=limit)
+                                          budget=task.budget, stop_after=limit,
+                                          metric_is_rate=False)  # --wait auto: validation NLL
         self.session.learner = self
         self.run_dir = self.session.run_dir
+        self.measured: tuple[int, Dict[str, float]] | None = None  # (stages done, metrics)
+        self.measure_key = 0
+        self.restored_early = False
         if self.session.finished:  # the same command on a finished run changes no byte of it
             self.session.close()
             logger.info("alma_stream: %s holds this run, finished (every arrival recorded, every "
                         "stage checkpoint kept): nothing to train; --restart-stream trains it again",
                         self.run_dir.path)
             raise SystemExit(0)
-        stream_training_settings(self.cfg, task.plan.num_stages, limit)
+        stream_training_settings(self.cfg, task.plan.max_stages, limit)
         install_stream_training_patches()
         self.session.stop = StopSignal().install()
+        if task.plan.adaptive and self.session.resuming:
+            self.restore_early()
         self.lr_schedule = stage_lr_settings(self.cfg)  # (schedule, peak) of alma_stage_linear, or None
         self.log_stream_settings()
 
@@ -88,7 +95,11 @@ class StreamTraining:
                         plan.num_stages)
         if self.lr_schedule is not None:
             schedule, peak = self.lr_schedule
-            logger.info("alma_stream: %s", describe_schedule(schedule, peak, plan.num_stages))
+            logger.info("alma_stream: %s", describe_schedule(schedule, peak, plan.max_stages))
+        if plan.adaptive:
+            logger.info("alma_stream: --wait auto: at each of the %d arrivals, train on the mega-"
+                        "batches waiting (%d updates) or wait, from the validation NLL "
+                        "(fairseq_alma/stream/wait_policy.py)", plan.num_megabatches, budget)
 
     def claim_run(self, session: StreamSession) -> None:
         """Make sure the run directory holds this run, or none (another run there is refused on
@@ -145,7 +156,50 @@ class StreamTraining:
     # ---- fairseq's hooks, forwarded to the session -------------------------------------------
     def stage_boundary(self, stages_done: int) -> None:
         """fairseq loaded the data of stage ``stages_done + 1``: stage ``stages_done`` is over."""
+        self.measure_key = stages_done
         self.session.stage_boundary(stages_done)
+
+    def arrive_until_stage(self, stage: int) -> None:
+        """``--wait auto``, when fairseq loads the data of ``stage``: stage ``stage - 1`` is over
+        (its arrival recorded); then each arrival after it is decided, from the model's NLL on
+        the validation set, and recorded if the learner waits there, until one trains (stage
+        ``stage``) or the stream has no arrival left (``StreamFinished``)."""
+        self.session.start()  # a fresh run is live now; a resumed one was restored early
+        self.stage_boundary(stage - 1)
+        plan = self.session.plan
+        while plan.num_stages < stage:
+            if plan.decided == plan.num_megabatches:
+                raise StreamFinished(f"alma_stream: --wait auto decided all {plan.decided} "
+                                     f"arrivals ({plan.num_stages} stages trained); the stream "
+                                     f"is over, every arrival recorded in {self.run_dir.stream_log}")
+            metrics = self.measure()
+            train = self.session.decide(metrics["valid_nll"], int(metrics["valid_tokens"]), any_rank)
+            decision = self.session.waits.decisions[plan.decided + 1]
+            logger.info("alma_stream: arrival %d: %s (validation NLL %.4f, %d mega-batches waiting; "
+                        "predicted NLL sum to B: %.3f training now, %.3f waiting)",
+                        decision["arrival"], "train" if train else "wait", decision["error_now"],
+                        decision["pending"], decision["cost_train_now"], decision["cost_wait"])
+            if not train:
+                self.stage_boundary(stage - 1)  # the arrival waited at: the same model answers
+            plan = self.session.plan
+
+    def restore_early(self) -> None:
+        """``--wait auto``, resuming: fairseq builds a stage's data (``load_dataset``) before it
+        hands the task its checkpointed state (``set_checkpoint_dict``), yet which mega-batches
+        that stage trains on is a decision kept in that state: read it from
+        ``checkpoint_last.pt`` first (memory-mapped: the weights are not read).  A file that
+        cannot be read is left to fairseq's own load, which says why in one line."""
+        import torch
+
+        try:
+            state = torch.load(self.run_dir.last_checkpoint, map_location="cpu", mmap=True,
+                               weights_only=False)
+            task_state = (state.get("extra_state") or {}).get(type(self.task).__name__)
+        except Exception:  # noqa: BLE001 - reported by fairseq's load, with the file named
+            return
+        if task_state:
+            self.session.restore(task_state)
+            self.restored_early = True
 
     def after_update(self, num_updates: int) -> bool:
         """Asked by ``fairseq_glue/patches.install_requeue_save`` after every update attempt, with
@@ -154,7 +208,8 @@ class StreamTraining:
         return self.session.after_update(num_updates)
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.session.restore(state)
+        if not self.restored_early:  # --wait auto restored it before fairseq's load_dataset
+            self.session.restore(state)
 
     def resolve_start(self) -> None:
         self.session.start()
@@ -183,7 +238,10 @@ class StreamTraining:
             log_arrivals(self.cfg.tensorboard_logdir, self.session.progress.ordered())
 
     def measure(self) -> Dict[str, float]:
-        """Perplexity of the model on the evaluation mega-batch and on the validation set."""
+        """Perplexity of the model on the evaluation mega-batch and on the validation set; once
+        per model (``--wait auto`` records every arrival it waits at with the same model)."""
+        if self.measured is not None and self.measured[0] == self.measure_key:
+            return self.measured[1]
         out: Dict[str, float] = {}
         batching = Batching(self.cfg.batch_size_valid or self.cfg.batch_size or 8, self.cfg.max_tokens_valid)
         for name, key in ((self.cfg.eval_subset, "eval"), ("valid", "valid")):
@@ -191,6 +249,7 @@ class StreamTraining:
             out[f"{key}_nll"] = nll / max(ntok, 1)
             out[f"{key}_tokens"] = ntok
             out[f"{key}_ppl"] = math.exp(min(out[f"{key}_nll"], 700.0))
+        self.measured = (self.measure_key, out)
         return out
 
     def record(self, info: ArrivalInfo, metrics: Dict[str, float]) -> ArrivalRecord:
@@ -209,7 +268,8 @@ class StreamTraining:
             extra={"infer_flops_per_sequence": float(infer) * self.cfg.tokens_per_sample,
                    "flops_convention": convention, "train_tokens_cum": train_tokens,
                    "skipped_updates": self.session.clock.skipped_by_stage.get(info.stage, 0),
-                   **self.stage_extras(info.stage)})
+                   **self.stage_extras(info.stage),
+                   **(self.session.waits.record_extra(info.arrival) if self.session.waits else {})})
 
     def stage_extras(self, stage: int) -> Dict[str, Any]:
         """What a record says about the stage that answers it: its replayed counted updates

@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -55,9 +55,23 @@ def parse_wait(text: str) -> int | str:
     return value
 
 
-# Why an LM stream refuses --wait auto (fairseq-train, and alma-sweep before it submits)
-AUTO_NOT_FOR_LM = ("--wait auto: LM streams train a schedule fixed in advance for now (vision "
-                   "streams decide at each arrival); use --wait N")
+# What --wait auto cannot honour, with the reason (fairseq-train refuses these before anything
+# is trained, alma-sweep before it submits)
+AUTO_CONFLICTS = {
+    "scale-updates-by-wait": "every stage gets --updates-per-stage updates, whatever the "
+                             "arrivals it covers",
+    "grow-experts": "growth is planned per stage in advance",
+    "replay-ratio": "the replayed share of a stage of unknown size",
+}
+
+
+def auto_wait_conflict(flags: Mapping[str, Any]) -> str | None:
+    """The one-line refusal for the first flag in ``flags`` (name without dashes -> value)
+    that ``--wait auto`` cannot honour, or None."""
+    for flag, why in AUTO_CONFLICTS.items():
+        if flags.get(flag):
+            return f"--wait auto with --{flag}: not supported ({why}); use a fixed --wait"
+    return None
 
 
 def wait_flag(text: str) -> int | None:
@@ -121,9 +135,9 @@ class StreamPlan:
         if self.num_megabatches < 2:
             raise UsageError("--wait auto: a stream of one mega-batch leaves nothing to decide; "
                              "use --wait 1")
-        if self.replay_ratio > 0:
-            raise UsageError("--wait auto with --replay-ratio: not supported (the replayed share "
-                             "of a stage of unknown size); use --replay or no replay")
+        conflict = auto_wait_conflict({"replay-ratio": self.replay_ratio})
+        if conflict:
+            raise UsageError(conflict)
         if len(self.decisions) > self.num_megabatches:
             raise ValueError(f"{len(self.decisions)} decisions for {self.num_megabatches} arrivals")
 

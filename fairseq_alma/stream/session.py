@@ -19,7 +19,7 @@ stop signal and stage limit and the growth log, and the learner reports a few ev
   after_update(n)        one update attempt; True when the stage's budget is complete
   grew(stage, info)      one growth step, written to ``growth.jsonl``
   stages_to_train(done)  the stages a loop trains in this process, stopping on a signal
-  decided(plan)          --wait auto: the next arrival's decision (``wait_policy.py``)
+  decide(error, n)       --wait auto: train or wait at the next arrival (``wait_policy.py``)
   state_dict()           what the learner's checkpoint keeps
 
 The learner answers three questions (``measure``, ``record``, ``keep_checkpoint``) and is told
@@ -42,6 +42,7 @@ from .schedule import ArrivalInfo, Stage
 from .stage_clock import StageClock
 from .stop import StopSignal
 from .upgrade import clock_from_counter, upgrade_training_state
+from .wait_decisions import WaitDecisions
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +59,11 @@ class StreamSession:
     """The run of one stream in one training process (module doc)."""
 
     def __init__(self, plan: StreamPlan, run_dir: RunDirectory, *, budget: int | None = None,
-                 stop: StopSignal | None = None, stop_after: int | None = None) -> None:
+                 stop: StopSignal | None = None, stop_after: int | None = None,
+                 metric_is_rate: bool = True) -> None:
         self.plan, self.run_dir = plan, run_dir
+        # --wait auto: the decisions and the learner's models (``wait_decisions.py``)
+        self.waits = WaitDecisions(rate=metric_is_rate) if plan.adaptive else None
         self.learner: Learner | None = None
         self.fingerprint: dict[str, Any] = {}
         self.finished = False  # the directory holds this run, finished: nothing to train
@@ -115,6 +119,7 @@ class StreamSession:
         """The state the learner's checkpoint held, in today's form (``upgrade.py``)."""
         state = upgrade_training_state(state, self.run_dir, self.deferred)
         self.progress.load_state_dict(state["progress"])
+        self.restore_waits(state.get("waits"))
         self.growth = list(state["growth"])
         if state["clock"] is not None and self.clock is not None:
             self.clock.load_state_dict(state["clock"])
@@ -132,6 +137,12 @@ class StreamSession:
             self.progress.load_state_dict(progress)
         self.live = True
 
+    def restore_waits(self, state: dict[str, Any] | None) -> None:
+        """``--wait auto``: the decisions and models a checkpoint held, and the plan they make."""
+        if self.waits is not None and state is not None:
+            self.waits.load_state_dict(state)
+            self.plan = self.progress.plan = self.waits.plan_with_decisions(self.plan)
+
     def start(self) -> None:
         """Before the first update: no state was restored (a fresh run, or a checkpoint of 0.1,
         whose state lived only in the run directory's files)."""
@@ -147,12 +158,18 @@ class StreamSession:
         state: dict[str, Any] = {"progress": self.progress.state_dict(), "growth": list(self.growth)}
         if self.clock is not None:
             state.update(clock=self.clock.state_dict(), started_stage=self.started_stage)
+        if self.waits is not None:
+            state["waits"] = self.waits.state_dict()
         return state
 
-    def decided(self, plan: StreamPlan) -> None:
-        """``--wait auto``: the plan with the next arrival decided; its records follow."""
-        assert plan.adaptive and plan.decisions[:len(self.plan.decisions)] == self.plan.decisions
-        self.plan = self.progress.plan = plan
+    def decide(self, error: float, examples: int,
+               agree: Callable[[bool], bool] | None = None) -> bool:
+        """``--wait auto``: train at the next arrival, or wait (``wait_policy.py``), from the
+        current model's ``error`` on the arrived validation data; the plan grows by it and the
+        arrival's record (written by the next ``stage_boundary``) will carry it."""
+        assert self.waits is not None, "decide() is for --wait auto"
+        self.plan = self.progress.plan = self.waits.decide(self.plan, error, examples, agree)
+        return self.plan.decisions[-1]
 
     # ---- stage end ---------------------------------------------------------------------
     def stage_boundary(self, stages_done: int) -> list[ArrivalRecord]:
@@ -185,7 +202,7 @@ class StreamSession:
         clock = self.clock
         if clock is None or self.clock_unknown or stages_done < clock.stage:
             return  # no clock, a fresh start (stage 0 done), a boundary passed, or an old checkpoint
-        if stages_done < self.plan.num_stages or not clock.done:
+        if stages_done < self.plan.max_stages or not clock.done:
             clock.next_stage(stages_done + 1)  # after the last stage: raises, its data ran out
 
     # ---- updates and stage start -----------------------------------------------------------

@@ -66,13 +66,16 @@ class ModelPoint:
     trained: int
     stage: int
     error: float
-    examples: int = 1  # validation examples behind ``error`` (its weight in the fit)
+    examples: int = 1  # validation examples (or tokens) behind ``error``: its weight in the fit
+    rate: bool = True  # an error rate in [0, 1] (vision); False: a loss (LM: NLL per token)
 
     @property
     def weight(self) -> float:
-        """Inverse variance of log(error) for an error rate measured on ``examples`` examples
-        (binomial: var log e ~ (1 - e) / (e N)): a point measured on a handful of examples
-        counts little."""
+        """The inverse variance of log(error): for an error rate measured on N examples
+        (binomial) var log e ~ (1 - e) / (e N); for a mean loss over N tokens ~ 1 / N.  A point
+        measured on a handful of examples counts little."""
+        if not self.rate:
+            return float(max(self.examples, 1))
         error = min(max(self.error, FLOOR), 1.0 - FLOOR)
         return max(self.examples, 1) * error / (1.0 - error)
 

@@ -16,7 +16,7 @@ import re
 from typing import Mapping, NamedTuple, NoReturn
 
 from ..fairseq_glue.user_dir import load_plugin
-from ..stream.progress import AUTO, AUTO_NOT_FOR_LM
+from ..stream.progress import AUTO, auto_wait_conflict
 
 _INVALID_CHOICE = re.compile(r"argument (\S+): invalid choice: '(.*?)' \(choose from (.*)\)")
 
@@ -97,7 +97,8 @@ def argv_flag_problem(argv: list[str], flags: Mapping[str, object]) -> FlagProbl
             return FlagProblem(f"'{flag}' takes a value: write {flag}: VALUE", flag)
     if extra:
         return FlagProblem(f"fairseq-train does not accept: {' '.join(extra)}")
-    arch = argv[argv.index("--arch") + 1] if argv.index("--arch") + 1 < len(argv) else None
-    if str(flags.get("wait", "")).strip().lower() == AUTO and arch != "alma_vision":
-        return FlagProblem(AUTO_NOT_FOR_LM, "wait")
+    if str(flags.get("wait", "")).strip().lower() == AUTO:
+        conflict = auto_wait_conflict(flags)
+        if conflict:
+            return FlagProblem(conflict, "wait")
     return None

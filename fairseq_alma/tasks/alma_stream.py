@@ -40,7 +40,7 @@ from ..lm.budget import fixed_budget_batches, interleave_slots, spare_updates
 from ..lm.growth import parse_growth_plan
 from ..optim.alma_stage_linear import stage_budget
 from ..ranks import all_ranks_stop
-from ..stream.progress import AUTO_NOT_FOR_LM, StreamPlan, wait_flag
+from ..stream.progress import StreamPlan, auto_wait_conflict, wait_flag, wait_from_flag
 from ..stream.replay import check_replay_budget, slot_pattern
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class AlmaStreamConfig(LanguageModelingConfig):
     wait: Optional[int] = field(default=1, metadata={"help": (
-        "waiting time w: mega-batches aggregated per stage (paper §3); or auto (vision streams): "
+        "waiting time w: mega-batches aggregated per stage (paper §3); or auto: "
         "train or wait decided at each arrival (fairseq_alma/stream/wait_policy.py)")})
     replay: bool = field(default=False, metadata={"help": "train each stage on every mega-batch seen so far"})
     replay_ratio: float = field(default=0.0, metadata={"help": (
@@ -95,6 +95,19 @@ class AlmaStreamConfig(LanguageModelingConfig):
     tensorboard_logdir: Optional[str] = II("common.tensorboard_logdir")
 
 
+def check_wait_auto(cfg: AlmaStreamConfig, manifest: dict) -> None:
+    """What ``--wait auto`` cannot do correctly, refused before anything is trained: stages
+    whose size, growth or replayed share must be known in advance (``AUTO_CONFLICTS``), and a
+    drifting stream, whose validation set samples every period (a decision would see later
+    periods)."""
+    conflict = auto_wait_conflict({"scale-updates-by-wait": cfg.scale_updates_by_wait,
+                                   "grow-experts": cfg.grow_experts, "replay-ratio": cfg.replay_ratio})
+    require(conflict is None, conflict or "")
+    require(manifest.get("order", "shuffle") == "shuffle",
+            "--wait auto on a stream prepared with --order given: not supported (its validation "
+            "set samples every period, so a decision would see later periods); use a fixed --wait")
+
+
 def _verify_stream_dir(data: str) -> dict:
     from fairseq_alma.stream.manifest import verify_stream_dir
 
@@ -109,13 +122,21 @@ class AlmaStreamTask(LanguageModelingTask):
         super().__init__(cfg, dictionary)
         self.cfg = cfg  # LanguageModelingTask is a legacy task: it only sets self.args
         self.manifest = manifest
-        self.plan = StreamPlan(int(manifest["num_megabatches"]), cfg.wait, cfg.replay, float(cfg.replay_ratio))
-        self.budget = stage_budget(cfg.updates_per_stage, cfg.wait, cfg.scale_updates_by_wait)
+        self.training: Any = None  # set when this process trains (build_model)
+        self.stream_plan = StreamPlan(int(manifest["num_megabatches"]), wait_from_flag(cfg.wait),
+                                      cfg.replay, float(cfg.replay_ratio))
+        # --wait auto: U updates per stage, whatever the arrivals it covers (check_wait_auto)
+        self.budget = stage_budget(cfg.updates_per_stage, cfg.wait or 1, cfg.scale_updates_by_wait)
         check_replay_budget(self.plan.replay_ratio, self.budget)
-        self.growth_plan = parse_growth_plan(cfg.grow_experts, cfg.grow_at_stages, self.plan.num_stages)
+        self.growth_plan = parse_growth_plan(cfg.grow_experts, cfg.grow_at_stages, self.plan.max_stages)
         self.model: Any = None
         self.stage_tokens: Dict[int, int] = {}
-        self.training: Any = None  # set when this process trains (build_model)
+
+    @property
+    def plan(self) -> StreamPlan:
+        """The stream's plan: the training session's once it runs (with ``--wait auto`` it
+        grows by one decision per arrival), else the one the flags describe."""
+        return self.training.session.plan if self.training is not None else self.stream_plan
 
     @classmethod
     def add_args(cls, parser: Any) -> None:
@@ -133,12 +154,13 @@ class AlmaStreamTask(LanguageModelingTask):
             from ..fairseq_glue.vision_entry import VisionStreamEntry
 
             return VisionStreamEntry.setup_task(cfg, **kwargs)
-        require(cfg.wait is not None, AUTO_NOT_FOR_LM)
         require(cfg.data is not None, "the stream directory (DATA) is required")
         data = cfg.data.split(os.pathsep)[0]
         if os.path.exists(data) and not os.path.isdir(data):
             raise DataError(f"DATA {data}: not a directory; give the --out directory of alma-data-prep")
         manifest = _verify_stream_dir(data)
+        if cfg.wait is None:
+            check_wait_auto(cfg, manifest)
         require(cfg.updates_per_stage >= 1, f"--updates-per-stage must be >= 1 (got {cfg.updates_per_stage})")
         dictionary = Dictionary.load(os.path.join(data, "dict.txt"))
         return cls(cfg, dictionary, manifest)
@@ -164,6 +186,11 @@ class AlmaStreamTask(LanguageModelingTask):
     def load_dataset(self, split: str, epoch: int = 1, combine: bool = False, **kwargs: Any) -> None:
         if split != "train":
             super().load_dataset(split, epoch=epoch, combine=False, **kwargs)
+            return
+        if self.plan.adaptive and self.training is not None:
+            # --wait auto: stage ``epoch`` is known once the arrivals before it are decided
+            self.training.arrive_until_stage(epoch)
+            self.datasets["train"] = self._stage_dataset(epoch)
             return
         self.datasets["train"] = self._stage_dataset(min(epoch, self.plan.num_stages))
         if self.training is not None:

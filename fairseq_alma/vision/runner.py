@@ -30,7 +30,6 @@ import torch
 
 from ..checkpoint_load import load_checkpoint
 from ..errors import Preempted, RunDirError, UsageError
-from ..stream import wait_policy
 from ..stream.progress import StreamPlan
 from ..stream.records import ArrivalRecord
 from ..stream.run_dir import RunDirectory
@@ -102,11 +101,6 @@ class _VisionStream:
         self.statistics = arrived_statistics(self.data, self.partition)
         self.learner = build_learner(run.learner, data.input_shape, data.num_classes).to(self.device)
         self.stages: dict[int, dict[str, Any]] = {}  # what each stage did (FLOPs, best epoch)
-        # --wait auto: each arrival's decision, and each model the learner has had as
-        # [mega-batches trained on, of its stage, error on arrived validation (None: not yet),
-        # validation examples behind it]
-        self.decisions: dict[int, dict[str, Any]] = {}
-        self.models: list[list[Any]] = [[0, 0, None, 0]]
         self.seconds_before = 0.0
         self.started = time.perf_counter()
 
@@ -126,8 +120,7 @@ class _VisionStream:
                         "model": {k: v.cpu() for k, v in learner["model"].items()},
                         "generator": learner["generator"]},
             "stages": {s: dict(info) for s, info in self.stages.items()},
-            "decisions": {t: dict(d) for t, d in self.decisions.items()},
-            "models": [list(model) for model in self.models],
+            "waits": None if self.session.waits is None else self.session.waits.state_dict(),
             "progress": self.session.progress.state_dict(), "run_seconds": self.run_seconds(),
         }
 
@@ -153,11 +146,7 @@ class _VisionStream:
         self.learner.load_checkpoint_state({**state["learner"], "spec": spec})
         self.learner.to(self.device)
         self.stages = {int(s): dict(info) for s, info in state["stages"].items()}
-        self.decisions = {int(t): dict(d) for t, d in state.get("decisions", {}).items()}
-        self.models = [list(model) for model in state.get("models", [[0, 0, None, 0]])]
-        if self.run.plan.adaptive:
-            self.session.decided(dataclasses.replace(self.run.plan, decisions=tuple(
-                self.decisions[t]["train"] for t in sorted(self.decisions))))
+        self.session.restore_waits(state.get("waits"))
         self.session.restore_records(state["progress"])
         self.seconds_before = float(state["run_seconds"])
         logger.info("resumed %s after stage %d", self.run_dir.path, self.stages_done)
@@ -173,8 +162,8 @@ class _VisionStream:
     def record(self, info: ArrivalInfo, error: float) -> ArrivalRecord:
         spec, plan = self.run.learner, self.run.plan
         trained = {"best_epoch": self.stages[info.stage]["best_epoch"]} if info.trained else {}
-        if info.arrival in self.decisions:
-            trained["decision"] = self.decisions[info.arrival]
+        if self.session.waits is not None:
+            trained.update(self.session.waits.record_extra(info.arrival))
         return ArrivalRecord(
             arrival=info.arrival, stage=info.stage, trained=info.trained,
             megabatches_seen=info.megabatches_seen, params_active=self.learner.params_active(),
@@ -215,27 +204,17 @@ class _VisionStream:
     # ---- --wait auto ---------------------------------------------------------------------
     def decide(self, arrival: int) -> bool:
         """Train now or wait at ``arrival`` (``stream/wait_policy.py``), from the current model's
-        error on the validation parts of every arrived mega-batch and the learning curve of the
-        models before it; the decision and its numbers are kept for the arrival's record and
-        the checkpoint."""
-        plan = self.session.plan
-        trained = plan.schedule[-1].arrival if plan.schedule else 0
+        error on the validation parts of every arrived mega-batch."""
         _, _, valid_x, valid_y = stage_data(self.data, self.partition, tuple(range(arrival)))
         error = evaluate(self.learner, valid_x, valid_y, self.run.training.eval_batch_size,
                          amp=self.run.training.amp).error
-        self.models[-1][2:] = [error, int(valid_y.shape[0])]  # the current model, on more data
-        decision = wait_policy.decide(
-            arrival, plan.num_megabatches,
-            [wait_policy.ModelPoint(*model) for model in self.models if model[2] is not None],
-            replay=plan.replay)
-        self.decisions[arrival] = decision.to_json()
+        train = self.session.decide(error, int(valid_y.shape[0]))
+        decision = self.session.waits.decisions[arrival]
         logger.info("arrival %d: %s (error %.4f on arrived validation data, %d mega-batches "
                     "waiting; predicted error sum to B: %.3f training now, %.3f waiting)",
-                    arrival, "train" if decision.train else "wait", error, decision.pending,
-                    decision.cost_train_now, decision.cost_wait)
-        if decision.train:
-            self.models.append([arrival, arrival if plan.replay else arrival - trained, None, 0])
-        return decision.train
+                    arrival, "train" if train else "wait", error, decision["pending"],
+                    decision["cost_train_now"], decision["cost_wait"])
+        return train
 
 
 def _run_adaptive(stream: _VisionStream, session: StreamSession) -> None:
@@ -249,8 +228,7 @@ def _run_adaptive(stream: _VisionStream, session: StreamSession) -> None:
             raise Preempted(f"preempted by {session.stop.signal_name} before arrival {arrival}; "
                             f"{session.run_dir.last_checkpoint} holds arrival {arrival - 1}; run "
                             f"the same command to continue")
-        session.decided(session.plan.with_decision(stream.decide(arrival)))
-        if session.plan.decisions[-1]:
+        if stream.decide(arrival):
             stream.train(session.plan.stage(session.plan.num_stages), session.stop)
         session.stage_boundary(stream.stages_done)
         stream.save()
