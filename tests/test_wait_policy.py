@@ -37,6 +37,11 @@ def test_one_unlucky_stage_does_not_overturn_the_prior():
     assert fit_curve(points).retention == 1.0
     noisy = points + [ModelPoint(3, 1, 0.45, 40), ModelPoint(4, 1, 0.5, 50)]
     assert fit_curve(noisy).retention == 1.0
+    # an LM's validation NLL: a drop, then a plateau, over four models (one degree of freedom
+    # left): no evidence yet that it forgets (F(1, 1) at 95% is 161)
+    plateau = [ModelPoint(t, min(t, 1), nll, 5000, rate=False)
+               for t, nll in enumerate([7.54, 5.89, 5.80, 5.76])]
+    assert fit_curve(plateau).retention == 1.0
 
 
 def test_priors_while_the_points_cannot_tell():

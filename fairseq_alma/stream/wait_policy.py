@@ -4,8 +4,9 @@ The paper finds no formula for the best waiting time: it depends on the horizon,
 how fast it learns and where it starts.  A fixed ``w`` is chosen in hindsight; this rule
 decides at each arrival t from what the learner has there, and nothing else:
 
-  v_now     the current model's error on the validation parts of every mega-batch arrived so
-            far (never trained on: a stage only picks its epoch on its own part)
+  v_now     the current model's error on the validation data that has arrived (vision: the
+            validation parts of the arrived mega-batches, never trained on, a stage only picks
+            its epoch on its own part; LM: the validation NLL per token)
   models    for every model the learner has had (the untrained one, then one per stage): n,
             the mega-batches trained on so far, m, those of the stage that made it, and its
             error, measured like v_now (refreshed at each arrival while it is the current model)
@@ -27,18 +28,20 @@ on its validation examples), for each rho of a grid.  What the points cannot tel
 the priors: alpha = ``PRIOR_EXPONENT`` (0.5, the middle of the exponents reported for
 classification error in "Deep learning scaling is predictable", Hestness et al. 2017) while
 there is one distinct data size, and rho = 1 (the bet of w = 1) unless another rho fits
-clearly better: its drop in residual must be at least ``EVIDENCE`` (4, an F-test at about 95%)
-times the residual variance left, with more than three models.  One stage unlucky on a few
+clearly better: its drop in residual must be at least F(1, d) at 95% (``F_95``: 161 with
+one degree of freedom left, 10 with three, about 4 with many) times the residual variance
+left, d = models - 3.  One stage unlucky on a few
 validation examples then does not turn the policy over.
 
 **The decision.**  For every gap g (train when g mega-batches wait, and every g arrivals after
 that, up to B; the last g never trains again), the curve predicts the error at each arrival
-t … B, and the anytime metric charges their sum (v_now until the first stage).  The learner
-trains now iff the cheapest plan trains at this arrival (g <= k; a tie waits).  This looks
-ahead over the whole horizon: early on a learner that forgets waits for bigger stages; near the
-end a stage must pay for itself over the few arrivals left, and at t = B it trains iff the
-curve predicts a lower error than v_now.  Compute is not priced: a vision stage's cost is its data times its
-epochs, the same for any schedule that trains on the same data.
+t … B (scaled to match v_now for the current model), and the anytime metric charges their
+sum (v_now until the first stage).  The learner trains now iff the cheapest plan trains at
+this arrival (g <= k; a tie waits).  This looks ahead over the whole horizon: early on a
+learner that forgets waits for bigger stages; near the end a stage must pay for itself over
+the few arrivals left, and at t = B it trains iff the curve predicts a lower error than v_now.  Compute is not priced: a vision stage costs its data
+times its epochs (the same for any schedule that trains on the same data), an LM stage its
+``--updates-per-stage`` (fewer stages, less compute).
 
 Pure Python: no torch, so the decisions are exact, cheap and testable anywhere.
 """
@@ -55,7 +58,17 @@ PRIOR_RETENTION = 1.0
 EXPONENT_RANGE = (0.01, 3.0)  # a fit outside it is noise from a handful of points
 RETENTION_GRID = tuple(i / 10 for i in range(11))
 FLOOR = 1e-4  # errors are floored here before taking logs (an error of 0 is a point too)
-EVIDENCE = 4.0  # F(1, n) at 95% is about 4: how much better a retention must fit than the prior
+# The 95% quantile of F(1, d), d = 1 … 30: how much better (in residual drop per residual
+# variance) a fitted retention must explain the models than the prior's, with d degrees of
+# freedom left; beyond 30, 3.84 + 10 / d follows the table's tail to F(1, inf) = 3.84.
+F_95 = (161.45, 18.51, 10.13, 7.71, 6.61, 5.99, 5.59, 5.32, 5.12, 4.96, 4.84, 4.75, 4.67, 4.60,
+        4.54, 4.49, 4.45, 4.41, 4.38, 4.35, 4.32, 4.30, 4.28, 4.26, 4.24, 4.23, 4.21, 4.20, 4.18,
+        4.17)
+
+
+def evidence_needed(freedom: int) -> float:
+    """F(1, freedom) at 95% (``F_95``)."""
+    return F_95[freedom - 1] if freedom <= len(F_95) else 3.84 + 10.0 / freedom
 
 
 @dataclass(frozen=True)
@@ -114,7 +127,7 @@ def fit_curve(points: Sequence[ModelPoint]) -> LearningCurve:
     """The retention and power law that fit the learner's models best (module doc): weighted
     least squares in log space for each retention of the grid; a retention other than the
     prior's only when it explains clearly more than the prior does (its drop in residual at
-    least ``EVIDENCE`` times the residual variance left, an F-test with one extra parameter),
+    least F(1, d) at 95% times the residual variance left, d = models - 3: an F-test),
     so that one stage unlucky on a few validation examples does not turn the policy over."""
     if not points:
         raise ValueError("fit_curve needs at least the untrained model's point")
@@ -130,8 +143,9 @@ def fit_curve(points: Sequence[ModelPoint]) -> LearningCurve:
     if len(points) > 3 and any(p.trained != p.stage for p in points):
         best = min(((fit(r), r) for r in reversed(RETENTION_GRID)),
                    key=lambda item: item[0][2])  # ties: the larger retention
-        left = best[0][2] / (len(points) - 3)  # residual variance with the retention fitted
-        if prior[2] - best[0][2] > EVIDENCE * left:
+        freedom = len(points) - 3  # three parameters fitted: scale, exponent, retention
+        left = best[0][2] / freedom  # residual variance with the retention fitted
+        if prior[2] - best[0][2] > evidence_needed(freedom) * left:
             chosen, retention = best
     log_scale, exponent, _ = chosen
     return LearningCurve(scale=math.exp(log_scale), exponent=exponent, retention=retention)

@@ -30,6 +30,7 @@ import torch
 
 from ..checkpoint_load import load_checkpoint
 from ..errors import Preempted, RunDirError, UsageError
+from ..ranks import any_rank
 from ..stream.progress import StreamPlan
 from ..stream.records import ArrivalRecord
 from ..stream.run_dir import RunDirectory
@@ -208,7 +209,7 @@ class _VisionStream:
         _, _, valid_x, valid_y = stage_data(self.data, self.partition, tuple(range(arrival)))
         error = evaluate(self.learner, valid_x, valid_y, self.run.training.eval_batch_size,
                          amp=self.run.training.amp).error
-        train = self.session.decide(error, int(valid_y.shape[0]))
+        train = self.session.decide(error, int(valid_y.shape[0]), any_rank)
         decision = self.session.waits.decisions[arrival]
         logger.info("arrival %d: %s (error %.4f on arrived validation data, %d mega-batches "
                     "waiting; predicted error sum to B: %.3f training now, %.3f waiting)",
