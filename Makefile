@@ -83,7 +83,7 @@ demo: install
 	$(VENV)/bin/alma-demo --drift --out $(DEMO_DIR)
 
 test: install test-deps
-	$(PY) -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) --durations=15 $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) --durations=15 $(PYTEST_ARGS) tests
 
 # The Slurm tests start a real single-node cluster (slurmctld, slurmd, munge from Debian's
 # packages). Install them when missing and possible; otherwise those tests skip with the reason.

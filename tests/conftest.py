@@ -18,9 +18,12 @@ NO_CUDA = "needs a CUDA GPU; none is visible to torch here"
 
 # The longest test files (``make test`` prints the slowest tests), started first: with one file
 # per worker process (pytest-xdist ``--dist loadfile``), a long file started last would run alone
-# at the end while the other worker idles.
-LONGEST_FIRST = ("test_bad_inputs.py", "test_resume_points.py", "test_drift_demo.py",
-                 "test_data_prep_shards.py", "test_data_prep_sources.py", "test_distributed_stream.py")
+# at the end while the other worker idles.  xdist would order files by their number of tests
+# (most first: these single long tests last); ``make test`` passes --no-loadscope-reorder.
+LONGEST_FIRST = ("test_resume_points.py", "test_data_prep_shards.py", "test_bad_inputs.py",
+                 "test_drift_demo.py", "test_alma_report.py", "test_data_prep_sources.py",
+                 "test_eval_matrix.py", "test_distributed_stream.py", "test_wait_auto_lm.py",
+                 "test_vision_task.py", "test_slurm_streams.py", "test_benchmarks.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

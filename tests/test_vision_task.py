@@ -32,7 +32,7 @@ def vision_cmd(save_dir: Path, *extra: str, method: str = "sm", wait: int = 1) -
     ]
 
 
-def in_process(method: str, wait: int, save_dir: Path) -> list[dict]:
+def in_process(method: str, wait: int | str, save_dir: Path, epochs: int = EPOCHS) -> list[dict]:
     """The same stream through the sweep's in-process path (``run_vision_stream``)."""
     from fairseq_alma.stream.progress import StreamPlan
     from fairseq_alma.stream.run_dir import RunDirectory
@@ -43,7 +43,7 @@ def in_process(method: str, wait: int, save_dir: Path) -> list[dict]:
     torch.set_num_threads(1)
     run_spec = VisionRun(dataset="digits", data_path=None, plan=StreamPlan(B, wait),
                          learner=LearnerSpec(method, "mlp", WIDTH, seed=1),
-                         training=StageTrainConfig(epochs=EPOCHS, batch_size=128), seed=1)
+                         training=StageTrainConfig(epochs=epochs, batch_size=128), seed=1)
     with RunDirectory.for_training(save_dir) as run_dir:
         return [r.to_json() for r in run_vision_stream(run_spec, run_dir)]
 
@@ -260,7 +260,9 @@ def test_wait_auto_records_its_decisions_and_resumes_them_after_kill9(tmp_path):
     sweep's in-process path gives the same; kill -9 after the first arrival's checkpoint and
     the same command continues to identical decisions and records."""
     reference, save = tmp_path / "reference", tmp_path / "killed"
-    run(vision_cmd(reference, wait="auto"))
+    slow = ("--epochs-per-stage", "150")  # a stage long enough to be killed inside
+    cmd = vision_cmd(save, *slow, wait="auto")
+    run(vision_cmd(reference, *slow, wait="auto"))
     records = read(reference)
     decisions = [r.get("decision") for r in records]
     assert decisions[0] is None and all(d["arrival"] == t for t, d in enumerate(decisions) if t)
@@ -271,17 +273,14 @@ def test_wait_auto_records_its_decisions_and_resumes_them_after_kill9(tmp_path):
         assert decision["cost_train_now"] > 0 and decision["cost_wait"] > 0
     assert [r["stage"] for r in records] == stages and stages[-1] >= 1
     assert [r["trained"] for r in records[1:]] == [d["train"] for d in decisions[1:]]
-    assert comparable(records) == comparable(in_process("sm", "auto", tmp_path / "in_process"))
+    assert comparable(records) == comparable(in_process("sm", "auto", tmp_path / "in_process", 150))
     assert load_state(reference / "checkpoint_last.pt")["settings"]["--wait"] == "auto"
 
-    cmd = vision_cmd(save, "--epochs-per-stage", "150", wait="auto")  # slow enough to kill
-    slow_reference = tmp_path / "slow"
-    run(vision_cmd(slow_reference, "--epochs-per-stage", "150", wait="auto"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env)
     wait_for(save / "checkpoint_last.pt", proc)
     proc.send_signal(signal.SIGKILL)
-    proc.communicate(timeout=600)
+    proc.wait(timeout=600)
     assert len(read(save)) < B + 1, "the run finished before the signal; nothing was resumed"
     run(cmd)
-    assert comparable(read(save)) == comparable(read(slow_reference))
+    assert comparable(read(save)) == comparable(records)

@@ -17,7 +17,8 @@ from lm_fixtures import RESUMABLE, assert_same_stream, prepare_stream, run, stre
 from fairseq_alma.stream.records import read_records
 
 B = 8
-AUTO = ("--wait", "auto", "--stage-init", "scratch")
+# 30 updates of 8 x 32 tokens read about 2.4 of these mega-batches: a bigger stage can help
+AUTO = ("--wait", "auto", "--stage-init", "scratch", "--updates-per-stage", "30")
 
 
 @pytest.fixture(scope="module")
@@ -71,13 +72,15 @@ def test_killed_mid_stage_continues_to_the_same_decisions(reference, stream8, tm
     save = tmp_path / "killed"
     cmd = stream_cmd(stream8, save, *AUTO, *RESUMABLE)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
-    log = save / "stream.jsonl"
-    while proc.poll() is None and not (log.exists() and len(log.read_text().splitlines()) >= 5):
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == -9, out[-2000:]
+    output = tmp_path / "first.log"  # a file, not a pipe: nobody reads it while the run goes on
+    with open(output, "w") as handle:
+        proc = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env)
+        log = save / "stream.jsonl"
+        while proc.poll() is None and not (log.exists() and len(log.read_text().splitlines()) >= 5):
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=600)
+    assert proc.returncode == -9, output.read_text()[-2000:]
     assert len(read_records(log)) < B + 1, "the run finished before the signal"
     run(cmd)
     assert_same_stream(reference[0], save, stages=range(1, _stages(reference[0]) + 1))

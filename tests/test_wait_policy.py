@@ -50,14 +50,16 @@ def test_priors_while_the_points_cannot_tell():
     assert one_stage.retention == 1.0 and one_stage.exponent == pytest.approx(math.log(1.6, 2))
 
 
-def _brute_force(curve, current, gap, pending, remaining, replay):
-    """plan_cost arrival by arrival, as its docstring says."""
+def _brute_force(curve, current, gap, pending, arrival, num_megabatches, replay, capacity):
+    """plan_cost arrival by arrival, as its docstring says: a stage learns from its new
+    mega-batches (all arrived with replay), at most ``capacity`` of them."""
     calibration = current.error / curve(current.trained, current.stage)
-    total, error, waiting, seen = 0.0, current.error, pending, current.trained
-    for _ in range(remaining + 1):
+    total, error, waiting, learnt = 0.0, current.error, pending, current.trained
+    for arrived in range(arrival, num_megabatches + 1):
         if waiting >= gap:
-            seen += waiting
-            error = calibration * curve(seen, seen if replay else waiting)
+            stage = min(arrived if replay else waiting, capacity)
+            learnt = min(arrived, learnt + (capacity if replay else stage))
+            error = calibration * curve(learnt, stage)
             waiting = 0
         total += error
         waiting += 1
@@ -70,45 +72,61 @@ def test_plan_cost_is_the_arrival_by_arrival_sum():
         curve = LearningCurve(rng.uniform(0.1, 1), rng.uniform(0.01, 2), rng.choice([0, 0.5, 1]))
         trained = rng.randint(0, 20)
         current = ModelPoint(trained, rng.randint(0, trained), rng.uniform(0.05, 0.9))
-        pending, remaining, replay = rng.randint(1, 9), rng.randint(0, 30), rng.random() < 0.5
-        for gap in range(1, pending + remaining + 3):
-            assert plan_cost(curve, current, gap, pending, remaining, replay) == pytest.approx(
-                _brute_force(curve, current, gap, pending, remaining, replay))
+        pending, replay = rng.randint(1, 9), rng.random() < 0.5
+        arrival = trained + pending
+        num_megabatches = arrival + rng.randint(0, 30)
+        capacity = rng.choice([math.inf, 0.5, 2.0, 3.0])
+        for gap in range(1, num_megabatches - arrival + pending + 3):
+            args = (curve, current, gap, pending, arrival, num_megabatches, replay, capacity)
+            assert plan_cost(*args) == pytest.approx(_brute_force(*args))
+
+
+def test_a_stage_that_reads_one_megabatch_gains_nothing_by_waiting():
+    """An LM stage reads U batches whatever it is given: when they cover one mega-batch, a
+    bigger stage is no better, so waiting is never predicted to pay, even for a learner whose
+    curve is in the stage's data alone (one that forgets)."""
+    forgets = _models(LearningCurve(0.9, 0.5, 0.0), [1, 1, 1, 1])
+    unbounded = decide(5, 20, forgets, pending=1)
+    assert not unbounded.train and unbounded.cost_wait < unbounded.cost_train_now
+    capped = decide(5, 20, forgets, pending=1, capacity=1.0)
+    assert capped.cost_wait >= capped.cost_train_now - 1e-12
+    keeps = _models(LearningCurve(0.9, 0.5, 1.0), [1, 1, 1, 1])
+    assert decide(5, 20, keeps, pending=1, capacity=1.0).train
 
 
 def test_a_learner_that_keeps_what_it_learnt_trains_at_every_arrival():
     models = _models(LearningCurve(0.9, 0.5, 1.0), [1, 1, 1])
-    decision = decide(4, 20, models)
+    decision = decide(4, 20, models, pending=1)
     assert decision.train and decision.best_gap == 1 and decision.curve_retention == 1.0
 
 
 def test_a_learner_that_forgets_waits_for_a_bigger_stage_then_trains():
     models = _models(LearningCurve(0.9, 0.5, 0.0), [1, 1, 1])
-    early = decide(4, 20, models)
+    early = decide(4, 20, models, pending=1)
     assert not early.train and early.best_gap > 1
     assert early.cost_wait < early.cost_train_now
     # the same learner at the last arrival, 5 mega-batches waiting: a stage of 5 beats its
     # model of 1, and nothing is left to wait for
-    last = decide(8, 8, models)
+    last = decide(8, 8, models, pending=5)
     assert last.train and last.pending == 5 and last.remaining == 0
 
 
 def test_the_last_arrival_trains_iff_the_curve_predicts_a_better_model():
     models = [ModelPoint(0, 0, 0.9), ModelPoint(1, 1, 0.5)]
-    assert decide(2, 2, models).train
+    assert decide(2, 2, models, pending=1).train
     # a learner that forgets, its model from a stage of 4: one mega-batch would make it worse
     forgets = _models(LearningCurve(0.9, 0.5, 0.0), [4, 4, 4, 4])
     assert fit_curve(forgets).retention == 0.0
-    assert not decide(17, 17, forgets).train
-    assert not decide(20, 20, forgets).train  # 4 waiting: no better than its model (a tie waits)
-    assert decide(21, 21, forgets).train  # 5 waiting: a bigger stage than any before
+    assert not decide(17, 17, forgets, pending=1).train
+    assert decide(20, 20, forgets, pending=4).train  # 4 waiting: as good as its model (a tie trains)
+    assert decide(21, 21, forgets, pending=5).train  # 5 waiting: a bigger stage than any before
 
 
 def test_decide_refuses_what_is_not_a_decision():
     with pytest.raises(ValueError):
-        decide(2, 5, [ModelPoint(0, 0, 0.9), ModelPoint(2, 2, 0.5)])  # nothing pending
+        decide(2, 5, [ModelPoint(0, 0, 0.9), ModelPoint(2, 2, 0.5)], pending=0)  # nothing
     with pytest.raises(ValueError):
-        decide(6, 5, [ModelPoint(0, 0, 0.9)])
+        decide(6, 5, [ModelPoint(0, 0, 0.9)], pending=6)
 
 
 def test_the_plan_grows_one_decision_at_a_time():

@@ -173,7 +173,8 @@ class StreamTraining:
                                      f"arrivals ({plan.num_stages} stages trained); the stream "
                                      f"is over, every arrival recorded in {self.run_dir.stream_log}")
             metrics = self.measure()
-            train = self.session.decide(metrics["valid_nll"], int(metrics["valid_tokens"]), any_rank)
+            train = self.session.decide(metrics["valid_nll"], int(metrics["valid_tokens"]), any_rank,
+                                        capacity=self.stage_capacity())
             decision = self.session.waits.decisions[plan.decided + 1]
             logger.info("alma_stream: arrival %d: %s (validation NLL %.4f, %d mega-batches waiting; "
                         "predicted NLL sum to B: %.3f training now, %.3f waiting)",
@@ -182,6 +183,21 @@ class StreamTraining:
             if not train:
                 self.stage_boundary(stage - 1)  # the arrival waited at: the same model answers
             plan = self.session.plan
+
+    def stage_capacity(self) -> float:
+        """The mega-batches one stage's updates can read (``--wait auto``): U updates x batches
+        per update x tokens per batch, over a mega-batch's mean tokens.  Why: a stage gets U
+        updates whatever it is given, so waiting for more data than it reads gains it nothing
+        (``wait_policy.after_stage``).  Unbounded when the manifest has no token counts."""
+        cfg = self.cfg
+        limits = [cfg.batch_size * cfg.tokens_per_sample if cfg.batch_size else None, cfg.max_tokens]
+        per_batch = min(limit for limit in limits if limit) if any(limits) else None
+        splits = self.task.manifest.get("splits", {})
+        sizes = [splits.get(f"megabatch{k}", {}).get("tokens") for k in range(self.task.plan.num_megabatches)]
+        if per_batch is None or not all(sizes):
+            return math.inf
+        tokens = self.task.budget * cfg.update_freq[-1] * (cfg.distributed_world_size or 1) * per_batch
+        return tokens / (sum(sizes) / len(sizes))
 
     def restore_early(self) -> None:
         """``--wait auto``, resuming: fairseq builds a stage's data (``load_dataset``) before it

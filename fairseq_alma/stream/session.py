@@ -30,6 +30,7 @@ passed in (``ranks.raise_unless_all_ok``).
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
@@ -162,13 +163,14 @@ class StreamSession:
             state["waits"] = self.waits.state_dict()
         return state
 
-    def decide(self, error: float, examples: int,
-               agree: Callable[[bool], bool] | None = None) -> bool:
+    def decide(self, error: float, examples: int, agree: Callable[[bool], bool] | None = None,
+               capacity: float = math.inf) -> bool:
         """``--wait auto``: train at the next arrival, or wait (``wait_policy.py``), from the
         current model's ``error`` on the arrived validation data; the plan grows by it and the
         arrival's record (written by the next ``stage_boundary``) will carry it."""
         assert self.waits is not None, "decide() is for --wait auto"
-        self.plan = self.progress.plan = self.waits.decide(self.plan, error, examples, agree)
+        self.plan = self.progress.plan = self.waits.decide(self.plan, error, examples, agree,
+                                                           capacity)
         return self.plan.decisions[-1]
 
     # ---- stage end ---------------------------------------------------------------------

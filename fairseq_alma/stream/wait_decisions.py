@@ -10,6 +10,7 @@ into its arrival's record in ``stream.jsonl``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -18,8 +19,8 @@ from .progress import StreamPlan
 
 
 class WaitDecisions:
-    """Models as [n trained, m of its stage, error (None: not measured yet), examples] and
-    decisions by arrival (JSON-able)."""
+    """Models as [n learnt from, m of its stage (mega-batches), error (None: not measured
+    yet), examples] and decisions by arrival (JSON-able)."""
 
     def __init__(self, rate: bool = True) -> None:
         self.rate = rate  # the learner's metric is an error rate (vision), else a loss (LM)
@@ -27,20 +28,25 @@ class WaitDecisions:
         self.decisions: dict[int, dict[str, Any]] = {}
 
     def decide(self, plan: StreamPlan, error: float, examples: int,
-               agree: Callable[[bool], bool] | None = None) -> StreamPlan:
+               agree: Callable[[bool], bool] | None = None,
+               capacity: float = math.inf) -> StreamPlan:
         """The next arrival's decision, from the current model's ``error`` on the arrived
         validation data (``examples`` examples or tokens); ``agree`` makes every rank take the
-        same one (any rank that would train makes all train).  Returns the plan with it."""
+        same one (any rank that would train makes all train); ``capacity``: the mega-batches a
+        stage can learn from (``wait_policy.after_stage``).  Returns the plan with it."""
         arrival = plan.decided + 1
-        trained = plan.schedule[-1].arrival if plan.schedule else 0
+        pending = arrival - (plan.schedule[-1].arrival if plan.schedule else 0)
         self.models[-1][2:] = [float(error), int(examples)]
         points = [wait_policy.ModelPoint(*model, rate=self.rate) for model in self.models
                   if model[2] is not None]
-        decision = wait_policy.decide(arrival, plan.num_megabatches, points, replay=plan.replay)
+        decision = wait_policy.decide(arrival, plan.num_megabatches, points, pending,
+                                      replay=plan.replay, capacity=capacity)
         train = agree(decision.train) if agree is not None else decision.train
         self.decisions[arrival] = {**decision.to_json(), "train": bool(train)}
         if train:
-            self.models.append([arrival, arrival if plan.replay else arrival - trained, None, 0])
+            trained, stage = wait_policy.after_stage(self.models[-1][0], pending, arrival,
+                                                     plan.replay, capacity)
+            self.models.append([trained, stage, None, 0])
         return plan.with_decision(train)
 
     def record_extra(self, arrival: int) -> dict[str, Any]:

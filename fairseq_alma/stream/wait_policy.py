@@ -22,7 +22,10 @@ m is the stage's own data and n - m what earlier stages saw; rho in [0, 1] is ho
 the learner keeps.  rho = 1: it keeps all (a fine-tuned learner that does not forget: the error
 falls with n, and frequent stages pay); rho = 0: only the last stage counts (a learner that
 forgets, or starts each stage from scratch: small stages make poor models, and waiting pays).
-With ``--replay`` a stage trains on everything arrived, m = n.  (a, alpha) are weighted least
+With ``--replay`` a stage trains on everything arrived, m = n.  A stage learns from no more
+than its updates read: an LM stage gets U updates whatever it is given, so m is at most the
+mega-batches U batches cover (``capacity``, ``after_stage``) and waiting for more gains it
+nothing; a vision stage reads all its data every epoch.  (a, alpha) are weighted least
 squares in log space (each point weighted by the inverse variance of a log error rate measured
 on its validation examples), for each rho of a grid.  What the points cannot tell comes from
 the priors: alpha = ``PRIOR_EXPONENT`` (0.5, the middle of the exponents reported for
@@ -30,18 +33,21 @@ classification error in "Deep learning scaling is predictable", Hestness et al. 
 there is one distinct data size, and rho = 1 (the bet of w = 1) unless another rho fits
 clearly better: its drop in residual must be at least F(1, d) at 95% (``F_95``: 161 with
 one degree of freedom left, 10 with three, about 4 with many) times the residual variance
-left, d = models - 3.  One stage unlucky on a few
-validation examples then does not turn the policy over.
+left, d = models - 3.  One stage unlucky on a few validation examples then does not turn the
+policy over.
 
 **The decision.**  For every gap g (train when g mega-batches wait, and every g arrivals after
 that, up to B; the last g never trains again), the curve predicts the error at each arrival
 t … B (scaled to match v_now for the current model), and the anytime metric charges their
 sum (v_now until the first stage).  The learner trains now iff the cheapest plan trains at
-this arrival (g <= k; a tie waits).  This looks ahead over the whole horizon: early on a
-learner that forgets waits for bigger stages; near the end a stage must pay for itself over
-the few arrivals left, and at t = B it trains iff the curve predicts a lower error than v_now.  Compute is not priced: a vision stage costs its data
-times its epochs (the same for any schedule that trains on the same data), an LM stage its
-``--updates-per-stage`` (fewer stages, less compute).
+this arrival (g <= k).  A tie trains: the curve sees no difference, a model of the newest data
+is never predicted worse, and a misfitted curve that says no stage can help must not stop the
+learner for good.  This looks ahead over the whole horizon: early on a learner that forgets
+waits for bigger stages; near the end a stage must pay for itself over the few arrivals left,
+and at t = B it trains unless the curve predicts a worse model than the current one.  Compute
+is not priced: a vision stage costs its data times its epochs (the same for any schedule that
+trains on the same data), an LM stage its ``--updates-per-stage`` (fewer stages, less
+compute).
 
 Pure Python: no torch, so the decisions are exact, cheap and testable anywhere.
 """
@@ -76,8 +82,8 @@ class ModelPoint:
     """One model the learner has had: mega-batches trained on so far (n), those of the stage
     that made it (m; 0 for the untrained model), and its error on arrived validation data."""
 
-    trained: int
-    stage: int
+    trained: float
+    stage: float
     error: float
     examples: int = 1  # validation examples (or tokens) behind ``error``: its weight in the fit
     rate: bool = True  # an error rate in [0, 1] (vision); False: a loss (LM: NLL per token)
@@ -101,7 +107,7 @@ class LearningCurve:
     exponent: float
     retention: float
 
-    def __call__(self, trained: int, stage: int) -> float:
+    def __call__(self, trained: float, stage: float) -> float:
         effective = stage + self.retention * (trained - stage)
         return self.scale * (1.0 + effective) ** (-self.exponent)
 
@@ -151,25 +157,35 @@ def fit_curve(points: Sequence[ModelPoint]) -> LearningCurve:
     return LearningCurve(scale=math.exp(log_scale), exponent=exponent, retention=retention)
 
 
-def plan_cost(curve: LearningCurve, current: ModelPoint, gap: int, pending: int, remaining: int,
-              replay: bool) -> float:
-    """Predicted sum of the errors at arrivals t … t + remaining when the learner trains as
-    soon as ``gap`` mega-batches wait (now, if ``pending`` >= gap) and every ``gap`` arrivals
-    after that.  The curve predicts changes from the ``current`` model, whose error is measured:
-    a model the curve rates e' is expected at current.error x e' / e(current)."""
-    steps = remaining + 1
+def after_stage(trained: float, waiting: int, arrived: int, replay: bool,
+                capacity: float = math.inf) -> tuple[float, float]:
+    """(n, m) of the model a stage makes: m is what the stage learns from, its new mega-batches
+    (all arrived ones with replay) but at most ``capacity``, the mega-batches its updates can
+    read (an LM stage reads U batches whatever it is given: ``--updates-per-stage``); n adds
+    it to what earlier stages learnt from, at most everything arrived."""
+    stage = min(arrived if replay else waiting, capacity)
+    return min(float(arrived), trained + (stage if not replay else capacity)), stage
+
+
+def plan_cost(curve: LearningCurve, current: ModelPoint, gap: int, pending: int, arrival: int,
+              num_megabatches: int, replay: bool, capacity: float = math.inf) -> float:
+    """Predicted sum of the errors at arrivals ``arrival`` … B when the learner trains as soon
+    as ``gap`` mega-batches wait (now, if ``pending`` >= gap) and every ``gap`` arrivals after
+    that.  The curve predicts changes from the ``current`` model, whose error is measured: a
+    model the curve rates e' is expected at current.error x e' / e(current)."""
+    steps = num_megabatches - arrival + 1
     delay = max(0, gap - pending)  # arrivals until the first stage
     if delay >= steps:
         return steps * current.error
     calibration = current.error / curve(current.trained, current.stage)
-    total, waiting, seen = delay * current.error, pending + delay, current.trained
-    steps -= delay
+    total, waiting, trained = delay * current.error, pending + delay, current.trained
+    arrived, steps = arrival + delay, steps - delay
     while steps > 0:  # a stage now; its model answers ``gap`` arrivals (or up to B)
-        seen += waiting
+        trained, stage = after_stage(trained, waiting, arrived, replay, capacity)
         span = min(gap, steps)
-        total += span * calibration * curve(seen, seen if replay else waiting)
+        total += span * calibration * curve(trained, stage)
         steps -= span
-        waiting = gap
+        waiting, arrived = gap, arrived + gap
     return total
 
 
@@ -189,33 +205,37 @@ class Decision:
     curve_exponent: float
     curve_retention: float
     models: int  # points the curve was fitted to
+    stage_capacity: float | None = None  # mega-batches a stage can learn from (None: all)
 
     def to_json(self) -> dict[str, Any]:
         return {key: (round(value, 6) if isinstance(value, float) else value)
                 for key, value in asdict(self).items()}
 
 
-def decide(arrival: int, num_megabatches: int, models: Sequence[ModelPoint],
-           replay: bool = False) -> Decision:
-    """Train now or wait, at ``arrival`` (module doc).  ``models`` holds every model the
-    learner has had, the current one last (its error measured at this arrival)."""
+def decide(arrival: int, num_megabatches: int, models: Sequence[ModelPoint], pending: int,
+           replay: bool = False, capacity: float = math.inf) -> Decision:
+    """Train now or wait, at ``arrival`` (module doc), with ``pending`` mega-batches waiting.
+    ``models`` holds every model the learner has had, the current one last (its error
+    measured at this arrival); ``capacity``: the mega-batches a stage can learn from
+    (``after_stage``)."""
     current = models[-1] if models else None
-    if current is None or not 1 <= arrival <= num_megabatches or current.trained >= arrival:
+    if current is None or not 1 <= arrival <= num_megabatches or not 1 <= pending <= arrival:
         raise ValueError(f"no decision to make at arrival {arrival} of {num_megabatches} with "
-                         f"models {list(models)}")
+                         f"{pending} mega-batches waiting")
     curve = fit_curve(models)
-    pending, remaining = arrival - current.trained, num_megabatches - arrival
+    remaining = num_megabatches - arrival
 
     def cost(gap: int) -> float:
-        return plan_cost(curve, current, gap, pending, remaining, replay)
+        return plan_cost(curve, current, gap, pending, arrival, num_megabatches, replay, capacity)
 
     never = pending + remaining + 1
     train_now = min(range(1, pending + 1), key=lambda gap: (cost(gap), gap))
     wait = min(range(pending + 1, never + 1), key=lambda gap: (cost(gap), gap))
     cost_now, cost_wait = cost(train_now), cost(wait)
-    train = cost_now < cost_wait  # a tie waits: the same predicted errors for less compute
+    train = cost_now <= cost_wait  # a tie trains (module doc)
     return Decision(arrival=arrival, train=train, pending=pending, remaining=remaining,
                     error_now=current.error, best_gap=train_now if train else wait,
                     cost_train_now=cost_now, cost_wait=cost_wait, curve_scale=curve.scale,
                     curve_exponent=curve.exponent, curve_retention=curve.retention,
-                    models=len(models))
+                    models=len(models),
+                    stage_capacity=capacity if math.isfinite(capacity) else None)
