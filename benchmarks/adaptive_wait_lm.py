@@ -17,15 +17,14 @@ import math
 import os
 import statistics
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from fairseq_alma.demos.steps import tool
 from fairseq_alma.fairseq_glue.user_dir import PLUGIN_DIR
 from fairseq_alma.stream.run_view import RunView
 
-VENV_BIN = Path(sys.executable).parent
 B = 8
 SIZES = {"d64": ["--decoder-embed-dim", "64", "--decoder-ffn-embed-dim", "128"],
          "d128": ["--decoder-embed-dim", "128", "--decoder-ffn-embed-dim", "256"]}
@@ -45,10 +44,6 @@ class LmRun:
     @property
     def name(self) -> str:
         return f"sm_{self.size}_w{self.wait}_s{self.seed}"
-
-
-def tool(name: str) -> str:
-    return str(VENV_BIN / name)
 
 
 def prepare(out: Path, quick: bool) -> Path:
