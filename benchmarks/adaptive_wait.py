@@ -168,8 +168,9 @@ def plot(results: dict, path: Path) -> None:
             axis.errorbar(row["compute"], row["cer"], yerr=row["cer_std"],
                           marker="*" if star else "o", markersize=16 if star else 6,
                           color="tab:red" if star else "tab:blue", capsize=3, linestyle="none")
-            axis.annotate(f"w={wait}", (row["compute"], row["cer"]), fontsize=8,
-                          textcoords="offset points", xytext=(5, 5))
+            axis.annotate("auto" if star else f"w={wait}", (row["compute"], row["cer"]),
+                          fontsize=8, color="tab:red" if star else "black",
+                          textcoords="offset points", xytext=(-12, -16) if star else (5, 5))
         ylabel = ("anytime CER (sum of errors, Eq. 1)" if entry["metric"] == "CER"
                   else "anytime NLL (bits per token)")
         axis.set(title=f"{stream} {size}", xlabel="training compute (FLOPs)", ylabel=ylabel)

@@ -64,3 +64,14 @@ def test_adaptive_wait_tiny_runs(tmp_path):
     assert lm["rows"]["1"]["seeds"] == 1 and lm["rows"]["auto"]["compute"] > 0
     assert vision["verdict"] in proc.stdout and lm["verdict"] in proc.stdout
     assert (tmp_path / "adaptive_wait.png").stat().st_size > 0
+
+
+def test_adaptive_wait_synthetic_tiny_runs(tmp_path):
+    """benchmarks/adaptive_wait_synthetic.py --quick: a learner that keeps what it learnt and
+    one that forgets, through the real ``--wait auto`` decisions; the table and its JSON."""
+    proc = _bench("adaptive_wait_synthetic.py", "--quick", "--out", str(tmp_path / "s.json"))
+    rows = json.loads((tmp_path / "s.json").read_text())
+    assert [row["retention"] for row in rows] == [1.0, 0.0]
+    # the learner that forgets: waiting for bigger stages beats training at every arrival
+    assert rows[1]["fixed"]["1"] > rows[1]["fixed"]["2"]
+    assert all(row["auto"] > 0 and f"{row['excess_pct']:+.1f}%" in proc.stdout for row in rows)

@@ -10,44 +10,72 @@ import pytest
 
 from fairseq_alma.errors import UsageError
 from fairseq_alma.stream.progress import AUTO, StreamPlan, parse_wait, wait_flag, wait_from_flag
-from fairseq_alma.stream.wait_policy import LearningCurve, ModelPoint, decide, fit_curve, plan_cost
+from fairseq_alma.stream.wait_policy import (
+    RETENTION_GRID,
+    LearningCurve,
+    ModelPoint,
+    decide,
+    fit_curves,
+    plan_cost,
+)
 
 
-def _models(curve: LearningCurve, stages: list[int]) -> list[ModelPoint]:
-    """The untrained model and one model per stage of the given sizes, errors on the curve."""
-    points, seen = [ModelPoint(0, 0, curve(0, 0))], 0
+def _models(curve: LearningCurve, stages: list[int], examples: int = 1) -> list[ModelPoint]:
+    """The untrained model and one model per stage of the given sizes, errors on the curve,
+    each measured on ``examples`` validation examples."""
+    points, seen = [ModelPoint(0, 0, curve(0, 0), examples)], 0
     for size in stages:
         seen += size
-        points.append(ModelPoint(seen, size, curve(seen, size)))
+        points.append(ModelPoint(seen, size, curve(seen, size), examples))
     return points
 
 
 @pytest.mark.parametrize("retention", [0.0, 0.3, 1.0])
-def test_fit_recovers_the_curve_that_made_the_points(retention):
+def test_the_belief_centres_on_the_curve_that_made_the_points(retention):
     truth = LearningCurve(scale=0.9, exponent=0.4, retention=retention)
-    fitted = fit_curve(_models(truth, [1, 1, 2, 1, 3]))
-    assert fitted.retention == pytest.approx(retention)
-    assert fitted.exponent == pytest.approx(0.4)
-    assert fitted.scale == pytest.approx(0.9)
+    belief = fit_curves(_models(truth, [1, 1, 2, 1, 3], examples=1000))
+    assert belief.most_likely.retention == pytest.approx(retention)
+    assert belief.most_likely.exponent == pytest.approx(0.4)
+    assert belief.most_likely.scale == pytest.approx(0.9)
+    assert sum(belief.beliefs) == pytest.approx(1.0)
+    assert belief.mean_retention == pytest.approx(retention, abs=0.15)
+    # the same curve seen on one example per model: the same best fit, a belief still spread
+    vague = fit_curves(_models(truth, [1, 1, 2, 1, 3]))
+    assert vague.most_likely.retention == pytest.approx(retention)
+    assert max(vague.beliefs) < 0.2
 
 
-def test_one_unlucky_stage_does_not_overturn_the_prior():
-    """Three models, the last no better than the one before: not evidence of forgetting."""
+def test_a_few_noisy_models_leave_the_belief_spread():
+    """Three models, the last no better than the one before, then two noisy ones: no evidence
+    of forgetting or of keeping, so no retention is believed much more than another."""
     points = [ModelPoint(0, 0, 0.9, 10), ModelPoint(1, 1, 0.6, 20), ModelPoint(2, 1, 0.6, 30)]
-    assert fit_curve(points).retention == 1.0
+    assert max(fit_curves(points).beliefs) < 0.2
     noisy = points + [ModelPoint(3, 1, 0.45, 40), ModelPoint(4, 1, 0.5, 50)]
-    assert fit_curve(noisy).retention == 1.0
-    # an LM's validation NLL: a drop, then a plateau, over four models (one degree of freedom
-    # left): no evidence yet that it forgets (F(1, 1) at 95% is 161)
-    plateau = [ModelPoint(t, min(t, 1), nll, 5000, rate=False)
+    assert max(fit_curves(noisy).beliefs) < 0.2
+    # an LM's validation NLL: a drop, then a plateau; it reads as forgetting, but an LM stage
+    # reads half a mega-batch (its U batches), so waiting gains nothing and it trains
+    plateau = [ModelPoint(t / 2, min(t, 1) / 2, nll, 5000, rate=False)
                for t, nll in enumerate([7.54, 5.89, 5.80, 5.76])]
-    assert fit_curve(plateau).retention == 1.0
+    assert fit_curves(plateau).mean_retention < 0.5
+    assert decide(4, 8, plateau, pending=1, capacity=0.5).train
+
+
+def test_six_wrong_of_six_is_not_a_certainty():
+    """An error rate of 1 on a handful of examples weighs like its Jeffreys estimate, not like
+    a measurement without noise (the binomial variance of log e vanishes as e -> 1)."""
+    few = ModelPoint(1, 1, 1.0, 6)
+    assert few.weight == pytest.approx(6 * (6.5 / 7) / (0.5 / 7))
+    assert ModelPoint(1, 1, 0.0, 6).weight == pytest.approx(6 * (0.5 / 7) / (6.5 / 7))
+    assert few.weight < ModelPoint(9, 1, 0.15, 600).weight
 
 
 def test_priors_while_the_points_cannot_tell():
-    assert fit_curve([ModelPoint(0, 0, 0.8)]) == LearningCurve(0.8, 0.5, 1.0)
-    one_stage = fit_curve([ModelPoint(0, 0, 0.8), ModelPoint(1, 1, 0.5)])
-    assert one_stage.retention == 1.0 and one_stage.exponent == pytest.approx(math.log(1.6, 2))
+    lone = fit_curves([ModelPoint(0, 0, 0.8)])
+    assert lone.beliefs == pytest.approx([1 / len(RETENTION_GRID)] * len(RETENTION_GRID))
+    assert lone.most_likely == LearningCurve(0.8, 0.5, 1.0)  # a tie: the larger retention
+    one_stage = fit_curves([ModelPoint(0, 0, 0.8), ModelPoint(1, 1, 0.5)])
+    assert max(one_stage.beliefs) == pytest.approx(min(one_stage.beliefs))
+    assert one_stage.most_likely.exponent == pytest.approx(math.log(1.6, 2))
 
 
 def _brute_force(curve, current, gap, pending, arrival, num_megabatches, replay, capacity):
@@ -95,9 +123,13 @@ def test_a_stage_that_reads_one_megabatch_gains_nothing_by_waiting():
 
 
 def test_a_learner_that_keeps_what_it_learnt_trains_at_every_arrival():
-    models = _models(LearningCurve(0.9, 0.5, 1.0), [1, 1, 1])
-    decision = decide(4, 20, models, pending=1)
+    """Once its models show it keeps what it learnt; while they cannot tell, it hedges."""
+    keeps = LearningCurve(0.9, 0.5, 1.0)
+    decision = decide(4, 20, _models(keeps, [1, 1, 1], examples=1000), pending=1)
     assert decision.train and decision.best_gap == 1 and decision.curve_retention == 1.0
+    assert decision.retention_mean > 0.8
+    hedge = decide(4, 20, _models(keeps, [1, 1, 1]), pending=1)
+    assert not hedge.train and 1 < hedge.best_gap < 17 and 0.3 < hedge.retention_mean < 0.7
 
 
 def test_a_learner_that_forgets_waits_for_a_bigger_stage_then_trains():
@@ -116,7 +148,7 @@ def test_the_last_arrival_trains_iff_the_curve_predicts_a_better_model():
     assert decide(2, 2, models, pending=1).train
     # a learner that forgets, its model from a stage of 4: one mega-batch would make it worse
     forgets = _models(LearningCurve(0.9, 0.5, 0.0), [4, 4, 4, 4])
-    assert fit_curve(forgets).retention == 0.0
+    assert fit_curves(forgets).most_likely.retention == 0.0
     assert not decide(17, 17, forgets, pending=1).train
     assert decide(20, 20, forgets, pending=4).train  # 4 waiting: as good as its model (a tie trains)
     assert decide(21, 21, forgets, pending=5).train  # 5 waiting: a bigger stage than any before

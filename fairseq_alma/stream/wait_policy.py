@@ -25,29 +25,36 @@ forgets, or starts each stage from scratch: small stages make poor models, and w
 With ``--replay`` a stage trains on everything arrived, m = n.  A stage learns from no more
 than its updates read: an LM stage gets U updates whatever it is given, so m is at most the
 mega-batches U batches cover (``capacity``, ``after_stage``) and waiting for more gains it
-nothing; a vision stage reads all its data every epoch.  (a, alpha) are weighted least
-squares in log space (each point weighted by the inverse variance of a log error rate measured
-on its validation examples), for each rho of a grid.  What the points cannot tell comes from
-the priors: alpha = ``PRIOR_EXPONENT`` (0.5, the middle of the exponents reported for
-classification error in "Deep learning scaling is predictable", Hestness et al. 2017) while
-there is one distinct data size, and rho = 1 (the bet of w = 1) unless another rho fits
-clearly better: its drop in residual must be at least F(1, d) at 95% (``F_95``: 161 with
-one degree of freedom left, 10 with three, about 4 with many) times the residual variance
-left, d = models - 3.  One stage unlucky on a few validation examples then does not turn the
-policy over.
+nothing; a vision stage reads all its data every epoch.
+
+**What the learner believes about rho.**  For each rho of a grid, (a, alpha) are weighted least
+squares in log space, each model weighted by the inverse variance of its log error (an error
+rate measured on N examples: binomial, with Jeffreys' half example so that 0 of 6 or 6 of 6 is
+not taken as certain; a loss: its N tokens).  The models rarely tell rho apart: stages of one
+size show it only through how the error falls with n, which alpha can explain too.  So the rule
+does not bet on one rho (an earlier version kept rho = 1 unless an F-test rejected it, and
+trained at every arrival on a stream where waiting for two mega-batches was 20% better).  It
+weighs every rho of the grid by how well it explains the models, a posterior from a flat
+prior: exp(-(residual - least residual) / 2 s^2), s^2 the least residual per degree of freedom
+left (models - 3) and at least 1 (the quasi-likelihood scale: a curve that fits worse than
+sampling noise spreads the belief instead of sharpening it).  alpha = ``PRIOR_EXPONENT`` (0.5,
+the middle of the exponents reported for classification error in "Deep learning scaling is
+predictable", Hestness et al. 2017) while there is one distinct data size.
 
 **The decision.**  For every gap g (train when g mega-batches wait, and every g arrivals after
-that, up to B; the last g never trains again), the curve predicts the error at each arrival
+that, up to B; the last g never trains again), each curve predicts the error at each arrival
 t … B (scaled to match v_now for the current model), and the anytime metric charges their
-sum (v_now until the first stage).  The learner trains now iff the cheapest plan trains at
-this arrival (g <= k).  A tie trains: the curve sees no difference, a model of the newest data
-is never predicted worse, and a misfitted curve that says no stage can help must not stop the
-learner for good.  This looks ahead over the whole horizon: early on a learner that forgets
-waits for bigger stages; near the end a stage must pay for itself over the few arrivals left,
-and at t = B it trains unless the curve predicts a worse model than the current one.  Compute
-is not priced: a vision stage costs its data times its epochs (the same for any schedule that
-trains on the same data), an LM stage its ``--updates-per-stage`` (fewer stages, less
-compute).
+sum (v_now until the first stage); the plan's cost is that sum averaged over the belief.  The
+learner trains now iff the cheapest plan trains at this arrival (g <= k).  Averaging hedges:
+while the models cannot tell a learner that forgets from one that keeps, waiting a few
+arrivals costs little if it keeps and saves much if it forgets, so the rule waits; as its
+models pin rho down, it follows the curve.  A tie trains: a model of the newest data is never
+predicted worse, and a misfitted curve that says no stage can help must not stop the learner
+for good.  This looks ahead over the whole horizon: early on a learner that forgets waits for
+bigger stages; near the end a stage must pay for itself over the few arrivals left, and at
+t = B it trains unless the curves predict a worse model than the current one.  Compute is not
+priced: a vision stage costs its data times its epochs (the same for any schedule that trains
+on the same data), an LM stage its ``--updates-per-stage`` (fewer stages, less compute).
 
 Pure Python: no torch, so the decisions are exact, cheap and testable anywhere.
 """
@@ -55,26 +62,15 @@ Pure Python: no torch, so the decisions are exact, cheap and testable anywhere.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 PRIOR_EXPONENT = 0.5
-PRIOR_RETENTION = 1.0
 EXPONENT_RANGE = (0.01, 3.0)  # a fit outside it is noise from a handful of points
 RETENTION_GRID = tuple(i / 10 for i in range(11))
 FLOOR = 1e-4  # errors are floored here before taking logs (an error of 0 is a point too)
-# The 95% quantile of F(1, d), d = 1 … 30: how much better (in residual drop per residual
-# variance) a fitted retention must explain the models than the prior's, with d degrees of
-# freedom left; beyond 30, 3.84 + 10 / d follows the table's tail to F(1, inf) = 3.84.
-F_95 = (161.45, 18.51, 10.13, 7.71, 6.61, 5.99, 5.59, 5.32, 5.12, 4.96, 4.84, 4.75, 4.67, 4.60,
-        4.54, 4.49, 4.45, 4.41, 4.38, 4.35, 4.32, 4.30, 4.28, 4.26, 4.24, 4.23, 4.21, 4.20, 4.18,
-        4.17)
-
-
-def evidence_needed(freedom: int) -> float:
-    """F(1, freedom) at 95% (``F_95``)."""
-    return F_95[freedom - 1] if freedom <= len(F_95) else 3.84 + 10.0 / freedom
+NEGLIGIBLE = 1e-6  # a curve with less belief than this is left out of the plans' costs
 
 
 @dataclass(frozen=True)
@@ -91,12 +87,14 @@ class ModelPoint:
     @property
     def weight(self) -> float:
         """The inverse variance of log(error): for an error rate measured on N examples
-        (binomial) var log e ~ (1 - e) / (e N); for a mean loss over N tokens ~ 1 / N.  A point
-        measured on a handful of examples counts little."""
+        (binomial) var log e ~ (1 - e) / (e N), e with Jeffreys' half example, (k + 1/2) /
+        (N + 1), so that 6 wrong of 6 is not a certainty that outweighs every other model; for
+        a mean loss over N tokens ~ 1 / N."""
+        examples = max(self.examples, 1)
         if not self.rate:
-            return float(max(self.examples, 1))
-        error = min(max(self.error, FLOOR), 1.0 - FLOOR)
-        return max(self.examples, 1) * error / (1.0 - error)
+            return float(examples)
+        error = (min(max(self.error, 0.0), 1.0) * examples + 0.5) / (examples + 1)
+        return examples * error / (1.0 - error)
 
 
 @dataclass(frozen=True)
@@ -129,32 +127,48 @@ def _fit_power_law(xs: list[float], ys: list[float],
     return log_scale, exponent, residual
 
 
-def fit_curve(points: Sequence[ModelPoint]) -> LearningCurve:
-    """The retention and power law that fit the learner's models best (module doc): weighted
-    least squares in log space for each retention of the grid; a retention other than the
-    prior's only when it explains clearly more than the prior does (its drop in residual at
-    least F(1, d) at 95% times the residual variance left, d = models - 3: an F-test),
-    so that one stage unlucky on a few validation examples does not turn the policy over."""
+@dataclass(frozen=True)
+class CurveBelief:
+    """The curve of each retention of the grid, with how much the learner believes it."""
+
+    curves: tuple[LearningCurve, ...]
+    beliefs: tuple[float, ...]  # sums to 1
+
+    @property
+    def most_likely(self) -> LearningCurve:
+        """The curve believed most (a tie: the larger retention)."""
+        return max(zip(self.beliefs, self.curves), key=lambda bc: (bc[0], bc[1].retention))[1]
+
+    @property
+    def mean_retention(self) -> float:
+        return sum(b * c.retention for b, c in zip(self.beliefs, self.curves))
+
+    def expected(self, cost: Callable[[LearningCurve], float]) -> float:
+        """``cost`` averaged over the belief (curves with a negligible belief left out)."""
+        kept = [(b, c) for b, c in zip(self.beliefs, self.curves) if b >= NEGLIGIBLE]
+        return sum(b * cost(c) for b, c in kept) / sum(b for b, _ in kept)
+
+
+def fit_curves(points: Sequence[ModelPoint]) -> CurveBelief:
+    """The power law of each retention of the grid and its posterior (module doc): weighted
+    least squares in log space; belief exp(-(residual - least) / 2 s^2) from a flat prior, s^2
+    the least residual per degree of freedom left, at least 1."""
     if not points:
-        raise ValueError("fit_curve needs at least the untrained model's point")
+        raise ValueError("fit_curves needs at least the untrained model's point")
     ys = [math.log(max(p.error, FLOOR)) for p in points]
     weights = [p.weight for p in points]
-
-    def fit(retention: float) -> tuple[float, float, float]:
+    curves, residuals = [], []
+    for retention in RETENTION_GRID:
         xs = [math.log1p(p.stage + retention * (p.trained - p.stage)) for p in points]
-        return _fit_power_law(xs, ys, weights)
-
-    prior = fit(PRIOR_RETENTION)
-    chosen, retention = prior, PRIOR_RETENTION
-    if len(points) > 3 and any(p.trained != p.stage for p in points):
-        best = min(((fit(r), r) for r in reversed(RETENTION_GRID)),
-                   key=lambda item: item[0][2])  # ties: the larger retention
-        freedom = len(points) - 3  # three parameters fitted: scale, exponent, retention
-        left = best[0][2] / freedom  # residual variance with the retention fitted
-        if prior[2] - best[0][2] > evidence_needed(freedom) * left:
-            chosen, retention = best
-    log_scale, exponent, _ = chosen
-    return LearningCurve(scale=math.exp(log_scale), exponent=exponent, retention=retention)
+        log_scale, exponent, residual = _fit_power_law(xs, ys, weights)
+        curves.append(LearningCurve(math.exp(log_scale), exponent, retention))
+        residuals.append(residual)
+    least = min(residuals)
+    freedom = len(points) - 3  # three parameters: scale, exponent, retention
+    scale = max(least / freedom, 1.0) if freedom > 0 else 1.0
+    likelihoods = [math.exp(-(r - least) / (2.0 * scale)) for r in residuals]
+    total = sum(likelihoods)
+    return CurveBelief(tuple(curves), tuple(lk / total for lk in likelihoods))
 
 
 def after_stage(trained: float, waiting: int, arrived: int, replay: bool,
@@ -199,12 +213,13 @@ class Decision:
     remaining: int  # R = B - t
     error_now: float  # v_now
     best_gap: int  # g of the cheapest plan (> pending + remaining: never train again)
-    cost_train_now: float  # predicted error sum t..B of the cheapest plan that trains now
+    cost_train_now: float  # expected error sum t..B of the cheapest plan that trains now
     cost_wait: float  # ... of the cheapest plan that waits
-    curve_scale: float
+    curve_scale: float  # the most likely curve's
     curve_exponent: float
     curve_retention: float
-    models: int  # points the curve was fitted to
+    retention_mean: float  # the retention averaged over the belief
+    models: int  # points the curves were fitted to
     stage_capacity: float | None = None  # mega-batches a stage can learn from (None: all)
 
     def to_json(self) -> dict[str, Any]:
@@ -222,20 +237,22 @@ def decide(arrival: int, num_megabatches: int, models: Sequence[ModelPoint], pen
     if current is None or not 1 <= arrival <= num_megabatches or not 1 <= pending <= arrival:
         raise ValueError(f"no decision to make at arrival {arrival} of {num_megabatches} with "
                          f"{pending} mega-batches waiting")
-    curve = fit_curve(models)
+    belief = fit_curves(models)
     remaining = num_megabatches - arrival
 
     def cost(gap: int) -> float:
-        return plan_cost(curve, current, gap, pending, arrival, num_megabatches, replay, capacity)
+        return belief.expected(lambda curve: plan_cost(
+            curve, current, gap, pending, arrival, num_megabatches, replay, capacity))
 
     never = pending + remaining + 1
     train_now = min(range(1, pending + 1), key=lambda gap: (cost(gap), gap))
     wait = min(range(pending + 1, never + 1), key=lambda gap: (cost(gap), gap))
     cost_now, cost_wait = cost(train_now), cost(wait)
     train = cost_now <= cost_wait  # a tie trains (module doc)
+    likely = belief.most_likely
     return Decision(arrival=arrival, train=train, pending=pending, remaining=remaining,
                     error_now=current.error, best_gap=train_now if train else wait,
-                    cost_train_now=cost_now, cost_wait=cost_wait, curve_scale=curve.scale,
-                    curve_exponent=curve.exponent, curve_retention=curve.retention,
-                    models=len(models),
+                    cost_train_now=cost_now, cost_wait=cost_wait, curve_scale=likely.scale,
+                    curve_exponent=likely.exponent, curve_retention=likely.retention,
+                    retention_mean=belief.mean_retention, models=len(models),
                     stage_capacity=capacity if math.isfinite(capacity) else None)
