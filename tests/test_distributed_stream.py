@@ -62,9 +62,9 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def rank_commands(data: Path, save_dir: Path, port: int) -> list[list[str]]:
+def rank_commands(data: Path, save_dir: Path, port: int, **overrides: object) -> list[list[str]]:
     """One fairseq-train per rank, wired by hand the way slurm/launch_task.sh does it."""
-    base = tiny_stream_argv(data, save_dir) + ["--cpu", "--ddp-backend", "legacy_ddp"]
+    base = tiny_stream_argv(data, save_dir, **overrides) + ["--cpu", "--ddp-backend", "legacy_ddp"]
     return [base + ["--distributed-world-size", "2", "--distributed-rank", str(rank),
                     "--distributed-no-spawn", "--distributed-backend", "gloo",
                     "--distributed-init-method", f"tcp://127.0.0.1:{port}"] for rank in (0, 1)]
@@ -188,6 +188,25 @@ def test_kill9_both_ranks_then_same_commands_resume(data, two_rank_run, tmp_path
     assert resumed_at == sorted(resumed_at), resumed_at
     assert not list(save.glob("*.tmp*")), "a temporary file was left behind"
     assert_same_stream(save, two_rank_run[0])
+
+
+def test_wait_auto_on_two_ranks_equals_one_process(data, tmp_path):
+    """``--wait auto`` decides at fairseq's load of each stage's data, from the validation NLL
+    (all-reduced) and with every rank agreeing (``ranks.any_rank``): 2 ranks make the decisions,
+    records and weights of 1 process with --update-freq 2, and neither waits on the other."""
+    from fairseq_alma.stream.records import read_records
+
+    save = tmp_path / "two"
+    procs = start_ranks(rank_commands(data, save, free_port(), wait="auto"), tmp_path / "logs")
+    finish_ranks(procs, tmp_path / "logs")
+    single = tmp_path / "single"
+    run(tiny_stream_argv(data, single, update_freq=2, wait="auto")
+        + ["--cpu", "--ddp-backend", "legacy_ddp"])
+    records = read_records(save / "stream.jsonl")
+    assert [r.extra["decision"]["arrival"] for r in records[1:]] == [1, 2]
+    assert records[-1].stage >= 1, "auto trained no stage: nothing to compare"
+    assert_same_stream(save, single, metric_rel_tol=CROSS_TOPOLOGY_REL_TOL,
+                       stages=tuple(range(1, records[-1].stage + 1)))
 
 
 GROW = ["--moe-max-experts", "4", "--grow-experts", "2"]
