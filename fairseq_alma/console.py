@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from .errors import AlmaError, Preempted
+from .loader_threads import stop_background_loaders
 
 INTERRUPTED_EXIT_STATUS = 130  # the shell's status for Ctrl-C
 
@@ -27,7 +28,9 @@ def error_line(prog: str, err: AlmaError) -> str:
 
 
 def run_console(prog: str, main: Callable[[], int | None]) -> int:
-    """Run ``main``; turn fairseq-alma errors and Ctrl-C into one line and an exit status."""
+    """Run ``main``; turn fairseq-alma errors and Ctrl-C into one line and an exit status; stop
+    fairseq's batch-prefetching threads whatever the exit (``loader_threads``: one caught
+    inside a torch op at exit aborts the process instead of returning the status)."""
     try:
         status = main()
     except AlmaError as err:
@@ -36,6 +39,8 @@ def run_console(prog: str, main: Callable[[], int | None]) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted; run the same command again to continue", file=sys.stderr)
         return INTERRUPTED_EXIT_STATUS
+    finally:
+        stop_background_loaders()
     return 0 if status is None else int(status)
 
 

@@ -17,7 +17,9 @@ task's ``get_checkpoint_dict``/``set_checkpoint_dict``).  Each patch:
 The patches:
 
 ``install_console_errors``   fairseq-train / fairseq-eval-lm print a fairseq-alma error as one
-                             line and exit with its status instead of a traceback.
+                             line and exit with its status instead of a traceback; fairseq's
+                             batch-prefetching thread is stopped first (``loader_threads``),
+                             since one inside a torch op at exit aborts the process.
 ``install_atomic_copies``    fairseq copies a saved checkpoint to its other names
                              (checkpoint_last.pt, ...) with a plain, non-atomic copy.
 ``install_requeue_save``     after every update attempt: end the epoch when the stage's
@@ -91,6 +93,14 @@ class _ConsoleMain:
         self.original = original
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from ..loader_threads import stop_background_loaders
+
+        try:
+            return self._call_original(*args, **kwargs)
+        finally:  # a prefetching thread inside a torch op at exit aborts the process
+            stop_background_loaders()
+
+    def _call_original(self, *args: Any, **kwargs: Any) -> Any:
         from ..console import error_line
 
         try:
