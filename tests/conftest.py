@@ -52,6 +52,23 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # no
 
 
 @pytest.fixture(scope="session")
+def forked():
+    """A fork server for console scripts (``forked_commands``), one per test worker: for the
+    many calls that fail in a second after seconds of imports (one-line error cases)."""
+    from forked_commands import ForkedCommands
+
+    server = ForkedCommands({**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def forked_prep(forked):
+    """``alma-data-prep ARGS`` run in the fork server (``forked``), as a CompletedProcess."""
+    return lambda *args: forked.run(["alma-data-prep", *args], cwd=Path.cwd(), timeout=300)
+
+
+@pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO
 

@@ -14,6 +14,7 @@ import random
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 
@@ -271,27 +272,27 @@ def _assert_one_line_error(result: subprocess.CompletedProcess, *named: str) -> 
     (["--valid-size", "0.6", "--eval-size", "0.5"], ["--valid-size", "--eval-size"]),
     (["--workers", "two"], ["--workers"]),
 ])
-def test_bad_flags_fail_upfront_with_one_line(corpus, tmp_path, extra, named):
-    result = run_prep(*corpus, "--out", str(tmp_path / "o"), *extra)
+def test_bad_flags_fail_upfront_with_one_line(forked_prep, corpus, tmp_path, extra, named):
+    result = forked_prep(*corpus, "--out", str(tmp_path / "o"), *extra)
     _assert_one_line_error(result, *named)
     assert len(result.stderr.splitlines()) == 1
 
 
-def test_bad_inputs_fail_with_one_line_naming_the_file(corpus, tmp_path):
+def test_bad_inputs_fail_with_one_line_naming_the_file(forked_prep, corpus, tmp_path):
     missing = str(tmp_path / "nope.txt")
-    _assert_one_line_error(run_prep(missing, "--out", str(tmp_path / "o")), missing)
+    _assert_one_line_error(forked_prep(missing, "--out", str(tmp_path / "o")), missing)
 
     latin1 = tmp_path / "latin1.txt"
     latin1.write_bytes("caf\u00e9 cr\u00e8me\n".encode("latin-1"))
-    _assert_one_line_error(run_prep(*corpus, str(latin1), "--out", str(tmp_path / "o")),
+    _assert_one_line_error(forked_prep(*corpus, str(latin1), "--out", str(tmp_path / "o")),
                            str(latin1), "UTF-8")
 
     blank = tmp_path / "blank.txt"
     blank.write_text("\n  \n\n")
-    _assert_one_line_error(run_prep(str(blank), "--out", str(tmp_path / "o")), "no text")
+    _assert_one_line_error(forked_prep(str(blank), "--out", str(tmp_path / "o")), "no text")
 
     inside = os.path.join(corpus[2], "out")
-    _assert_one_line_error(run_prep(corpus[2], "--out", inside), "--out")
+    _assert_one_line_error(forked_prep(corpus[2], "--out", inside), "--out")
 
 
 @pytest.mark.parametrize("extra, named", [
@@ -300,9 +301,10 @@ def test_bad_inputs_fail_with_one_line_naming_the_file(corpus, tmp_path):
     (["--vocab-size", "100000"], ["--vocab-size"]),
     (["--vocab-size", "100"], ["--vocab-size"]),
 ])
-def test_corpus_too_small_for_the_flags_fails_with_one_line(corpus, tmp_path, extra, named):
+def test_corpus_too_small_for_the_flags_fails_with_one_line(forked_prep, corpus, tmp_path, extra,
+                                                            named):
     args = [*corpus, "--out", str(tmp_path / "o"), "--vocab-size", "400", *extra]
-    _assert_one_line_error(run_prep(*args), *named)
+    _assert_one_line_error(forked_prep(*args), *named)
 
 
 def _tree(*paths) -> dict[str, str]:
@@ -314,26 +316,31 @@ def _tree(*paths) -> dict[str, str]:
     return {f: hashlib.sha256(open(f, "rb").read()).hexdigest() for f in sorted(files)}
 
 
-def _refused_and_unchanged(args: list[str], watched: list, *named: str) -> None:
+def _refused_and_unchanged(prep: Callable[..., subprocess.CompletedProcess], args: list[str],
+                           watched: list, *named: str) -> None:
+    """``prep(*args)`` fails with one line naming ``named`` and leaves ``watched`` as it was."""
     before = _tree(*watched)
-    _assert_one_line_error(run_prep(*args), *named)
+    _assert_one_line_error(prep(*args), *named)
     assert _tree(*watched) == before
 
 
-def test_out_holding_another_stream_is_refused_unless_clean(prepared, corpus, tmp_path):
+def test_out_holding_another_stream_is_refused_unless_clean(forked_prep, prepared, corpus,
+                                                            tmp_path):
     theirs = str(tmp_path / "theirs")
     shutil.copytree(prepared[0], theirs)
     other = tmp_path / "other.txt"
     other.write_text("another corpus\n\nof two documents\n")
     for inputs in ([str(other)], corpus[:2]):  # other text; some of the same text is another too
-        _refused_and_unchanged([*inputs, "--out", theirs, *ARGS], [theirs, *corpus, other],
+        _refused_and_unchanged(forked_prep, [*inputs, "--out", theirs, *ARGS],
+                               [theirs, *corpus, other],
                                f"--out {theirs} holds another stream", corpus[0], "--clean")
     # A manifest from before "inputs" was recorded: the files it read say which stream it is.
     manifest = _load(theirs)
     del manifest["inputs"]
     with open(os.path.join(theirs, "manifest.json"), "w", encoding="utf-8") as f:
         json.dump(manifest, f)
-    _refused_and_unchanged([str(other), "--out", theirs, *ARGS], [theirs, *corpus, other],
+    _refused_and_unchanged(forked_prep, [str(other), "--out", theirs, *ARGS],
+                           [theirs, *corpus, other],
                            "holds another stream", "--clean")
     same = run_prep(*corpus, "--out", theirs, *ARGS)  # the same command: a re-run
     assert same.returncode == 0 and "building" not in same.stderr, same.stderr
@@ -342,44 +349,47 @@ def test_out_holding_another_stream_is_refused_unless_clean(prepared, corpus, tm
     copy = tmp_path / "copy"
     shutil.copytree(os.path.dirname(corpus[0]), copy)
     moved = [str(copy / os.path.basename(path)) for path in corpus]
-    _refused_and_unchanged([*moved, "--out", theirs, *ARGS], [theirs], "holds another stream")
+    _refused_and_unchanged(forked_prep, [*moved, "--out", theirs, *ARGS], [theirs],
+                           "holds another stream")
     replaced = run_prep(*moved, "--out", theirs, *ARGS, "--clean")
     assert replaced.returncode == 0, replaced.stderr
     assert _load(theirs)["inputs"] == [os.path.realpath(path) for path in moved]
     assert not os.path.exists(os.path.join(theirs, "work"))  # --clean as documented
 
 
-def test_out_that_is_a_file_or_holds_other_files_is_refused(corpus, tmp_path):
+def test_out_that_is_a_file_or_holds_other_files_is_refused(forked_prep, corpus, tmp_path):
     a_file = tmp_path / "notes.txt"
     a_file.write_text("mine\n")
     for out in (a_file, a_file / "stream"):
-        _refused_and_unchanged([*corpus, "--out", str(out), *ARGS], [a_file, *corpus],
+        _refused_and_unchanged(forked_prep, [*corpus, "--out", str(out), *ARGS], [a_file, *corpus],
                                f"--out {out}", f"{a_file} is" if out != a_file else "a directory")
     mine = tmp_path / "mine"  # a directory that is no stream: outputs would mix with (and
     (mine / "work").mkdir(parents=True)  # --clean, remove_stale_megabatches delete) its files
     (mine / "work" / "draft.txt").write_text("mine\n")
     (mine / "megabatch-notes.txt").write_text("mine\n")
     for clean in ([], ["--clean"]):
-        _refused_and_unchanged([*corpus, "--out", str(mine), *ARGS, *clean], [mine, *corpus],
+        _refused_and_unchanged(forked_prep, [*corpus, "--out", str(mine), *ARGS, *clean],
+                               [mine, *corpus],
                                f"--out {mine} holds files that are not an alma-data-prep stream",
                                "megabatch-notes.txt")
 
 
-def test_absurd_num_megabatches_is_refused_before_any_work(prepared, corpus, tmp_path):
+def test_absurd_num_megabatches_is_refused_before_any_work(forked_prep, prepared, corpus, tmp_path):
     """B = 10**12 used to end in a MemoryError after creating --out; B beyond the inputs' bytes
     (.gz at deflate's largest expansion) can never find a document per mega-batch."""
     fresh = tmp_path / "fresh"
     absurd = ["--num-megabatches", str(10**12)]
-    _refused_and_unchanged([*corpus, "--out", str(fresh), *ARGS, *absurd], corpus,
+    _refused_and_unchanged(forked_prep, [*corpus, "--out", str(fresh), *ARGS, *absurd], corpus,
                            "--num-megabatches 1000000000000", "can hold at most", "lower it")
     assert not os.path.exists(fresh)
     theirs = str(tmp_path / "theirs")
     shutil.copytree(prepared[0], theirs)
-    _refused_and_unchanged([*corpus, "--out", theirs, *ARGS, *absurd, "--eval-per-megabatch",
-                            "0.1"], [theirs, *corpus], "2,000,000,000,002 documents")
+    _refused_and_unchanged(forked_prep, [*corpus, "--out", theirs, *ARGS, *absurd,
+                                         "--eval-per-megabatch", "0.1"],
+                           [theirs, *corpus], "2,000,000,000,002 documents")
     plain = [path for path in corpus if path.endswith(".txt")]  # no .gz: at most its bytes
     size = os.path.getsize(plain[0])
-    _refused_and_unchanged([plain[0], "--out", str(fresh), *ARGS, "--num-megabatches",
+    _refused_and_unchanged(forked_prep, [plain[0], "--out", str(fresh), *ARGS, "--num-megabatches",
                             str(size + 1)], plain, f"({size:,} bytes) can hold at most {size:,}")
     assert not os.path.exists(fresh)
 

@@ -112,24 +112,24 @@ def test_shards_run_by_hand_give_the_single_runs_bytes(corpus, singles, tmp_path
     assert plain.returncode == 0 and "building" not in plain.stderr, plain.stderr
 
 
-def test_shard_flags_fail_with_one_line(corpus, tmp_path):
+def test_shard_flags_fail_with_one_line(forked_prep, corpus, tmp_path):
     out = ["--out", str(tmp_path / "o")]
-    _one_line_error(run_prep(corpus, *out, *ARGS, "--num-shards", "2", "--shard-index", "0"),
+    _one_line_error(forked_prep(corpus, *out, *ARGS, "--num-shards", "2", "--shard-index", "0"),
                     "--prepare-only")  # the tokenizer is not there yet
     assert not os.path.exists(tmp_path / "o" / "work" / "docs.txt")  # nothing extracted
-    _one_line_error(run_prep(corpus, *out, "--num-shards", "2", "--shard-index", "2"),
+    _one_line_error(forked_prep(corpus, *out, "--num-shards", "2", "--shard-index", "2"),
                     "--shard-index 2", "--num-shards 2")
-    _one_line_error(run_prep(corpus, *out, "--shard-index", "0", "--num-shards", "2",
+    _one_line_error(forked_prep(corpus, *out, "--shard-index", "0", "--num-shards", "2",
                              "--prepare-only"), "--prepare-only", "--shard-index")
-    _one_line_error(run_prep(corpus, *out, "--slurm-shards", "2", "--num-shards", "2"),
+    _one_line_error(forked_prep(corpus, *out, "--slurm-shards", "2", "--num-shards", "2"),
                     "--num-shards")
-    _one_line_error(run_prep(corpus, *out, "--profile", "local-cpu"), "--profile",
+    _one_line_error(forked_prep(corpus, *out, "--profile", "local-cpu"), "--profile",
                     "--slurm-shards")
-    _one_line_error(run_prep(corpus, *out, "--slurm-shards", "2", "--profile", "nope"),
+    _one_line_error(forked_prep(corpus, *out, "--slurm-shards", "2", "--profile", "nope"),
                     "nope")
-    _one_line_error(run_prep("--from-binarized", str(tmp_path), *out, "--num-shards", "2"),
+    _one_line_error(forked_prep("--from-binarized", str(tmp_path), *out, "--num-shards", "2"),
                     "--from-binarized")
-    _one_line_error(run_prep(corpus, *out, "--num-shards", "0"), "--num-shards")
+    _one_line_error(forked_prep(corpus, *out, "--num-shards", "0"), "--num-shards")
 
 
 def test_dry_run_writes_the_three_job_scripts(corpus, tmp_path):

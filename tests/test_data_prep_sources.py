@@ -170,25 +170,25 @@ def test_gpt2_rerun_reuses_every_step(gpt2_stream, corpus, gpt2_files):
     assert result.returncode == 0 and "building" not in result.stderr, result.stderr
 
 
-def test_gpt2_flags_fail_with_one_line(corpus, gpt2_files, tmp_path):
+def test_gpt2_flags_fail_with_one_line(forked_prep, corpus, gpt2_files, tmp_path):
     out = ["--out", str(tmp_path / "o")]
     encoder, vocab = gpt2_files
-    _assert_one_line_error(run_prep(corpus, *out, "--bpe", "gpt2", "--gpt2-encoder-json",
+    _assert_one_line_error(forked_prep(corpus, *out, "--bpe", "gpt2", "--gpt2-encoder-json",
                                     encoder), "--gpt2-vocab-bpe")
-    _assert_one_line_error(run_prep(corpus, *out, "--bpe", "gpt2", "--gpt2-vocab-bpe", vocab),
+    _assert_one_line_error(forked_prep(corpus, *out, "--bpe", "gpt2", "--gpt2-vocab-bpe", vocab),
                            "--gpt2-encoder-json")
     missing = str(tmp_path / "nope.json")
-    _assert_one_line_error(run_prep(corpus, *out, "--bpe", "gpt2", "--gpt2-encoder-json",
+    _assert_one_line_error(forked_prep(corpus, *out, "--bpe", "gpt2", "--gpt2-encoder-json",
                                     missing, "--gpt2-vocab-bpe", vocab),
                            "--gpt2-encoder-json", missing)
-    _assert_one_line_error(run_prep(corpus, *out, "--gpt2-vocab-bpe", vocab), "--bpe gpt2")
-    _assert_one_line_error(run_prep(corpus, *out, "--bpe", "gpt2", "--gpt2-encoder-json",
+    _assert_one_line_error(forked_prep(corpus, *out, "--gpt2-vocab-bpe", vocab), "--bpe gpt2")
+    _assert_one_line_error(forked_prep(corpus, *out, "--bpe", "gpt2", "--gpt2-encoder-json",
                                     encoder, "--gpt2-vocab-bpe", vocab, "--vocab-size", "400"),
                            "--vocab-size", "--bpe gpt2")
     partial = tmp_path / "partial.json"  # lacks the id of the last merge
     with open(encoder, encoding="utf-8") as f:
         partial.write_text(json.dumps(dict(list(json.load(f).items())[:-1])), encoding="utf-8")
-    _assert_one_line_error(run_prep(corpus, *out, "--bpe", "gpt2", "--gpt2-encoder-json",
+    _assert_one_line_error(forked_prep(corpus, *out, "--bpe", "gpt2", "--gpt2-encoder-json",
                                     str(partial), "--gpt2-vocab-bpe", vocab),
                            str(partial), "'Ġan'")
     assert not os.path.exists(tmp_path / "o" / "work" / "docs.txt")  # checked before extracting
@@ -214,8 +214,8 @@ BAD_VOCAB_BPE = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_VOCAB_BPE))
-def test_gpt2_vocab_bpe_that_fairseq_would_misread_is_refused(case, corpus, gpt2_files,
-                                                              tmp_path):
+def test_gpt2_vocab_bpe_that_fairseq_would_misread_is_refused(case, forked_prep, corpus,
+                                                              gpt2_files, tmp_path):
     """Each of these used to be accepted: the corpus encoded byte by byte (no merges), a
     merge silently dropped, or a bare KeyError in the middle of encoding."""
     text, named = BAD_VOCAB_BPE[case]
@@ -223,24 +223,25 @@ def test_gpt2_vocab_bpe_that_fairseq_would_misread_is_refused(case, corpus, gpt2
     vocab.write_bytes(text.encode("utf-8"))
     inputs = [corpus, gpt2_files[0], str(vocab)]
     before = {path: _sha(path) for path in inputs}
-    result = alma_data_prep(corpus, "--out", str(tmp_path / "o"), "--bpe", "gpt2",
-                            "--gpt2-encoder-json", gpt2_files[0], "--gpt2-vocab-bpe", str(vocab),
-                            *SPLIT_FLAGS)
+    result = forked_prep(corpus, "--out", str(tmp_path / "o"), "--bpe", "gpt2",
+                         "--gpt2-encoder-json", gpt2_files[0], "--gpt2-vocab-bpe", str(vocab),
+                         *SPLIT_FLAGS)
     _assert_one_line_error(result, "alma-data-prep: error:", str(vocab), named)
     assert {path: _sha(path) for path in inputs} == before
 
 
 @pytest.mark.parametrize("text, named", [("", "not JSON"), ("{}", "not a JSON object"),
                                          ('{"a": "1"}', "not a JSON object")])
-def test_gpt2_encoder_json_that_is_empty_or_not_a_mapping_is_refused(text, named, corpus,
-                                                                     gpt2_files, tmp_path):
+def test_gpt2_encoder_json_that_is_empty_or_not_a_mapping_is_refused(text, named, forked_prep,
+                                                                     corpus, gpt2_files,
+                                                                     tmp_path):
     encoder = tmp_path / "encoder.json"
     encoder.write_text(text, encoding="utf-8")
     inputs = [corpus, str(encoder), gpt2_files[1]]
     before = {path: _sha(path) for path in inputs}
-    result = alma_data_prep(corpus, "--out", str(tmp_path / "o"), "--bpe", "gpt2",
-                            "--gpt2-encoder-json", str(encoder), "--gpt2-vocab-bpe", gpt2_files[1],
-                            *SPLIT_FLAGS)
+    result = forked_prep(corpus, "--out", str(tmp_path / "o"), "--bpe", "gpt2",
+                         "--gpt2-encoder-json", str(encoder), "--gpt2-vocab-bpe", gpt2_files[1],
+                         *SPLIT_FLAGS)
     _assert_one_line_error(result, "alma-data-prep: error:", str(encoder), named)
     assert {path: _sha(path) for path in inputs} == before
 
@@ -332,16 +333,17 @@ def test_from_binarized_keeps_the_data_bins_own_dictionary(gpt2_stream, encoded_
         assert _load(out)["splits"][name]["tokens"] == _load(cut_ref)["splits"][name]["tokens"]
 
 
-def test_from_binarized_errors_name_the_path_and_the_next_step(encoded_text, corpus, tmp_path):
+def test_from_binarized_errors_name_the_path_and_the_next_step(forked_prep, encoded_text, corpus,
+                                                              tmp_path):
     data_bin = tmp_path / "bin"
     fairseq_preprocess(encoded_text, str(data_bin))
     out = ["--out", str(tmp_path / "o")]
-    _assert_one_line_error(run_prep("--from-binarized", str(data_bin), corpus, *out), "INPUT")
-    _assert_one_line_error(run_prep("--from-binarized", str(data_bin), "--bpe", "gpt2", *out),
+    _assert_one_line_error(forked_prep("--from-binarized", str(data_bin), corpus, *out), "INPUT")
+    _assert_one_line_error(forked_prep("--from-binarized", str(data_bin), "--bpe", "gpt2", *out),
                            "--bpe")
-    _assert_one_line_error(run_prep("--from-binarized", str(data_bin), "--no-byte-fallback",
+    _assert_one_line_error(forked_prep("--from-binarized", str(data_bin), "--no-byte-fallback",
                                     *out), "--byte-fallback", "--from-binarized")
-    _assert_one_line_error(run_prep("--from-binarized", str(tmp_path / "none"), *out),
+    _assert_one_line_error(forked_prep("--from-binarized", str(tmp_path / "none"), *out),
                            "--from-binarized", "fairseq-preprocess")
 
     small = tmp_path / "small"  # a dictionary with fewer symbols than the binaries use
@@ -349,14 +351,14 @@ def test_from_binarized_errors_name_the_path_and_the_next_step(encoded_text, cor
     for name in ("train.bin", "train.idx"):
         (small / name).write_bytes((data_bin / name).read_bytes())
     (small / "dict.txt").write_text("5 1\n", encoding="utf-8")
-    _assert_one_line_error(run_prep("--from-binarized", str(small), *out),
+    _assert_one_line_error(forked_prep("--from-binarized", str(small), *out),
                            str(small / "train.bin"), "dict.txt")
 
     (data_bin / "train.bin").unlink()
-    _assert_one_line_error(run_prep("--from-binarized", str(data_bin), *out),
+    _assert_one_line_error(forked_prep("--from-binarized", str(data_bin), *out),
                            str(data_bin / "train.bin"), "fairseq-preprocess")
     (data_bin / "dict.txt").unlink()
-    _assert_one_line_error(run_prep("--from-binarized", str(data_bin), *out),
+    _assert_one_line_error(forked_prep("--from-binarized", str(data_bin), *out),
                            str(data_bin / "dict.txt"))
 
 
@@ -366,24 +368,24 @@ def _tree(path: str) -> dict[str, str]:
 
 
 def test_from_binarized_never_replaces_another_stream_or_takes_an_absurd_b(
-        gpt2_stream, gpt2_files, corpus, encoded_text, tmp_path):
+        forked_prep, gpt2_stream, gpt2_files, corpus, encoded_text, tmp_path):
     data_bin = str(tmp_path / "bin")
     fairseq_preprocess(encoded_text, data_bin)
     watched = {path: _tree(path) for path in (data_bin, gpt2_stream)}
     fresh = str(tmp_path / "fresh")
-    _assert_one_line_error(alma_data_prep("--from-binarized", data_bin, "--out", fresh,
+    _assert_one_line_error(forked_prep("--from-binarized", data_bin, "--out", fresh,
                                           "-B", str(10**12)),
                            "--num-megabatches 1000000000000", data_bin, "lower it")
     assert not os.path.exists(fresh)
     # The text route's stream is another stream for the binarized route, and back.
-    _assert_one_line_error(alma_data_prep("--from-binarized", data_bin, "--out", gpt2_stream,
+    _assert_one_line_error(forked_prep("--from-binarized", data_bin, "--out", gpt2_stream,
                                           *SPLIT_FLAGS),
                            f"--out {gpt2_stream} holds another stream", corpus, "--clean")
     cut = str(tmp_path / "cut")
     assert alma_data_prep("--from-binarized", data_bin, "--out", cut, *SPLIT_FLAGS,
                           "-B", "2").returncode == 0
     watched[cut] = _tree(cut)
-    _assert_one_line_error(alma_data_prep(corpus, "--out", cut, "--bpe", "gpt2",
+    _assert_one_line_error(forked_prep(corpus, "--out", cut, "--bpe", "gpt2",
                                           "--gpt2-encoder-json", gpt2_files[0],
                                           "--gpt2-vocab-bpe", gpt2_files[1], *SPLIT_FLAGS),
                            f"--out {cut} holds another stream", f"--from-binarized {data_bin}")
