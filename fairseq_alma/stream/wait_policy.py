@@ -240,14 +240,13 @@ def decide(arrival: int, num_megabatches: int, models: Sequence[ModelPoint], pen
     belief = fit_curves(models)
     remaining = num_megabatches - arrival
 
-    def cost(gap: int) -> float:
-        return belief.expected(lambda curve: plan_cost(
-            curve, current, gap, pending, arrival, num_megabatches, replay, capacity))
-
-    never = pending + remaining + 1
-    train_now = min(range(1, pending + 1), key=lambda gap: (cost(gap), gap))
-    wait = min(range(pending + 1, never + 1), key=lambda gap: (cost(gap), gap))
-    cost_now, cost_wait = cost(train_now), cost(wait)
+    never = pending + remaining + 1  # a gap this long never trains again
+    cost = {gap: belief.expected(lambda curve, gap=gap: plan_cost(
+        curve, current, gap, pending, arrival, num_megabatches, replay, capacity))
+        for gap in range(1, never + 1)}
+    train_now = min(range(1, pending + 1), key=lambda gap: (cost[gap], gap))
+    wait = min(range(pending + 1, never + 1), key=lambda gap: (cost[gap], gap))
+    cost_now, cost_wait = cost[train_now], cost[wait]
     train = cost_now <= cost_wait  # a tie trains (module doc)
     likely = belief.most_likely
     return Decision(arrival=arrival, train=train, pending=pending, remaining=remaining,
