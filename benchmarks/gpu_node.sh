@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # One GPU session's checks and measurements, in the order that matters when time runs out:
 # install offline (../shared/gpu-node/README.md: wheels in .whl/, the node's own CUDA torch),
-# the cuda test suite, the Switch layer benchmark, the end-to-end training throughput, then a
-# profile of one training step.  Everything is logged under OUTDIR
-# (run.log, switch_ffn_cuda.json, train_throughput.json, cuda_tests.log, profile.log).
+# the cuda test suite, the end-to-end training throughput (eager and compiled Switch kernels), the
+# Switch layer benchmark (eager, then compiled), then a profile of one training step.  Everything is logged under OUTDIR
+# (run.log, cuda_tests.log, train_throughput.json, switch_ffn_cuda.json, switch_ffn_compiled_cuda.json,
+# profile.log).
 #
-# Usage: bash benchmarks/gpu_node.sh OUTDIR [SECONDS]      (SECONDS: the whole budget, default 350)
+# Usage: bash benchmarks/gpu_node.sh OUTDIR [SECONDS]      (SECONDS: the whole budget, default 520)
 #        STREAM=DIR  a prepared alma-data-prep stream for train_throughput.py (default: it builds one)
 #        PY=python   the Python that holds the node's CUDA torch (default python3); SKIP_INSTALL=1
 set -uo pipefail
 out=${1:?usage: gpu_node.sh OUTDIR [SECONDS]}
-budget=${2:-350}
+budget=${2:-520}
 mkdir -p "$out"
 exec > >(tee -a "$out/run.log") 2>&1
 start=$SECONDS
@@ -35,9 +36,13 @@ parallel=(); $py -c "import xdist" 2>/dev/null && parallel=(-p xdist.plugin -n 6
 step cuda_tests 130 $py -m pytest "${parallel[@]}" -m cuda -rs -q -p no:cacheprovider tests \
     > "$out/cuda_tests.log" 2>&1
 tail -25 "$out/cuda_tests.log"
-step switch_ffn 90 $py benchmarks/switch_ffn.py --device cuda --ops --json "$out/switch_ffn_cuda.json"
-step train_throughput 200 $py benchmarks/train_throughput.py ${STREAM:+--data "$STREAM"} \
+# end to end first: stock, Switch E=1/E=8 eager and compiled (--moe-expert-kernel compiled), fp16 and bf16
+step train_throughput 300 $py benchmarks/train_throughput.py ${STREAM:+--data "$STREAM"} \
     --json "$out/train_throughput.json"
+step switch_ffn 90 $py benchmarks/switch_ffn.py --device cuda --ops --json "$out/switch_ffn_cuda.json"
+# the compiled kernel alone: one compilation per configuration, so the paper's d 768 at E = 4, 8, 12
+step switch_ffn_compiled 60 $py benchmarks/switch_ffn.py --device cuda --kernels compiled --dims 768 \
+    --experts 4,8,12 --precisions fp16,bf16 --rounds 2 --json "$out/switch_ffn_compiled_cuda.json"
 step profile 60 $py benchmarks/profile_lm_step.py --precision bf16 > "$out/profile.log" 2>&1
 grep -v "^    " "$out/profile.log" | tail -5
 echo "== done at $((SECONDS - start))s"

@@ -3,6 +3,8 @@
 What is compared (issue 24): ``fairseq-train --task alma_stream`` with
   * ``switch_transformer_lm`` with 8 experts (every other block a Switch block),
   * ``switch_transformer_lm`` with 1 expert (a dense transformer plus a router),
+  * both again with ``--moe-expert-kernel compiled`` (router and experts as one torch.compile
+    graph; its compilation falls in the first window, which is dropped),
   * stock ``transformer_lm`` (pre-LN like ours, shared input/output embeddings),
 all of the same sizes (default: 12 layers, d 768, FFN 3072, 12 heads, 24 x 512 tokens per
 update, the paper's large model with its per-GPU batch), in each precision (``--fp16`` and
@@ -47,6 +49,10 @@ MODELS = {  # name: fairseq flags beyond the shared sizes
                       "--criterion cross_entropy",
     "switch E=1": "--arch switch_transformer_lm --moe-experts 1 --criterion switch_cross_entropy",
     "switch E=8": "--arch switch_transformer_lm --moe-experts 8 --criterion switch_cross_entropy",
+    "switch E=1 compiled": "--arch switch_transformer_lm --moe-experts 1 --criterion switch_cross_entropy "
+                           "--moe-expert-kernel compiled",
+    "switch E=8 compiled": "--arch switch_transformer_lm --moe-experts 8 --criterion switch_cross_entropy "
+                           "--moe-expert-kernel compiled",
 }
 PRECISION_FLAGS = {"fp32": [], "fp16": ["--fp16"], "bf16": ["--bf16"]}
 
@@ -158,7 +164,7 @@ def main() -> None:
                     cmd = train_command(args, data, model, precision, save)
                     windows = measure(cmd, args.windows, args.timeout)
                     speed[precision, model] = statistics.harmonic_mean(windows)
-                    print(f"  round {round_index + 1} {precision} {model:<15} {speed[precision, model]:>10,.0f} "
+                    print(f"  round {round_index + 1} {precision} {model:<20} {speed[precision, model]:>10,.0f} "
                           f"tokens/s (windows: {', '.join(f'{w:,.0f}' for w in windows)})", flush=True)
             rounds.append(speed)
     table = []

@@ -175,7 +175,7 @@ def test_z_loss_optional():
         (dict(num_experts=2, activation_dropout=1.0), "--activation-dropout must be in [0, 1)"),
         (dict(num_experts=2, jitter_eps=-0.1), "--moe-jitter-eps must be in [0, 1)"),
         (dict(num_experts=2, router_init_scale=0.0), "--moe-router-init-scale must be > 0"),
-        (dict(num_experts=2, expert_kernel="fast"), "--moe-expert-kernel must be one of auto, segments, batched"),
+        (dict(num_experts=2, expert_kernel="fast"), "--moe-expert-kernel must be one of auto, segments, batched, compiled"),
         (dict(num_experts=2, activation_fn="gelu", expert_kernel="segments"), "--moe-expert-kernel segments fuses ReLU"),
     ],
 )

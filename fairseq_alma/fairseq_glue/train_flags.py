@@ -199,6 +199,14 @@ def check_training_flags(cfg: Any) -> None:
     if kernel == "segments" and torch.cuda.is_available() and not given(cfg, "common", "cpu"):
         raise UsageError("--moe-expert-kernel segments is the CPU kernel (it reads every block's expert "
                          "loads back to the host); on a GPU use --moe-expert-kernel batched or auto")
+    if kernel == "compiled":
+        from ..modules.switch_compiled import compiler_missing
+
+        on_gpu = torch.cuda.is_available() and not given(cfg, "common", "cpu")
+        missing = compiler_missing("cuda" if on_gpu else "cpu")
+        if missing is not None:
+            raise UsageError(f"--moe-expert-kernel compiled: {missing}; install it, or use "
+                             f"--moe-expert-kernel batched (the same results, uncompiled)")
     check_lm_training(cfg)
 
 

@@ -97,10 +97,13 @@ class SwitchTransformerLMConfig(FairseqDataclass):
     moe_batch_prioritized_routing: bool = field(default=False, metadata={"help": (
         "in training, an overflowing expert keeps the tokens with the highest router probability "
         "instead of the earliest (batch-prioritised routing); off in the paper")})
-    moe_expert_kernel: ChoiceEnum(["auto", "batched", "segments"]) = field(default="auto", metadata={"help": (
-        "how the experts run: batched (one batched matmul over a capacity-sized buffer, no host "
-        "synchronisation; GPUs), segments (one matmul per expert over its tokens; CPU only, with "
-        "relu); auto picks segments on CPU with relu, batched otherwise")})
+    moe_expert_kernel: ChoiceEnum(["auto", "batched", "segments", "compiled"]) = field(default="auto", metadata={
+        "help": (
+            "how the experts run: batched (one batched matmul over a capacity-sized buffer, no host "
+            "synchronisation; GPUs), segments (one matmul per expert over its tokens; CPU only, with "
+            "relu), compiled (batched and the router as one torch.compile graph: a few fused kernels "
+            "instead of ~280 operations per block; needs a C compiler, and Triton on GPUs); auto "
+            "picks segments on CPU with relu, batched otherwise")})
     checkpoint_activations: bool = field(default=False, metadata={"help": (
         "recompute each block's activations in the backward pass instead of keeping them "
         "(less memory, about a third more compute); non-reentrant torch.utils.checkpoint, so "

@@ -145,6 +145,9 @@ class ExpertParallelSwitchFFN(SwitchFFN):
         super().__init__(cfg)  # full-size init, so rank shards equal one process's
         size = expert_parallel_size
         require(size >= 2, f"--moe-expert-parallel-size must be >= 2 to shard experts (got {size})")
+        require(cfg.expert_kernel != "compiled",
+                "--moe-expert-kernel compiled runs every expert on this rank; with "
+                "--moe-expert-parallel-size use --moe-expert-kernel batched or auto")
         require(
             self.max_experts % size == 0,
             f"expert slots ({self.max_experts}, --moe-max-experts or --moe-experts) must be divisible by "

@@ -10,7 +10,8 @@ Why this layout:
   all experts run as one batched matmul over an ``[E, C, d]`` buffer (expert_padded.py).
 - On a GPU the layer costs what it launches: routing and the loss sums are one autograd node
   (router_kernel.py), the experts another, about 60 launches per forward+backward where plain
-  autograd took about 120 (``benchmarks/switch_ffn.py --ops``).
+  autograd took about 120 (``benchmarks/switch_ffn.py --ops``).  The ``compiled`` kernel
+  (switch_compiled.py) hands both to ``torch.compile``, which fuses them into a few kernels.
 - The batched path never reads a tensor back to the host in training, so CUDA kernels queue
   without stalls: the capacity comes from the token count in the shape (switch_routing.py) and
   padding is masked with tensors.  Only unlimited-capacity evaluation reads the experts' loads
@@ -33,6 +34,7 @@ from ..errors import UsageError
 from .expert_padded import buffer_rows, padded_experts
 from .expert_segments import GradientPool, relu_expert_segments
 from .router_kernel import RoutedTokens, route_tokens
+from .switch_compiled import compiled_route_and_run
 from .switch_ffn_config import SwitchFFNConfig
 from .switch_routing import Top1Routing, expert_capacity, moe_losses, summed_diagnostics
 
@@ -215,9 +217,11 @@ class SwitchFFN(nn.Module):
             padding = padding_mask.reshape(-1)
         cfg = self.cfg
         capacity_factor = cfg.capacity_factor if self.training else cfg.eval_capacity_factor
+        capacity = expert_capacity(tokens.shape[0], self.num_experts, capacity_factor)
+        if capacity and not self.record_expert_ids and self.kernel_for(tokens) == "compiled":
+            return self._compiled_forward(tokens, padding, positions, capacity, shape)
         routed = route_tokens(
-            tokens, self.router.weight, self.num_experts,
-            expert_capacity(tokens.shape[0], self.num_experts, capacity_factor),
+            tokens, self.router.weight, self.num_experts, capacity,
             padding=padding,
             jitter_eps=cfg.jitter_eps if self.training else 0.0,
             prioritized=self.training and cfg.batch_prioritized_routing,
@@ -238,6 +242,19 @@ class SwitchFFN(nn.Module):
             capacity=routed.capacity,
             expert_ids=expert_ids,
         )
+        return y.reshape(shape), aux
+
+    def _compiled_forward(self, tokens: Tensor, padding: Optional[Tensor], positions: Optional[Tensor],
+                          capacity: int, shape: torch.Size) -> tuple[Tensor, SwitchAux]:
+        """``forward`` with the ``compiled`` kernel: routing and the batched experts in one
+        ``torch.compile`` graph (switch_compiled.py), the same values as the batched kernel."""
+        cfg = self.cfg
+        y, prob_sums, lse_square_sum, counts, probs = compiled_route_and_run()(
+            tokens, self.router.weight, *self._expert_parameters(), padding, positions, self.num_experts,
+            capacity, cfg.jitter_eps if self.training else 0.0, self.training and cfg.batch_prioritized_routing,
+            cfg.z_loss, cfg.activation_fn, cfg.activation_dropout if self.training else 0.0)
+        aux = SwitchAux(prob_sums=prob_sums, lse_square_sum=lse_square_sum, counts=counts, probs=probs,
+                        capacity=capacity)
         return y.reshape(shape), aux
 
     def dispatch(self, tokens: Tensor, routing: Routing) -> Tensor:
@@ -284,7 +301,9 @@ class SwitchFFN(nn.Module):
     def kernel_for(self, tokens: Tensor) -> str:
         """The expert kernel ``dispatch`` runs for ``tokens``: ``cfg.expert_kernel``, or for
         "auto" ``segments`` on CPU with ReLU and ``batched`` everywhere else (the config
-        already refused "segments" with another activation)."""
+        already refused "segments" with another activation).  ``compiled`` runs the batched
+        experts, and the router, in one compiled graph wherever a capacity is set (``forward``);
+        without one (unlimited evaluation) it runs the batched kernel eagerly."""
         if self.cfg.expert_kernel == "auto":
             return "segments" if tokens.device.type == "cpu" and self.cfg.activation_fn == "relu" else "batched"
         return self.cfg.expert_kernel

@@ -17,7 +17,7 @@ from typing import Optional
 from ..errors import UsageError, require
 
 ACTIVATIONS = ("relu", "gelu", "silu")
-EXPERT_KERNELS = ("auto", "segments", "batched")
+EXPERT_KERNELS = ("auto", "segments", "batched", "compiled")
 
 
 def _is_int(value: object) -> bool:
@@ -59,7 +59,8 @@ class SwitchFFNConfig:
         z_loss: also return the ST-MoE router z-loss (the LM always asks for it).
         expert_kernel: "auto" (segments on CPU with ReLU, batched otherwise), "segments" (fused
             ReLU CPU kernel, expert_segments.py) or "batched" (one baddbmm over [E, C, d] in one
-            autograd function, expert_padded.py) [--moe-expert-kernel].
+            autograd function, expert_padded.py) or "compiled" (the batched kernel and the
+            router as one torch.compile graph, switch_compiled.py) [--moe-expert-kernel].
     """
 
     embed_dim: int

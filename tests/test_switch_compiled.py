@@ -1,0 +1,94 @@
+"""The ``compiled`` expert kernel (switch_compiled.py) is the batched kernel, compiled: on CPU
+(inductor's C++ backend, the same graphs the GPU gets as Triton) it gives the batched kernel's
+outputs, loss sums, routing and every gradient (to float32 rounding: the router is float32
+and its fused sums add in another order), and draws the same random numbers.
+
+Each distinct configuration costs one compilation (~20 s on 2 cores), so one test covers every
+routing feature at once: padding, growth slots, z-loss, dropped tokens, jitter, dropout,
+batch-prioritised routing and (T, B) rows routed batch-major."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from fairseq_alma.errors import UsageError
+from fairseq_alma.modules import SwitchFFN, SwitchFFNConfig
+from fairseq_alma.modules.switch_compiled import compiler_missing
+
+pytestmark = pytest.mark.skipif(compiler_missing("cpu") is not None, reason="no C compiler for torch.compile")
+
+
+def _step(layer: SwitchFFN, x: torch.Tensor, padding: torch.Tensor, seed: int) -> list[torch.Tensor]:
+    torch.manual_seed(seed)  # jitter and dropout draw from here
+    layer.zero_grad()
+    x = x.clone().requires_grad_()
+    y, aux = layer(x, padding, seq_first=True)
+    (y * torch.linspace(-1, 1, y.shape[-1], dtype=y.dtype)).sum().add(aux.balance_loss + aux.z_loss).backward()
+    after = torch.rand(())  # the generator's state after the step: same draws consumed
+    return [y, aux.balance_loss, aux.z_loss, aux.counts, aux.probs, aux.diagnostics["dropped"], after, x.grad] + [
+        p.grad for p in layer.parameters()]
+
+
+def test_compiled_kernel_equals_the_batched_kernel_in_every_output_and_gradient():
+    torch.manual_seed(3)
+    cfg = SwitchFFNConfig(8, 16, 3, max_experts=4, capacity_factor=0.75, z_loss=True, expert_kernel="batched",
+                          jitter_eps=0.1, activation_dropout=0.2, batch_prioritized_routing=True)
+    eager = SwitchFFN(cfg).double().train()
+    compiled = SwitchFFN(dataclasses.replace(cfg, expert_kernel="compiled")).double().train()
+    compiled.load_state_dict(eager.state_dict())
+    x = torch.randn(10, 3, 8, dtype=torch.float64)  # (T, B, d)
+    padding = torch.zeros(3, 10, dtype=torch.bool)
+    padding[2, 6:] = True
+    padding[0, 9] = True
+    for seed in (0, 1):  # the second call runs the cached graph
+        want, got = _step(eager, x, padding, seed), _step(compiled, x, padding, seed)
+        assert want[5] > 0  # tokens were dropped: capacity and arrival order mattered
+        assert not want[-4][3:].any() and not got[-4][3:].any()  # growth slot: no gradient
+        assert torch.equal(got[3], want[3]) and torch.equal(got[5], want[5])  # same routing
+        for a, b in zip(want, got):  # the router is float32 in both: its fused sums round apart
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_kernel_evaluates_eagerly_without_a_capacity_and_is_refused_with_expert_parallelism():
+    """Unlimited-capacity evaluation reads the loads back to the host, so it runs the batched
+    kernel eagerly (nothing compiled here); expert parallelism exchanges tokens between ranks,
+    which the compiled graph does not, so it is refused in one line."""
+    from fairseq_alma.modules.expert_parallel import ExpertParallelSwitchFFN
+
+    torch.manual_seed(4)
+    cfg = SwitchFFNConfig(8, 16, 4, expert_kernel="batched")
+    eager = SwitchFFN(cfg).eval()
+    compiled = SwitchFFN(dataclasses.replace(cfg, expert_kernel="compiled")).eval()
+    compiled.load_state_dict(eager.state_dict())
+    x = torch.randn(12, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x)[0], eager(x)[0], rtol=0, atol=0)
+    with pytest.raises(UsageError, match="--moe-expert-kernel compiled runs every expert on this rank"):
+        ExpertParallelSwitchFFN(dataclasses.replace(cfg, expert_kernel="compiled"), 2)
+
+
+def test_compiled_kernel_in_bf16_keeps_the_dtypes_and_the_routing():
+    """As ``--bf16`` (model.bfloat16()): the same routing, output and gradients in each tensor's own
+    dtype, within bf16 rounding of the eager kernel (fused, the compiled graph rounds less often)."""
+    torch.manual_seed(0)
+    cfg = SwitchFFNConfig(16, 32, 4, capacity_factor=1.0, z_loss=True, expert_kernel="batched")
+    eager = SwitchFFN(cfg).bfloat16()
+    compiled = SwitchFFN(dataclasses.replace(cfg, expert_kernel="compiled")).bfloat16()
+    compiled.load_state_dict(eager.state_dict())
+    x = torch.randn(24, 2, 16, dtype=torch.bfloat16)
+    padding = torch.zeros(2, 24, dtype=torch.bool)
+    padding[1, 20:] = True
+    runs = []
+    for layer in (eager, compiled):
+        inputs = x.clone().requires_grad_()
+        y, aux = layer(inputs, padding, seq_first=True)
+        (y.float().square().sum() + aux.balance_loss + aux.z_loss).backward()
+        runs.append((aux.counts, [y, inputs.grad] + [p.grad for p in layer.parameters()]))
+    (want_counts, want), (got_counts, got) = runs
+    assert torch.equal(got_counts, want_counts)
+    for a, b in zip(want, got):
+        assert b.dtype == a.dtype == torch.bfloat16
+        assert ((b.float() - a.float()).norm() / a.float().norm()).item() < 2e-2
