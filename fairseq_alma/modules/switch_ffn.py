@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from ..errors import UsageError
 from .expert_padded import buffer_rows, padded_experts
 from .expert_segments import GradientPool, relu_expert_segments
-from .router_kernel import RoutedTokens, route_tokens
+from .router_kernel import RoutedTokens, route_tokens, row_places
 from .switch_compiled import compiled_route_and_run
 from .switch_ffn_config import SwitchFFNConfig
 from .switch_routing import Top1Routing, expert_capacity, moe_losses, summed_diagnostics
@@ -249,6 +249,10 @@ class SwitchFFN(nn.Module):
         """``forward`` with the ``compiled`` kernel: routing and the batched experts in one
         ``torch.compile`` graph (switch_compiled.py), the same values as the batched kernel."""
         cfg = self.cfg
+        # the routing order's cached arange, made here: made inside the graph, the cache's new key
+        # would fail the graph's guard on the next call and compile it a second time
+        rows = row_places(tokens.shape[0], tokens.device)
+        positions = rows if positions is None else positions
         y, prob_sums, lse_square_sum, counts, probs = compiled_route_and_run()(
             tokens, self.router.weight, *self._expert_parameters(), padding, positions, self.num_experts,
             capacity, cfg.jitter_eps if self.training else 0.0, self.training and cfg.batch_prioritized_routing,
