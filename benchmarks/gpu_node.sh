@@ -39,7 +39,7 @@ tail -25 "$out/cuda_tests.log"
 # end to end first: stock, Switch E=1/E=8 eager and compiled (--moe-expert-kernel compiled), fp16 and bf16
 step train_throughput 300 $py benchmarks/train_throughput.py ${STREAM:+--data "$STREAM"} \
     --json "$out/train_throughput.json"
-step switch_ffn 90 $py benchmarks/switch_ffn.py --device cuda --ops --json "$out/switch_ffn_cuda.json"
+step switch_ffn 110 $py benchmarks/switch_ffn.py --device cuda --ops --json "$out/switch_ffn_cuda.json"
 # the compiled kernel alone: one compilation per configuration, so the paper's d 768 at E = 4, 8, 12
 step switch_ffn_compiled 60 $py benchmarks/switch_ffn.py --device cuda --kernels compiled --dims 768 \
     --experts 4,8,12 --precisions fp16,bf16 --rounds 2 --json "$out/switch_ffn_compiled_cuda.json"

@@ -27,7 +27,8 @@ time <= 1.3x dense at E = 4, 8, 12 in bf16 (<= 1.6x in fp16), peak memory <= 1.3
 ``--ops``: aten operations recorded by the profiler for one training forward+backward (balance
 loss included) of the GPU path (``batched`` kernel) and of the dense FFN, on CPU; the
 number of top-level, non-view operations is about the number of CUDA kernels launched.
-``tests/test_benchmarks.py`` holds it (``OP_LIMIT``).
+``tests/test_benchmarks.py`` holds it (``OP_LIMIT``).  The ``compiled`` kernel's line adds the
+kernels inductor generated for it (C++ on CPU, Triton on a GPU).
 
 Usage: python benchmarks/switch_ffn.py [--device cpu|cuda] [--tokens N] [--experts 4,8,16,64]
        [--repeats 5] [--rounds 5] [--ops] [--json FILE]
@@ -95,18 +96,29 @@ def op_counts(kind: str, experts: int = 8, kernel: str = "batched") -> dict:
         x.grad = None
         training_step(layer, x, padding, grad_y)
 
-    step()
+    from torch._inductor import metrics
+
+    metrics.reset()
+    step()  # compiles, for the compiled kernel: the kernels it generates are counted here
+    generated = metrics.generated_kernel_count
+    step()  # a second call with the graph compiled: nothing generated in the profiled step
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
     events = [e for e in prof.events() if e.name.startswith("aten::")]
     top = [e for e in events if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
-    return {"aten_ops": len(events), "launch_ops": sum(e.name not in VIEW_OPS for e in top)}
+    return {"aten_ops": len(events), "launch_ops": sum(e.name not in VIEW_OPS for e in top),
+            "generated_kernels": generated}
 
 
 def print_op_counts() -> dict:
-    counts = {"dense": op_counts("dense"), "switch_batched": op_counts("switch")}
+    """Eager paths: aten ops.  The compiled kernel: the aten ops left outside its generated code
+    (matmuls, the balance loss) plus the kernels inductor generated for the layer's forward and
+    backward (C++ here; on a GPU Triton, fused much the same way)."""
+    counts = {"dense": op_counts("dense"), "switch_batched": op_counts("switch"),
+              "switch_compiled": op_counts("switch", kernel="compiled")}
     for name, c in counts.items():
-        print(f"ops {name}: {c['aten_ops']} aten ops, {c['launch_ops']} top-level non-view ops "
+        generated = f" + {c['generated_kernels']} generated kernels" if c["generated_kernels"] else ""
+        print(f"ops {name}: {c['aten_ops']} aten ops, {c['launch_ops']} top-level non-view ops{generated} "
               f"(~kernel launches) per forward+backward", flush=True)
     return counts
 
