@@ -96,6 +96,34 @@ def test_sigusr1_saves_then_resumes(stream_dir, reference_run, tmp_path):
     assert_same_stream(save, reference_run[0])
 
 
+def test_ctrl_c_is_one_line_then_the_same_command_resumes(stream_dir, reference_run, tmp_path):
+    """Ctrl-C (SIGINT) inside stage 2: one line saying how to continue, the shell's status 130,
+    no traceback; the same command then gives the uninterrupted stream."""
+    import os
+    import signal
+    import subprocess
+
+    from fairseq_alma.console import INTERRUPTED_EXIT_STATUS
+
+    save = tmp_path / "run"
+    cmd = stream_cmd(stream_dir, save, "--save-interval-updates", "100")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    log = tmp_path / "log.txt"
+    with open(log, "w") as out:  # SIGINT's default action even if this process ignores it
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        wait_for(save / "checkpoint_stage1.pt", proc)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=600)
+    text = log.read_text()
+    assert proc.returncode == INTERRUPTED_EXIT_STATUS, text[-2000:]
+    assert "Traceback" not in text, text[-3000:]
+    lines = [line for line in text.splitlines() if line.startswith("fairseq-alma: ")]
+    assert lines == ["fairseq-alma: interrupted; run the same command again to continue"], text[-2000:]
+    run(cmd)
+    assert_same_stream(save, reference_run[0])
+
+
 @pytest.mark.slow
 def test_stop_after_stage_env_then_continue(stream_dir, reference_run, tmp_path):
     import os

@@ -101,13 +101,18 @@ class _ConsoleMain:
             stop_background_loaders()
 
     def _call_original(self, *args: Any, **kwargs: Any) -> Any:
-        from ..console import error_line
+        from ..console import INTERRUPTED_EXIT_STATUS, error_line
 
         try:
             return self.original(*args, **kwargs)
         except StreamFinished as end:
             logger.info("%s", end)
             return None
+        except KeyboardInterrupt:  # Ctrl-C: what was saved stays, and the same command resumes
+            sys.stdout.flush()
+            print(f"{ERROR_PROG}: interrupted; run the same command again to continue", file=sys.stderr,
+                  flush=True)
+            raise SystemExit(INTERRUPTED_EXIT_STATUS) from None
         except AlmaError as err:
             sys.stdout.flush()
             print(error_line(ERROR_PROG, err), file=sys.stderr, flush=True)
