@@ -53,14 +53,17 @@ def test_compiled_kernel_equals_the_batched_kernel_in_every_output_and_gradient(
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
-def test_compiled_kernel_evaluates_eagerly_without_a_capacity_and_is_refused_with_expert_parallelism():
-    """Unlimited-capacity evaluation reads the loads back to the host, so it runs the batched
-    kernel eagerly (nothing compiled here); expert parallelism exchanges tokens between ranks,
+@pytest.mark.parametrize("eval_capacity_factor", [None, 2.0])
+def test_compiled_kernel_evaluates_eagerly_and_is_refused_with_expert_parallelism(monkeypatch, eval_capacity_factor):
+    """Evaluation (with or without a capacity) runs the batched kernel eagerly: nothing is
+    compiled when a checkpoint is scored.  Expert parallelism exchanges tokens between ranks,
     which the compiled graph does not, so it is refused in one line."""
+    from fairseq_alma.modules import switch_ffn
     from fairseq_alma.modules.expert_parallel import ExpertParallelSwitchFFN
 
+    monkeypatch.setattr(switch_ffn, "compiled_route_and_run", lambda: pytest.fail("compiled in evaluation"))
     torch.manual_seed(4)
-    cfg = SwitchFFNConfig(8, 16, 4, expert_kernel="batched")
+    cfg = SwitchFFNConfig(8, 16, 4, expert_kernel="batched", eval_capacity_factor=eval_capacity_factor)
     eager = SwitchFFN(cfg).eval()
     compiled = SwitchFFN(dataclasses.replace(cfg, expert_kernel="compiled")).eval()
     compiled.load_state_dict(eager.state_dict())

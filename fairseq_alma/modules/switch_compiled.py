@@ -15,11 +15,12 @@ compares them).  Random draws (router jitter, expert dropout) use eager's random
 (inductor's ``fallback_random``), so a run and its resumption draw the same numbers whichever
 kernel trained it.
 
-Only training-style calls with a capacity are compiled (the capacity is a Python int from the
-shape); unlimited-capacity evaluation reads the experts' loads back to the host and stays
-eager.  One graph per token count, expert count and flag set: an LM run routes one or two batch
-shapes, growth a few expert counts.  Past dynamo's recompile limit a new shape runs eagerly,
-with the same results.
+Only training is compiled (its capacity is a Python int from the shape).  Evaluation runs the
+batched kernel eagerly: without a capacity limit it reads the experts' loads back to the host,
+its batch shapes vary (each would be a compilation), and a checkpoint trained with this kernel
+must score on a machine without a compiler.  One graph per token count, expert count and flag
+set: an LM stream trains on one or two batch shapes, growth adds a few expert counts.  Past
+dynamo's recompile limit a new shape runs eagerly, with the same results.
 """
 
 from __future__ import annotations

@@ -218,7 +218,7 @@ class SwitchFFN(nn.Module):
         cfg = self.cfg
         capacity_factor = cfg.capacity_factor if self.training else cfg.eval_capacity_factor
         capacity = expert_capacity(tokens.shape[0], self.num_experts, capacity_factor)
-        if capacity and not self.record_expert_ids and self.kernel_for(tokens) == "compiled":
+        if self.training and capacity and not self.record_expert_ids and self.kernel_for(tokens) == "compiled":
             return self._compiled_forward(tokens, padding, positions, capacity, shape)
         routed = route_tokens(
             tokens, self.router.weight, self.num_experts, capacity,
@@ -306,8 +306,9 @@ class SwitchFFN(nn.Module):
         """The expert kernel ``dispatch`` runs for ``tokens``: ``cfg.expert_kernel``, or for
         "auto" ``segments`` on CPU with ReLU and ``batched`` everywhere else (the config
         already refused "segments" with another activation).  ``compiled`` runs the batched
-        experts, and the router, in one compiled graph wherever a capacity is set (``forward``);
-        without one (unlimited evaluation) it runs the batched kernel eagerly."""
+        experts, and the router, in one compiled graph in training (``forward``); evaluation
+        runs the batched kernel eagerly (its batch shapes vary, and a scoring machine need not
+        have a compiler)."""
         if self.cfg.expert_kernel == "auto":
             return "segments" if tokens.device.type == "cpu" and self.cfg.activation_fn == "relu" else "batched"
         return self.cfg.expert_kernel
