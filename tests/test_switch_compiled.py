@@ -96,3 +96,18 @@ def test_compiled_kernel_in_bf16_keeps_the_dtypes_and_the_routing():
     for a, b in zip(want, got):
         assert b.dtype == a.dtype == torch.bfloat16
         assert ((b.float() - a.float()).norm() / a.float().norm()).item() < 2e-2
+
+
+def test_a_layer_torch_cannot_compile_is_one_line_naming_the_flag(monkeypatch):
+    """dynamo or inductor failing on the layer (another torch, a Triton without a kernel for the
+    GPU) stops the first forward with one UsageError naming the uncompiled kernel."""
+    from fairseq_alma.modules import switch_compiled
+
+    def fails(*_args):
+        raise torch._dynamo.exc.TorchDynamoException("cannot trace this\nmore detail")
+
+    monkeypatch.setattr(switch_compiled, "_compiled", lambda: fails)
+    layer = SwitchFFN(SwitchFFNConfig(8, 16, 2, expert_kernel="compiled")).train()
+    with pytest.raises(UsageError, match=r"could not compile the Switch layer \(TorchDynamoException: cannot "
+                                         r"trace this\); use --moe-expert-kernel batched"):
+        layer(torch.randn(6, 8))
