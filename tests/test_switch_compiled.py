@@ -74,15 +74,17 @@ def test_compiled_kernel_evaluates_eagerly_and_is_refused_with_expert_parallelis
         ExpertParallelSwitchFFN(dataclasses.replace(cfg, expert_kernel="compiled"), 2)
 
 
-def test_compiled_kernel_in_bf16_keeps_the_dtypes_and_the_routing():
-    """As ``--bf16`` (model.bfloat16()): the same routing, output and gradients in each tensor's own
-    dtype, within bf16 rounding of the eager kernel (fused, the compiled graph rounds less often)."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_compiled_kernel_in_half_precision_keeps_the_dtypes_and_the_routing(dtype):
+    """As ``--bf16`` / ``--fp16`` (model.bfloat16() / model.half()): the same routing, output and
+    gradients in each tensor's own dtype, within rounding of the eager kernel (fused, the
+    compiled graph rounds less often)."""
     torch.manual_seed(0)
     cfg = SwitchFFNConfig(16, 32, 4, capacity_factor=1.0, z_loss=True, expert_kernel="batched")
-    eager = SwitchFFN(cfg).bfloat16()
-    compiled = SwitchFFN(dataclasses.replace(cfg, expert_kernel="compiled")).bfloat16()
+    eager = SwitchFFN(cfg).to(dtype)
+    compiled = SwitchFFN(dataclasses.replace(cfg, expert_kernel="compiled")).to(dtype)
     compiled.load_state_dict(eager.state_dict())
-    x = torch.randn(24, 2, 16, dtype=torch.bfloat16)
+    x = torch.randn(24, 2, 16, dtype=dtype)
     padding = torch.zeros(2, 24, dtype=torch.bool)
     padding[1, 20:] = True
     runs = []
@@ -94,7 +96,7 @@ def test_compiled_kernel_in_bf16_keeps_the_dtypes_and_the_routing():
     (want_counts, want), (got_counts, got) = runs
     assert torch.equal(got_counts, want_counts)
     for a, b in zip(want, got):
-        assert b.dtype == a.dtype == torch.bfloat16
+        assert b.dtype == a.dtype == dtype
         assert ((b.float() - a.float()).norm() / a.float().norm()).item() < 2e-2
 
 
