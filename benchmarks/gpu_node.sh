@@ -33,11 +33,13 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
     $py -m pip install -q --no-index --no-deps --no-build-isolation -e . && \
     $py -c 'import torch, fairseq, fairseq_alma; print(\"torch\", torch.__version__, \"fairseq\", fairseq.__version__, torch.cuda.get_device_name())'"
 parallel=(); $py -c "import xdist" 2>/dev/null && parallel=(-p xdist.plugin -n 6)  # fairseq-train runs side by side
-step cuda_tests 130 $py -m pytest "${parallel[@]}" -m cuda -rs -q -p no:cacheprovider tests \
+step cuda_tests 160 $py -m pytest "${parallel[@]}" -m cuda -rs -q -p no:cacheprovider tests \
     > "$out/cuda_tests.log" 2>&1
 tail -25 "$out/cuda_tests.log"
-# end to end first: stock, Switch E=1/E=8 eager and compiled (--moe-expert-kernel compiled), fp16 and bf16
+# end to end: stock, Switch E=1/E=8 eager and compiled (--moe-expert-kernel compiled), fp16 and bf16
+# (the compiled runs first after stock: each run prints its line as it ends, so a cut-off step still says them)
 step train_throughput 300 $py benchmarks/train_throughput.py ${STREAM:+--data "$STREAM"} \
+    --models "transformer_lm,switch E=8 compiled,switch E=1 compiled,switch E=8,switch E=1" \
     --json "$out/train_throughput.json"
 step switch_ffn 110 $py benchmarks/switch_ffn.py --device cuda --ops --json "$out/switch_ffn_cuda.json"
 # the compiled kernel alone: one compilation per configuration, so the paper's d 768 at E = 4, 8, 12
