@@ -135,9 +135,10 @@ class RunDirectory:
     def check_fingerprint(self, fingerprint: dict[str, Any], restart: bool = False) -> None:
         """Refuse to continue another run here (every rank checks; nothing is written).
 
-        The message names the settings that differ and the two ways out."""
+        The message names the settings that differ and the two ways out.  A run may continue
+        under other ``EXECUTION_SETTINGS`` (``same_run``)."""
         old = self.read_fingerprint()
-        if old is None or old == fingerprint or restart:
+        if old is None or same_run(old, fingerprint) or restart:
             return
         changed = fingerprint_differences(old, fingerprint)
         shown = "; ".join(changed[:4]) + (f"; and {len(changed) - 4} more" if len(changed) > 4 else "")
@@ -239,6 +240,27 @@ def fingerprint_hash(fingerprint: dict[str, Any]) -> str:
     """A short stable hash of a fingerprint (stored in checkpoints to tie them to their run)."""
     text = json.dumps(fingerprint, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+# Model settings that choose how a run computes, not what: the expert kernel (another device's,
+# or compiled) and activation checkpointing (less memory).  A run started under one may continue
+# under another, as it may on another device; the results agree to floating-point rounding.
+EXECUTION_SETTINGS = ("moe_expert_kernel", "checkpoint_activations")
+
+
+def without_execution_settings(fingerprint: dict[str, Any]) -> dict[str, Any]:
+    """``fingerprint`` (``{"config": {"model": ...}, ...}``) without ``EXECUTION_SETTINGS``."""
+    config = fingerprint.get("config")
+    model = config.get("model") if isinstance(config, dict) else None
+    if not isinstance(model, dict):
+        return fingerprint
+    model = {key: value for key, value in model.items() if key not in EXECUTION_SETTINGS}
+    return {**fingerprint, "config": {**config, "model": model}}
+
+
+def same_run(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """``new`` continues the run ``old`` describes: equal but for ``EXECUTION_SETTINGS``."""
+    return old == new or without_execution_settings(old) == without_execution_settings(new)
 
 
 def fingerprint_differences(old: Any, new: Any, prefix: str = "") -> list[str]:

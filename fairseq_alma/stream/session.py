@@ -38,7 +38,7 @@ from typing import Any, Protocol
 from ..errors import AlmaError, Preempted
 from .progress import StreamPlan, StreamProgress
 from .records import ArrivalRecord
-from .run_dir import RunDirectory
+from .run_dir import RunDirectory, fingerprint_differences
 from .schedule import ArrivalInfo, Stage
 from .stage_clock import StageClock
 from .stop import StopSignal
@@ -104,8 +104,14 @@ class StreamSession:
         """Refuse another run here (every rank; nothing written); then, unless the directory
         holds this run already ``finished()`` (the same command on a finished run changes no
         byte of it), make it this run's."""
-        self.fingerprint = fingerprint
         self.run_dir.check_fingerprint(fingerprint, restart)
+        old = None if restart else self.run_dir.read_fingerprint()
+        if old is not None and old != fingerprint:  # only how it computes changed (same_run)
+            changed = fingerprint_differences(old, fingerprint)
+            logger.info("continuing the run in %s with other execution settings (%s): the same "
+                        "computation, to floating-point rounding", self.run_dir.path, "; ".join(changed))
+            fingerprint = old  # the run keeps its fingerprint, and its checkpoints their run hash
+        self.fingerprint = fingerprint
         self.finished = (not restart and finished is not None
                          and self.run_dir.read_fingerprint() == fingerprint and finished())
         if not self.finished:
