@@ -124,44 +124,18 @@ def test_ctrl_c_is_one_line_then_the_same_command_resumes(stream_dir, reference_
     assert_same_stream(save, reference_run[0])
 
 
-def test_a_run_continues_under_another_expert_kernel(stream_dir, reference_run, tmp_path):
-    """The expert kernel says how a run computes, not what (run_dir.EXECUTION_SETTINGS): stage 1
-    with CPU's segments kernel, stage 2 with --moe-expert-kernel batched (as after moving to a
-    GPU, or away from the compiled kernel) continues the run.  run.json and every checkpoint's run
-    hash stay the run's (alma-score checks them); the numbers are the uninterrupted run's to
-    floating-point rounding."""
+@pytest.mark.slow
+def test_stop_after_stage_env_then_continue_under_another_expert_kernel(stream_dir, reference_run, tmp_path):
+    """ALMA_STOP_AFTER_STAGE=1, then the command again with ``--moe-expert-kernel segments``.
+    The expert kernel says how a run computes, not what (run_dir.EXECUTION_SETTINGS), so the run
+    continues (as after moving to a GPU, or off the compiled kernel): run.json and every
+    checkpoint's run hash stay the run's (alma-score checks them).  segments is what auto runs
+    on CPU, so the stream is the uninterrupted one bit for bit."""
     import os
 
     import torch
 
-    from fairseq_alma.stream.records import read_records
     from fairseq_alma.stream.run_view import RunView
-
-    save = tmp_path / "run"
-    os.environ["ALMA_STOP_AFTER_STAGE"] = "1"
-    try:
-        run(stream_cmd(stream_dir, save))
-    finally:
-        del os.environ["ALMA_STOP_AFTER_STAGE"]
-    before = (save / "run.json").read_bytes()
-    proc = run(stream_cmd(stream_dir, save, "--moe-expert-kernel", "batched"))
-    assert "with other execution settings (config.model.moe_expert_kernel: 'auto' -> 'batched')" in \
-        proc.stdout + proc.stderr
-    assert (save / "run.json").read_bytes() == before
-    expected = RunView(save).run_hash()
-    for stage in (0, 1, 2):
-        path = save / f"checkpoint_stage{stage}.pt"
-        if path.exists():
-            assert torch.load(path, map_location="cpu", weights_only=False)["alma"]["run"] == expected
-    got, want = read_records(save / "stream.jsonl"), read_records(reference_run[0] / "stream.jsonl")
-    assert [r.arrival for r in got] == [r.arrival for r in want]
-    for a, b in zip(got, want):
-        assert a.eval_nll == pytest.approx(b.eval_nll, rel=1e-6)
-
-
-@pytest.mark.slow
-def test_stop_after_stage_env_then_continue(stream_dir, reference_run, tmp_path):
-    import os
 
     save = tmp_path / "run"
     cmd = stream_cmd(stream_dir, save, *RESUMABLE)
@@ -171,8 +145,15 @@ def test_stop_after_stage_env_then_continue(stream_dir, reference_run, tmp_path)
     finally:
         del os.environ["ALMA_STOP_AFTER_STAGE"]
     assert (save / "checkpoint_stage1.pt").exists() and not (save / "checkpoint_stage2.pt").exists()
-    run(cmd)
+    before = (save / "run.json").read_bytes()
+    proc = run(cmd + ["--moe-expert-kernel", "segments"])
+    assert "with other execution settings (config.model.moe_expert_kernel: 'auto' -> 'segments')" in \
+        proc.stdout + proc.stderr
+    assert (save / "run.json").read_bytes() == before
     assert_same_stream(save, reference_run[0])
+    for stage in (1, 2):
+        state = torch.load(save / f"checkpoint_stage{stage}.pt", map_location="cpu", weights_only=False)
+        assert state["alma"]["run"] == RunView(save).run_hash()
 
 
 @pytest.mark.slow
