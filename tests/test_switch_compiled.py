@@ -61,7 +61,7 @@ def test_compiled_kernel_evaluates_eagerly_and_is_refused_with_expert_parallelis
     from fairseq_alma.modules import switch_ffn
     from fairseq_alma.modules.expert_parallel import ExpertParallelSwitchFFN
 
-    monkeypatch.setattr(switch_ffn, "compiled_route_and_run", lambda: pytest.fail("compiled in evaluation"))
+    monkeypatch.setattr(switch_ffn, "compiled_route_and_run", lambda *_: pytest.fail("compiled in evaluation"))
     torch.manual_seed(4)
     cfg = SwitchFFNConfig(8, 16, 4, expert_kernel="batched", eval_capacity_factor=eval_capacity_factor)
     eager = SwitchFFN(cfg).eval()

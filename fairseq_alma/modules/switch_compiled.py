@@ -66,27 +66,23 @@ def _route_and_run(
 
 @functools.cache
 def _compiled() -> Callable[..., tuple[Tensor, Tensor, Optional[Tensor], Tensor, Tensor]]:
+    """``_route_and_run`` compiled once per process (module doc); every block shares it."""
     return torch.compile(_route_and_run, fullgraph=True, dynamic=False, options={"fallback_random": True})
 
 
-def compiled_route_and_run() -> Callable[..., tuple[Tensor, Tensor, Optional[Tensor], Tensor, Tensor]]:
-    """``_route_and_run`` compiled once per process (module doc); every block shares it.
+def compiled_route_and_run(*args: object) -> tuple[Tensor, Tensor, Optional[Tensor], Tensor, Tensor]:
+    """``_route_and_run(*args)``, compiled.
 
     A failure to compile (a torch version whose dynamo cannot trace the layer, a Triton that
     cannot build a kernel) surfaces in the first forward, before the first update: it becomes one
     ``UsageError`` naming the flag and the uncompiled kernel with the same results."""
-    compiled = _compiled()
-
-    def run(*args: object) -> tuple[Tensor, Tensor, Optional[Tensor], Tensor, Tensor]:
-        try:
-            return compiled(*args)
-        except torch._dynamo.exc.TorchDynamoException as err:
-            reason = (str(err).strip().splitlines() or [""])[0][:200]
-            raise UsageError(f"--moe-expert-kernel compiled: torch {torch.__version__} could not compile the "
-                             f"Switch layer ({type(err).__name__}: {reason}); use --moe-expert-kernel batched "
-                             f"(the same results, uncompiled)") from err
-
-    return run
+    try:
+        return _compiled()(*args)
+    except torch._dynamo.exc.TorchDynamoException as err:
+        reason = (str(err).strip().splitlines() or [""])[0][:200]
+        raise UsageError(f"--moe-expert-kernel compiled: torch {torch.__version__} could not compile the "
+                         f"Switch layer ({type(err).__name__}: {reason}); use --moe-expert-kernel batched "
+                         f"(the same results, uncompiled)") from err
 
 
 def compiler_missing(device_type: str) -> Optional[str]:

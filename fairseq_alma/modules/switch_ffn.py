@@ -246,17 +246,17 @@ class SwitchFFN(nn.Module):
 
     def _compiled_forward(self, tokens: Tensor, padding: Optional[Tensor], positions: Optional[Tensor],
                           capacity: int, shape: torch.Size) -> tuple[Tensor, SwitchAux]:
-        """``forward`` with the ``compiled`` kernel: routing and the batched experts in one
-        ``torch.compile`` graph (switch_compiled.py), the same values as the batched kernel."""
+        """``forward`` in training with the ``compiled`` kernel: routing and the batched experts in
+        one ``torch.compile`` graph (switch_compiled.py), the same values as the batched kernel."""
         cfg = self.cfg
         # the routing order's cached arange, made here: made inside the graph, the cache's new key
         # would fail the graph's guard on the next call and compile it a second time
         rows = row_places(tokens.shape[0], tokens.device)
         positions = rows if positions is None else positions
-        y, prob_sums, lse_square_sum, counts, probs = compiled_route_and_run()(
+        y, prob_sums, lse_square_sum, counts, probs = compiled_route_and_run(
             tokens, self.router.weight, *self._expert_parameters(), padding, positions, self.num_experts,
-            capacity, cfg.jitter_eps if self.training else 0.0, self.training and cfg.batch_prioritized_routing,
-            cfg.z_loss, cfg.activation_fn, cfg.activation_dropout if self.training else 0.0)
+            capacity, cfg.jitter_eps, cfg.batch_prioritized_routing, cfg.z_loss, cfg.activation_fn,
+            cfg.activation_dropout)
         aux = SwitchAux(prob_sums=prob_sums, lse_square_sum=lse_square_sum, counts=counts, probs=probs,
                         capacity=capacity)
         return y.reshape(shape), aux
