@@ -17,6 +17,9 @@ OP_LIMIT = {"aten_ops": 277, "launch_ops": 66}
 # the compiled kernel (--moe-expert-kernel compiled): aten ops left outside its generated code (the
 # matmuls, the balance loss, gradient accumulation) and the kernels inductor generates (C++ here)
 COMPILED_LIMIT = {"aten_ops": 103, "generated_kernels": 35}
+# operations the Switch LM's logging adds to a whole update over stock's (train_step_ops.py):
+# its diagnostics travel as one tensor of sums, updated once per meter (before: 48 more)
+LOGGING_EXTRA_LIMIT = 5
 
 
 def _bench(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -54,6 +57,15 @@ def test_train_throughput_tiny_runs(tmp_path):
     assert [row["model"] for row in rows] == ["transformer_lm", "switch E=8 compiled"]
     assert rows[0]["ratio_to_stock"] == 1.0 and rows[1]["wps"] > 0
     assert "x transformer_lm" in proc.stdout
+
+
+def test_train_step_ops_tiny_counts_a_whole_update_by_phase(tmp_path, stream_dir):
+    _bench("train_step_ops.py", "--tiny", "--models", "transformer_lm,switch E=1", "--data", str(stream_dir),
+           "--json", str(tmp_path / "ops.json"))
+    counts = json.loads((tmp_path / "ops.json").read_text())["counts"]
+    stock, switch = counts["transformer_lm"], counts["switch E=1"]
+    assert all(stock[phase] > 0 for phase in ("forward", "backward", "optimizer", "logging")), counts
+    assert switch["logging"] - stock["logging"] <= LOGGING_EXTRA_LIMIT, counts
 
 
 def test_profile_lm_step_tiny_runs():

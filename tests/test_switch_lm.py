@@ -10,7 +10,7 @@ from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.models import ARCH_CONFIG_REGISTRY
 from omegaconf import OmegaConf
 
-from fairseq_alma.criterions.switch_cross_entropy import SwitchCrossEntropyCriterion
+from fairseq_alma.criterions.switch_cross_entropy import STATS, SwitchCrossEntropyCriterion
 from fairseq_alma.errors import CheckpointError, UsageError
 from fairseq_alma.models.checkpoint_format import SWITCH_DECODER_VERSION
 from fairseq_alma.models.switch_transformer_lm import (
@@ -95,9 +95,41 @@ def test_criterion_reports_cross_entropy_and_adds_balance_loss():
     balance = sum(aux.balance_loss for aux in net_output[1]["moe_aux"])
     assert log["loss"].item() == pytest.approx(nll.item(), rel=1e-5)
     assert loss.item() == pytest.approx(nll.item() + 0.01 * balance.item() * 36, rel=1e-5)
-    assert log["moe_layers"] == 1 and log["moe_tokens"].item() == 36
+    assert log["moe_layers"] == 1 and log["moe_stats"][STATS.index("tokens")].item() == 36
     mean = SwitchCrossEntropyCriterion(task, False, 0.0, "mean", 0.0)(model, sample)[0]
     assert mean.item() == pytest.approx(nll.item(), rel=1e-5)
+
+
+def test_logged_diagnostics_are_the_log_windows_sums_divided_and_survive_a_two_rank_sum():
+    """Two steps in one log window (one of them two ranks' logs, as fairseq sums them): each
+    printed diagnostic is the window's sums divided (token-weighted for per-token ones, per
+    block call for per-block ones); the sums themselves (``_moe_*``) are not printed."""
+    from fairseq.logging import metrics
+
+    def log(stats: list, layers: int, ntokens: int) -> dict:
+        return {"loss": torch.tensor(1.0), "ntokens": ntokens, "nsentences": 1, "sample_size": ntokens,
+                "moe_layers": layers, "moe_stats": torch.tensor(stats, dtype=torch.float32)}
+
+    # balance_sum, tokens, dropped, entropy_sum, load_max, load_min, unused
+    step1 = [log([2.0, 30.0, 3.0, 6.0, 2.5, 0.5, 1.0], 2, 15)]
+    step2 = [log([1.0, 8.0, 0.0, 1.0, 1.5, 0.0, 2.0], 1, 8), log([1.5, 12.0, 3.0, 4.0, 1.0, 1.0, 0.0], 1, 12)]
+    with metrics.aggregate(new_root=True) as window:
+        SwitchCrossEntropyCriterion.reduce_metrics(step1)
+        SwitchCrossEntropyCriterion.reduce_metrics(step2)
+        shown = window.get_smoothed_values()
+    assert shown["moe_balance"] == round(4.5 / 4, 4)
+    assert shown["moe_dropped_pct"] == round(100 * 6 / 50, 2)
+    assert shown["moe_entropy"] == round(11 / 50, 3)
+    assert (shown["moe_load_max"], shown["moe_load_min"], shown["moe_unused"]) == (1.25, 0.375, 0.75)
+    assert not [key for key in shown if key.startswith("_")]
+    with metrics.aggregate(new_root=True) as window:  # resumed from a checkpoint written before the sums
+        metrics.log_scalar("moe_balance", 7.0, 1, round=4)  # what such a checkpoint restores
+        SwitchCrossEntropyCriterion.reduce_metrics(step1)
+        assert window.get_smoothed_values()["moe_balance"] == 1.0  # not the stale 7
+    with metrics.aggregate(new_root=True) as window:  # no MoE block: nothing MoE is logged
+        SwitchCrossEntropyCriterion.reduce_metrics([{"loss": torch.tensor(1.0), "ntokens": 4, "nsentences": 1,
+                                                     "sample_size": 4}])
+        assert not [key for key in window.get_smoothed_values() if "moe" in key]
 
 
 def test_state_dict_round_trip_is_exact():

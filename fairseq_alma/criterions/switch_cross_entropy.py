@@ -8,9 +8,13 @@ the sample size to sit on the same scale as fairseq's summed NLL before fairseq 
 The logged ``loss``/``ppl`` are the cross-entropy alone (base 2, like fairseq's
 ``cross_entropy``), so they compare with dense models and with ``fairseq-eval-lm``.  The routing
 diagnostics go through fairseq ``metrics``: they appear in the progress log and in tensorboard.
+They travel as one tensor of sums (``moe_stats``: one entry in fairseq's all-reduce, one meter
+update per step) and are divided only when a log line is printed (``log_derived``): on a GPU each
+tensor meter update is a kernel launch every step, and the step is bound by launches.
 """
 
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -19,10 +23,11 @@ from fairseq.criterions import register_criterion
 from fairseq.criterions.cross_entropy import CrossEntropyCriterion
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.logging import metrics
+from fairseq.logging.meters import MetersDict
 from omegaconf import II
 
 from ..errors import require
-from ..modules.switch_routing import moe_losses, summed_diagnostics
+from ..modules.switch_routing import DIAGNOSTIC_KEYS, diagnostic_sums, moe_losses
 
 
 @dataclass
@@ -40,29 +45,44 @@ class SwitchCrossEntropyConfig(FairseqDataclass):
     )
 
 
-def moe_terms(aux_list: List[Any]) -> Tuple[torch.Tensor, Optional[torch.Tensor], Dict[str, torch.Tensor]]:
-    """(balance losses (L,), z-losses (L,) or None, summed diagnostics) of a model's MoE blocks,
-    formed from the fused router's sums (``switch_routing.moe_losses``/``summed_diagnostics``):
-    blocks of the same shape (all of one model's) in one batch of small ops, not per block."""
+STATS = ("balance_sum",) + DIAGNOSTIC_KEYS  # the entries of a logging output's "moe_stats"
+_STAT = {name: i for i, name in enumerate(STATS)}
+# logged name: (numerator, denominator: "calls" = MoE block calls, else a STATS entry), scale, digits
+LOGGED = {
+    "moe_balance": ("balance_sum", "calls", 1.0, 4),
+    "moe_dropped_pct": ("dropped", "tokens", 100.0, 2),
+    "moe_entropy": ("entropy_sum", "tokens", 1.0, 3),
+    "moe_load_max": ("load_max", "calls", 1.0, 3),
+    "moe_load_min": ("load_min", "calls", 1.0, 3),
+    "moe_unused": ("unused", "calls", 1.0, 2),
+}
+
+
+def moe_terms(aux_list: List[Any]) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """(balance losses (L,), z-losses (L,) or None, summed diagnostics (6,) in ``DIAGNOSTIC_KEYS``
+    order) of a model's MoE blocks, formed from the fused router's sums
+    (``switch_routing.moe_losses``/``diagnostic_sums``): blocks of the same shape (all of one
+    model's) in one batch of small ops, not per block."""
     groups: Dict[Tuple[Any, ...], List[int]] = {}
     for i, aux in enumerate(aux_list):
         groups.setdefault((aux.counts.numel(), aux.capacity, tuple(aux.probs.shape)), []).append(i)
     balance: List[Any] = [None] * len(aux_list)
     z: List[Any] = [None] * len(aux_list)
     with_z = all(aux.lse_square_sum is not None for aux in aux_list)
-    diagnostics: Dict[str, torch.Tensor] = {}
+    diagnostics: Optional[torch.Tensor] = None
     for (_, capacity, _), members in groups.items():
         group = [aux_list[i] for i in members]
         counts = torch.stack([aux.counts for aux in group])
         lse_sums = torch.stack([aux.lse_square_sum for aux in group]) if with_z else counts.new_zeros(len(group))
         balances, zs = moe_losses(counts, torch.stack([aux.prob_sums for aux in group]), lse_sums)
         entropy = torch.special.entr(torch.stack([aux.probs for aux in group])).sum((1, 2))
-        for key, value in summed_diagnostics(counts, entropy, capacity).items():
-            diagnostics[key] = value if key not in diagnostics else diagnostics[key] + value
+        sums = diagnostic_sums(counts, entropy, capacity)
+        diagnostics = sums if diagnostics is None else diagnostics + sums
         if len(groups) == 1:
             return balances, zs if with_z else None, diagnostics
         for j, i in enumerate(members):
             balance[i], z[i] = balances[j], zs[j]
+    assert diagnostics is not None  # aux_list is not empty
     return torch.stack(balance), torch.stack(z) if with_z else None, diagnostics
 
 
@@ -104,35 +124,46 @@ class SwitchCrossEntropyCriterion(CrossEntropyCriterion):
             if self.z_weight > 0 and z_losses is not None:
                 loss = loss + self.z_weight * z_losses.sum() * sample_size
             logging_output["moe_layers"] = len(aux_list)
-            logging_output["moe_balance_sum"] = balances.detach().sum()
-            for key, value in diagnostics.items():
-                logging_output[f"moe_{key}"] = value
+            logging_output["moe_stats"] = torch.cat((balances.detach().sum(0, keepdim=True), diagnostics))
         return loss, sample_size, logging_output
 
     @staticmethod
     def reduce_metrics(logging_outputs: List[Dict[str, Any]]) -> None:
+        """Sums now, ratios at print time: each logged value is its sums over the log window
+        divided, e.g. moe_dropped_pct = 100 * tokens dropped / tokens routed, which is the
+        token-weighted mean of the steps' percentages; per-block values are per MoE block call.
+        No host read here (fairseq reads when it prints)."""
         CrossEntropyCriterion.reduce_metrics(logging_outputs)
         calls = sum(log.get("moe_layers", 0) for log in logging_outputs)
         if calls == 0:
             return
-
-        def total(key: str) -> torch.Tensor:  # a tensor: no host read here (fairseq reads at logging)
-            value = sum(log.get(key, 0) for log in logging_outputs)
-            return value if torch.is_tensor(value) else torch.tensor(float(value))
-
-        # averaging weights must be host numbers (fairseq's meter tests ``n > 0``): the tokens
-        # routed per block are the step's non-padding tokens, ntokens, in every block
-        token_weight = max(sum(log.get("ntokens", 0) for log in logging_outputs) * calls, 1)
-        tokens = total("moe_tokens").clamp(min=1)
-        metrics.log_scalar("moe_balance", total("moe_balance_sum") / calls, calls, round=4)
-        metrics.log_scalar("moe_dropped_pct", 100.0 * total("moe_dropped") / tokens, token_weight, round=2)
-        metrics.log_scalar("moe_entropy", total("moe_entropy_sum") / tokens, token_weight, round=3)
-        metrics.log_scalar("moe_load_max", total("moe_load_max") / calls, calls, round=3)
-        metrics.log_scalar("moe_load_min", total("moe_load_min") / calls, calls, round=3)
-        metrics.log_scalar("moe_unused", total("moe_unused") / calls, calls, round=2)
+        metrics.log_scalar_sum("_moe_stats", sum(log["moe_stats"] for log in logging_outputs if "moe_stats" in log))
+        metrics.log_scalar_sum("_moe_calls", calls)
+        for name, (numerator, denominator, scale, digits) in LOGGED.items():
+            for meters in metrics.get_active_aggregators():
+                meter = meters.get(name)
+                if meter is None:
+                    meters.add_meter(name, MetersDict._DerivedMeter(_ratio(numerator, denominator, scale, digits)), 20)
+                elif not isinstance(meter, MetersDict._DerivedMeter):
+                    # an average restored from a checkpoint written before the sums: nothing
+                    # updates it any more, so it would print a stale value; the derived one
+                    # takes its place (and its print position)
+                    OrderedDict.__setitem__(meters, name, MetersDict._DerivedMeter(
+                        _ratio(numerator, denominator, scale, digits)))
 
     @staticmethod
     def logging_outputs_can_be_summed() -> bool:
         return True
 
 
+def _ratio(numerator: str, denominator: str, scale: float, digits: int) -> Any:
+    """A ``log_derived`` function: ``scale`` * the window's sum of ``numerator`` / that of
+    ``denominator`` (at least 1, so a window with no routed token logs 0, not NaN)."""
+
+    def value(meters: Any) -> float:
+        sums = meters["_moe_stats"].sum
+        stats = sums.tolist() if torch.is_tensor(sums) else sums  # one read, then host arithmetic
+        below = float(meters["_moe_calls"].sum) if denominator == "calls" else stats[_STAT[denominator]]
+        return round(scale * stats[_STAT[numerator]] / max(below, 1.0), digits)
+
+    return value

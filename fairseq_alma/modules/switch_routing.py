@@ -219,14 +219,16 @@ def moe_losses(counts: Tensor, prob_sums: Tensor, lse_square_sums: Tensor) -> tu
     return balance, lse_square_sums / tokens
 
 
-def summed_diagnostics(counts: Tensor, entropy_sum: Tensor, capacity: Optional[int]) -> dict[str, Tensor]:
-    """``routing_diagnostics`` of L routing calls at once, summed over them, from what the fused
-    router keeps (``router_kernel.RoutedTokens``): ``counts`` (L, E + 1), tokens per expert with
-    padding last; ``entropy_sum`` (L,); one ``capacity`` for all (None: no limit).
+def diagnostic_sums(counts: Tensor, entropy_sum: Tensor, capacity: Optional[int]) -> Tensor:
+    """``routing_diagnostics`` of L routing calls at once, summed over them, as one (6,) tensor
+    in ``DIAGNOSTIC_KEYS`` order, from what the fused router keeps (``router_kernel.RoutedTokens``):
+    ``counts`` (L, E + 1), tokens per expert with padding last; ``entropy_sum`` (L,); one
+    ``capacity`` for all (None: no limit).
 
     Why from counts: every diagnostic but the entropy is a function of the per-expert counts, so
     a model's MoE blocks (same E, same T) get theirs in ~15 small ops per step instead of ~12 per
-    block; they are only logged, so nothing here needs a gradient.
+    block.  Why one tensor: it travels through fairseq's logging (and its all-reduce) as one
+    entry, not six.  They are only logged, so nothing here needs a gradient.
     """
     loads = counts[:, :-1].float()  # (L, E)
     experts = loads.shape[1]
@@ -236,4 +238,9 @@ def summed_diagnostics(counts: Tensor, entropy_sum: Tensor, capacity: Optional[i
     share = experts / tokens.clamp(min=1)
     stats = torch.stack([tokens, tokens - kept, entropy_sum.float(), high * share, low * share,
                          (loads == 0).sum(1).float()])  # (6, L)
-    return dict(zip(DIAGNOSTIC_KEYS, stats.sum(1).detach().unbind()))
+    return stats.sum(1).detach()
+
+
+def summed_diagnostics(counts: Tensor, entropy_sum: Tensor, capacity: Optional[int]) -> dict[str, Tensor]:
+    """``diagnostic_sums`` by name (one block's ``SwitchAux.diagnostics``; tests)."""
+    return dict(zip(DIAGNOSTIC_KEYS, diagnostic_sums(counts, entropy_sum, capacity).unbind()))
