@@ -48,11 +48,12 @@ def test_switch_ffn_cpu_protocol_runs(tmp_path):
     assert "x dense" in proc.stdout
 
 
-def test_train_throughput_tiny_runs(tmp_path):
+def test_train_throughput_tiny_runs(tmp_path, stream_dir):
     """Stock and the Switch LM with the compiled kernel (its CPU graphs: the path the GPU runs as
-    Triton), through fairseq-train; the eager kernels train in many other tests."""
+    Triton), through fairseq-train; the eager kernels train in many other tests.  On the suite's
+    stream (preparing the demo corpus is tested elsewhere and costs ~20 s)."""
     proc = _bench("train_throughput.py", "--tiny", "--models", "transformer_lm,switch E=8 compiled",
-                  "--json", str(tmp_path / "e2e.json"), timeout=600)
+                  "--data", str(stream_dir), "--json", str(tmp_path / "e2e.json"), timeout=600)
     rows = json.loads((tmp_path / "e2e.json").read_text())["rows"]
     assert [row["model"] for row in rows] == ["transformer_lm", "switch E=8 compiled"]
     assert rows[0]["ratio_to_stock"] == 1.0 and rows[1]["wps"] > 0
