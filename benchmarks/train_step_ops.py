@@ -116,6 +116,8 @@ def main() -> None:
     unknown = [m for m in models if m not in EAGER]
     if unknown:
         parser.error(f"unknown --models: {', '.join(unknown)}")
+    if args.at < 1 or args.layers < 1:
+        parser.error("--at and --layers must be >= 1")
     if args.tiny:
         args.layers = 2
     sizes = argparse.Namespace(layers=args.layers, dim=64, heads=4, length=64, batch=4, windows=1,
@@ -136,7 +138,9 @@ def main() -> None:
             proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", out, str(args.at), "--",
                                    *flags], capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
             if proc.returncode != 0 or not os.path.exists(out):
-                sys.exit(f"train_step_ops: {model} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+                text = proc.stdout + proc.stderr
+                said = [line for line in text.splitlines() if line.startswith("fairseq-alma: error")]
+                sys.exit(f"train_step_ops: {model}: {said[-1] if said else chr(10) + text[-3000:]}")
             with open(out) as fh:
                 return json.load(fh)
 
