@@ -113,3 +113,27 @@ def test_a_layer_torch_cannot_compile_is_one_line_naming_the_flag(monkeypatch):
     with pytest.raises(UsageError, match=r"could not compile the Switch layer \(TorchDynamoException: cannot "
                                          r"trace this\); use --moe-expert-kernel batched"):
         layer(torch.randn(6, 8))
+
+
+def test_a_backward_inductor_cannot_build_stops_the_first_forward_in_one_line(monkeypatch):
+    """The backward is compiled with the forward (``force_non_lazy_backward_lowering``): a
+    failure to build it is the first forward's UsageError, not a traceback out of the first
+    update's ``backward()``.  The failure is injected where inductor compiles each graph."""
+    import torch._inductor.compile_fx as compile_fx
+
+    build = compile_fx._compile_fx_inner
+
+    def fails_on_backward(graph, inputs, **kwargs):
+        if kwargs.get("is_backward"):
+            raise RuntimeError("no kernel for this GPU\nmore detail")
+        return build(graph, inputs, **kwargs)
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(compile_fx, "_compile_fx_inner", fails_on_backward)
+    layer = SwitchFFN(SwitchFFNConfig(8, 16, 2, expert_kernel="compiled")).train()
+    try:
+        with pytest.raises(UsageError, match=r"could not compile the Switch layer \(RuntimeError: no kernel for "
+                                             r"this GPU\); use --moe-expert-kernel batched"):
+            layer(torch.randn(6, 8, requires_grad=True))
+    finally:
+        torch._dynamo.reset()

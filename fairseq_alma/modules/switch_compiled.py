@@ -66,7 +66,17 @@ def _route_and_run(
 
 @functools.cache
 def _compiled() -> Callable[..., tuple[Tensor, Tensor, Optional[Tensor], Tensor, Tensor]]:
-    """``_route_and_run`` compiled once per process (module doc); every block shares it."""
+    """``_route_and_run`` compiled once per process (module doc); every block shares it.
+
+    The backward is compiled with the forward, not at the first ``backward()``: a failure to
+    compile it is then the first forward's one-line error (``compiled_route_and_run``), not a
+    traceback out of fairseq's first update.  (A torch without this setting keeps the lazy one.)"""
+    try:
+        import torch._functorch.config as functorch_config
+
+        functorch_config.force_non_lazy_backward_lowering = True
+    except (ImportError, AttributeError):
+        pass
     return torch.compile(_route_and_run, fullgraph=True, dynamic=False, options={"fallback_random": True})
 
 
@@ -79,9 +89,10 @@ def compiled_route_and_run(*args: object) -> tuple[Tensor, Tensor, Optional[Tens
     try:
         return _compiled()(*args)
     except torch._dynamo.exc.TorchDynamoException as err:
-        reason = (str(err).strip().splitlines() or [""])[0][:200]
+        cause = getattr(err, "inner_exception", None) or err  # inductor's failure, not dynamo's wrapper
+        reason = f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0][:200]}"
         raise UsageError(f"--moe-expert-kernel compiled: torch {torch.__version__} could not compile the "
-                         f"Switch layer ({type(err).__name__}: {reason}); use --moe-expert-kernel batched "
+                         f"Switch layer ({reason}); use --moe-expert-kernel batched "
                          f"(the same results, uncompiled)") from err
 
 
