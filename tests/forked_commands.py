@@ -44,6 +44,7 @@ def _child(request: dict) -> None:
         os.dup2(null, 0)
         for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
             os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+        sys.stdout = sys.__stdout__  # the server points it at stderr (its fd 1 is the reply channel)
         os.chdir(request["cwd"])
         os.environ.update(request["env"])
         sys.argv = list(request["argv"])

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from slurm_cluster import slurm  # noqa: F401  (module-scoped cluster fixture)
@@ -43,14 +44,21 @@ def corpus(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def singles(corpus, tmp_path_factory):
+def prep(forked):
+    """``alma-data-prep ARGS`` in the fork server (conftest ``forked``): these runs are ~1 s of
+    work after ~7 s of importing fairseq, so they skip the imports; the Slurm jobs do not."""
+    return lambda *args: forked.run(["alma-data-prep", *args], cwd=Path.cwd(), timeout=300)
+
+
+@pytest.fixture(scope="module")
+def singles(corpus, prep, tmp_path_factory):
     """The single-process stream of ARGS, and of ARGS + each extra flag set, made on demand."""
     made: dict[tuple[str, ...], str] = {}
 
     def get(*extra: str) -> str:
         if extra not in made:
             out = str(tmp_path_factory.mktemp("single") / "out")
-            result = run_prep(corpus, "--out", out, *ARGS, *extra)
+            result = prep(corpus, "--out", out, *ARGS, *extra)
             assert result.returncode == 0, result.stderr
             made[extra] = out
         return made[extra]
@@ -89,26 +97,26 @@ def _one_line_error(result: subprocess.CompletedProcess, *named: str) -> None:
 
 
 @pytest.mark.parametrize("extra, splits", [((), 5), (tuple(PERIODS), 8)])
-def test_shards_run_by_hand_give_the_single_runs_bytes(corpus, singles, tmp_path, extra, splits):
+def test_shards_run_by_hand_give_the_single_runs_bytes(corpus, singles, prep, tmp_path, extra, splits):
     out = str(tmp_path / "sharded")
     shard = [corpus, "--out", out, *ARGS, *extra, "--num-shards", "3"]
-    prepared = run_prep(*shard, "--prepare-only")
+    prepared = prep(*shard, "--prepare-only")
     assert prepared.returncode == 0, prepared.stderr
     assert "encode" not in prepared.stderr  # extraction and tokenizer only
     for index, workers in (("2", "1"), ("0", "2")):
-        result = run_prep(*shard, "--shard-index", index, "--workers", workers)
+        result = prep(*shard, "--shard-index", index, "--workers", workers)
         assert result.returncode == 0, result.stderr
         assert f"encode-shard-{index}-of-3: building" in result.stderr
-    again = run_prep(*shard, "--shard-index", "2")
+    again = prep(*shard, "--shard-index", "2")
     assert again.returncode == 0 and "building" not in again.stderr, again.stderr
-    merged = run_prep(*shard)  # shard 1 was never run: the merge encodes it itself
+    merged = prep(*shard)  # shard 1 was never run: the merge encodes it itself
     assert merged.returncode == 0, merged.stderr
     for index, state in (("0", "up to date, reused"), ("1", "building"),
                          ("2", "up to date, reused")):
         assert f"encode-shard-{index}-of-3: {state}" in merged.stderr
     assert_same_stream(out, singles(*extra), splits)
     # The merged stream is an ordinary one: the same command without shards reuses it all.
-    plain = run_prep(corpus, "--out", out, *ARGS, *extra)
+    plain = prep(corpus, "--out", out, *ARGS, *extra)
     assert plain.returncode == 0 and "building" not in plain.stderr, plain.stderr
 
 
@@ -132,9 +140,9 @@ def test_shard_flags_fail_with_one_line(forked_prep, corpus, tmp_path):
     _one_line_error(forked_prep(corpus, *out, "--num-shards", "0"), "--num-shards")
 
 
-def test_dry_run_writes_the_three_job_scripts(corpus, tmp_path):
+def test_dry_run_writes_the_three_job_scripts(corpus, prep, tmp_path):
     out = tmp_path / "o"
-    result = run_prep(corpus, "--out", str(out), *ARGS, "--slurm-shards", "4", "--dry-run")
+    result = prep(corpus, "--out", str(out), *ARGS, "--slurm-shards", "4", "--dry-run")
     assert result.returncode == 0, result.stderr
     printed = result.stdout.splitlines()
     assert len(printed) == 4 and "nothing submitted" in printed[-1]
