@@ -132,6 +132,17 @@ def test_no_seed_groups_gives_a_row_per_run(lm_runs, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_figure_an_earlier_report_left_in_out_is_removed_and_nothing_else(lm_runs, tmp_path):
+    (tmp_path / "fig4_replay.png").write_bytes(b"an earlier report's Fig. 4")
+    (tmp_path / "fig3_error_curves_4.png").write_bytes(b"an earlier vision report's")
+    (tmp_path / "notes.md").write_text("mine")
+    proc, written = _report_ok(lm_runs / "runs" / "sm_s1", out=tmp_path)
+    assert "fig4_replay.png" not in written and "fig3_error_curves_4.png" not in written
+    assert "removed fig4_replay.png, left in --out by an earlier report" in proc.stdout
+    assert (tmp_path / "notes.md").read_text() == "mine" and "table2.json" in written
+
+
+@pytest.mark.slow
 def test_vision_report_draws_figures_2_3_4_with_error_bars(vision_runs, tmp_path):
     out = tmp_path / "report"
     proc, written = _report_ok(vision_runs / "plain", vision_runs / "replay", out=out)

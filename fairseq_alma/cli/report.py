@@ -125,7 +125,32 @@ def write_report(args: argparse.Namespace) -> list[str]:
         emit("fig4_replay.png", lambda path: figures.plot_replay(pairs, path))
     else:
         print("Fig. 4 not drawn: no two runs differ only by --replay", flush=True)
+    _remove_stale_outputs(out, written)
     return written
+
+
+# every file name write_report can write; {tag}: a model size (fig3_error_curves_{tag}.png)
+REPORT_OUTPUTS = ("table2.md", "table2.csv", "table2.json", "cer_table.md", "cer_table.csv",
+                  "cer_table.json", "fig5_tradeoffs.png", "fig3_perplexity_curves.png",
+                  "fig2_cer_tradeoffs.png", "fig3_error_curves.png", "fig3_error_curves_*.png",
+                  "eval_matrix.md", "eval_matrix.csv", "eval_matrix.json", "fig_eval_matrix.png",
+                  "fig4_replay.png")
+
+
+def _remove_stale_outputs(out: Path, written: list[str]) -> None:
+    """Delete what an earlier report left in ``out`` that this one did not write (say a Fig. 4
+    of runs no longer given): beside the new tables it would pass for part of this report.
+    Only file names this command writes are touched."""
+    kept = {Path(path).name for path in written}
+    for pattern in REPORT_OUTPUTS:
+        for path in sorted(out.glob(pattern)):
+            if path.name not in kept and path.is_file():
+                try:
+                    path.unlink()
+                except OSError as err:
+                    raise UsageError(f"{path}: left by an earlier report and cannot be removed "
+                                     f"({err.strerror}); remove it or use another --out") from None
+                print(f"removed {path.name}, left in --out by an earlier report", flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
