@@ -101,3 +101,17 @@ def test_replay_pairs_match_everything_but_replay_and_seed():
 def test_a_group_must_share_its_stream():
     with pytest.raises(ValueError, match="share a fingerprint but not their stream"):
         SeedGroup([_run(1, [900.0, 30.0, 20.0]), _run(2, [900.0, 30.0, 20.0, 10.0])])
+
+
+def test_numbers_measured_on_different_streams_never_share_a_table():
+    """A perplexity depends on the dictionary and the evaluation split: runs scored on streams
+    of different identity are refused; an unverifiable one (its stream gone: a path) is not."""
+    def scored(seed: int, data: object) -> ReportedRun:
+        run = _run(seed, [900.0, 30.0, 20.0])
+        run.scoring = {"split": "eval", "data": data}
+        return run
+
+    here, other = {"dictionary": {"sha256": "a"}}, {"dictionary": {"sha256": "b"}}
+    assert format_series_table(group_by_seed([scored(1, here), scored(2, here), scored(3, "/gone")]))
+    with pytest.raises(ValueError, match="run1 and run2 were evaluated on different streams"):
+        format_series_table(group_by_seed([scored(1, here), scored(2, other)]))

@@ -34,7 +34,7 @@ from typing import Any
 from ..stream.atomic import atomic_write_json, atomic_write_text
 from ..stream.series import ReportSeries
 from ..text_table import format_table as _format_cells
-from .seeds import BitsAsPerplexity, ReportedRun, SeedGroup, Stat
+from .seeds import BitsAsPerplexity, ReportedRun, SeedGroup, Stat, canonical
 
 Rows = Sequence[ReportSeries] | Sequence[SeedGroup]
 LM_SUMMARY = ("trained_avg_ppl", "anytime_nll", "anytime_ppl", "train_tflops_cum", "params_cum")
@@ -48,7 +48,9 @@ def as_groups(rows: Rows) -> list[SeedGroup]:
 
 
 def same_shape(rows: Rows) -> tuple[str, int]:
-    """(metric, B) shared by every row; rows that cannot share a table are refused."""
+    """(metric, B) shared by every row; rows that cannot share a table are refused: other
+    metrics or stream lengths, other FLOPs conventions, or numbers measured on other streams
+    (a perplexity depends on the dictionary and the evaluation split)."""
     if not rows:
         raise ValueError("no series to report; pass at least one run")
     series = [s for group in as_groups(rows) for s in group.members]
@@ -56,6 +58,19 @@ def same_shape(rows: Rows) -> tuple[str, int]:
     if len(kinds) != 1:
         raise ValueError(
             f"series mix metrics or stream lengths {sorted(kinds)}; report them separately"
+        )
+    evaluated_on: dict[str, str] = {}  # stream identity (canonical) -> a source scored on it
+    for group in as_groups(rows):
+        for run in group.runs:
+            data = (run.scoring or {}).get("data")
+            if isinstance(data, dict):  # a verified identity (a path: the stream is gone, unknown)
+                evaluated_on.setdefault(canonical(data), run.source)
+    if len(evaluated_on) > 1:
+        first, second = list(evaluated_on.values())[:2]
+        raise ValueError(
+            f"{first} and {second} were evaluated on different streams (their data identities "
+            f"differ: another corpus, split or dictionary); their perplexities are not comparable, "
+            f"report them separately"
         )
     conventions = {s.flops_convention for s in series}
     if len(conventions) > 1:
