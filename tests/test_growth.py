@@ -2,7 +2,8 @@
 
 import torch
 
-from fairseq_alma.lm.growth import copy_experts
+from fairseq_alma.errors import UsageError
+from fairseq_alma.lm.growth import check_growth_schedule, copy_experts
 from fairseq_alma.modules import SwitchFFN, SwitchFFNConfig
 
 
@@ -46,6 +47,23 @@ def test_copy_beyond_allocated_slots_is_refused():
         assert "--moe-max-experts" in str(exc)
     else:
         raise AssertionError("expected ValueError")
+
+
+def test_growth_schedule_is_checked_step_by_step():
+    """Each step may copy at most the experts there are at that point (top-k of them): Table 2's
+    4 -> 6 -> 8 -> 12 passes; 2 -> 4 then 5 copies at stage 3 (4 experts then) is refused, as are
+    a repeated stage and a growth on a one-stage stream (which would train, and report, no gMoE)."""
+    check_growth_schedule("2,2,4", "", 4, 4)
+    check_growth_schedule("2,4", "2,4", 4, 2)
+    for flags, stages, experts, needle in ((("2,5", "2,3"), 3, 2, "stage 3 would copy 5 experts but the model has 4"),
+                                           (("1,1", "3,2"), 3, 2, "--grow-at-stages 3,2 must list each stage once"),
+                                           (("2", ""), 1, 2, "--grow-experts 2 has no stage to grow at")):
+        try:
+            check_growth_schedule(*flags, stages, experts)
+        except UsageError as exc:
+            assert needle in str(exc), exc
+        else:
+            raise AssertionError(f"expected UsageError for {flags}")
 
 
 def _fp16_optimizer(params, flatten: bool, memory_efficient: bool):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..errors import CheckpointError, UsageError
+from ..errors import REQUEUE_EXIT_STATUS, CheckpointError, UsageError
 from ..out_paths import check_dir_path
 from .config import given, section
 
@@ -90,9 +90,17 @@ def check_lm_training(cfg: Any) -> None:
 
 
 def check_stream_start(task: Any, stages: int, save_dir: str, restart: bool) -> None:
-    """What only the stream knows, before the run directory is taken: ``--max-update`` leaves
+    """What only the stream knows, before the run directory is taken: ``--replay`` has an
+    earlier stage to replay (a one-stage run would be labelled replay yet train as without it;
+    checked here, on the LM training path, not in ``StreamPlan``, which scoring and vision sweeps
+    also build), ``--max-update`` leaves
     the stream's updates, the evaluation split exists, and a ``checkpoint_last.pt`` left without
     ``run.json`` is of this model (fairseq would fail to load it after run.json was written)."""
+    plan = task.plan
+    if plan.replay and not plan.adaptive and plan.num_stages < 2:  # as --replay-ratio (StreamPlan)
+        raise UsageError(f"--replay has nothing to replay: with --wait {plan.wait} the stream of "
+                         f"{plan.num_megabatches} mega-batches trains one stage, and a stage replays "
+                         f"only earlier stages' data; drop --replay, or lower --wait")
     needed = stages * task.budget
     max_update = given(task.cfg, "optimization", "max_update") or 0
     if 0 < max_update < needed:
@@ -187,6 +195,8 @@ def check_training_flags(cfg: Any) -> None:
         return
     check_precision(cfg)
     task = cfg.get("task")
+    if task is not None and task.get("_name") == "alma_stream":
+        check_stream_run_flags(cfg)
     if task is not None and task.get("_name") == "alma_stream" and \
             str(given(cfg, "distributed_training", "ddp_backend") or "") == "fully_sharded":
         raise UsageError("--ddp-backend fully_sharded cannot train an alma_stream run: the stream evaluates, "
@@ -208,6 +218,56 @@ def check_training_flags(cfg: Any) -> None:
             raise UsageError(f"--moe-expert-kernel compiled: {missing}; install it, or use "
                              f"--moe-expert-kernel batched (the same results, uncompiled)")
     check_lm_training(cfg)
+
+
+# fairseq's resume-time resets: an alma_stream run resumes its optimizer, LR schedule, data
+# position and meters exactly as checkpointed (fairseq's update counter is the stream's
+# position), so a reset would train a run its records no longer describe.
+RESET_FLAGS = ("reset_optimizer", "reset_lr_scheduler", "reset_dataloader", "reset_meters")
+
+
+def check_stream_run_flags(node: Any) -> None:
+    """fairseq's checkpoint and stopping flags that an ``alma_stream`` run cannot honour,
+    refused before anything is read or written.
+
+    Why: the run directory (``--save-dir``: run.json, stream.jsonl, checkpoint_last.pt) is the
+    unit of resumption.  ``--restore-file``/``--finetune-from-model`` would load another run's
+    weights and stream position into this run directory under this run's settings (seen: a new
+    --save-dir "done training in 0.0 seconds" holding the other run's records); ``--no-save``
+    leaves no stage checkpoints to resume or score; ``--stop-time-hours`` ends fairseq's loop
+    mid-stage with exit 0 and an unfinished stream; the ``--reset-*`` flags break the resumed
+    run's update count and schedule.  Nothing in fairseq_alma passes these flags itself (stage
+    starts and growth reset the optimizer in place: ``lm/stage_start.py``, ``lm/growth.py``)."""
+    from ..stream.run_dir import LAST_CHECKPOINT
+
+    restore = given(node, "checkpoint", "restore_file") or LAST_CHECKPOINT
+    save_dir = given(node, "checkpoint", "save_dir") or "checkpoints"
+    if restore != LAST_CHECKPOINT and \
+            os.path.abspath(restore) != os.path.abspath(os.path.join(save_dir, LAST_CHECKPOINT)):
+        raise UsageError(f"--restore-file {restore}: an alma_stream run resumes only from its own "
+                         f"--save-dir (its checkpoint_last.pt and stream records); drop it, and give "
+                         f"that run's directory as --save-dir to continue it")
+    finetune = given(node, "checkpoint", "finetune_from_model")
+    if finetune:
+        raise UsageError(f"--finetune-from-model {finetune}: an alma_stream run starts from a fresh "
+                         f"model or resumes from its own --save-dir; drop it (give that run's "
+                         f"directory as --save-dir to continue it)")
+    if given(node, "checkpoint", "no_save"):
+        raise UsageError("--no-save: an alma_stream run needs its checkpoints (checkpoint_last.pt to "
+                         "resume, checkpoint_stage{s}.pt to score); drop --no-save")
+    hours = given(node, "optimization", "stop_time_hours") or 0
+    if hours > 0:
+        raise UsageError(f"--stop-time-hours {hours:g} would end the stream mid-stage with exit 0; "
+                         f"drop it: --max-epoch N stops after stage N (run again without it to "
+                         f"continue), and SIGUSR1/SIGTERM save and exit {REQUEUE_EXIT_STATUS} for "
+                         f"a requeue")
+    for key in RESET_FLAGS:
+        if given(node, "checkpoint", key):
+            flag = f"--{key.replace('_', '-')}"
+            hint = " (--reset-optimizer-each-stage clears the optimizer state at each stage start)" \
+                if key == "reset_optimizer" else ""
+            raise UsageError(f"{flag}: an alma_stream run resumes its optimizer, LR schedule, data "
+                             f"position and meters as checkpointed; drop {flag}{hint}")
 
 
 def check_sharding(node: Any, growth: bool) -> None:

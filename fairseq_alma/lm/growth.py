@@ -157,3 +157,37 @@ def parse_growth_plan(grow_experts: str, grow_at_stages: str, num_stages: int) -
         raise UsageError(f"--grow-experts needs one k >= 1, or one per growth stage "
                          f"({len(stages)}); got {grow_experts!r}")
     return dict(zip(stages, counts))
+
+
+def check_growth_schedule(grow_experts: str, grow_at_stages: str, num_stages: int, experts: int) -> None:
+    """Growth requests that ``parse_growth_plan`` would shrink or drop, refused before a training
+    run takes its run directory (not in ``parse_growth_plan``: a run already trained is still
+    scored with its own flags).
+
+    * no stage to grow at: growth happens at the start of stage 2 or later, so a stream of one
+      stage (e.g. ``--wait`` = B) would train an SM model and report it as gMoE;
+    * ``--grow-at-stages`` not strictly increasing: a repeated stage collapses into one growth;
+    * a step larger than the experts at that point: a step copies the top-k experts by validation
+      loss (the paper's LM setup: "copy the expert weights and gating network weights
+      corresponding to the top-k experts incurring the largest loss"), so k experts
+      need k to choose from; ``grow_experts`` would copy fewer.
+    ``experts``: experts per MoE block before the first growth."""
+    if not grow_experts.strip():
+        return
+    plan = parse_growth_plan(grow_experts, grow_at_stages, num_stages)
+    if not plan:
+        raise UsageError(f"--grow-experts {grow_experts} has no stage to grow at: the stream trains "
+                         f"{num_stages} stage(s) and experts grow at the start of stage 2 or later; "
+                         f"lower --wait, or drop --grow-experts")
+    stages = [int(s) for s in grow_at_stages.split(",")] if grow_at_stages.strip() else sorted(plan)
+    if any(later <= earlier for earlier, later in zip(stages, stages[1:])):
+        raise UsageError(f"--grow-at-stages {grow_at_stages} must list each stage once, in increasing "
+                         f"order (a repeated stage would grow once); give one stage per step, e.g. "
+                         f"--grow-at-stages 2,3")
+    for stage in stages:
+        k = plan[stage]
+        if k > experts:
+            raise UsageError(f"--grow-experts {grow_experts}: stage {stage} would copy {k} experts but "
+                             f"the model has {experts} then (a growth step copies the top-k experts "
+                             f"by validation loss); use k <= {experts} at that stage, or more --moe-experts")
+        experts += k

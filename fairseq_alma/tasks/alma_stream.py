@@ -178,6 +178,12 @@ class AlmaStreamTask(LanguageModelingTask):
                     f"(allocated: {layers[0].max_experts})")
         if not from_checkpoint:
             from ..fairseq_glue.stream_training import StreamTraining
+            from ..lm.growth import check_growth_schedule
+
+            # training only: a run already trained with such flags is still scored
+            layers = model.moe_layers() if hasattr(model, "moe_layers") else []
+            check_growth_schedule(self.cfg.grow_experts, self.cfg.grow_at_stages, self.plan.max_stages,
+                                  layers[0].num_experts if layers else 0)
 
             self.training = StreamTraining(self)
         return model
