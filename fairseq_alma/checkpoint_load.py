@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError
+from .errors import CheckpointError, first_line
 from .stream.run_view import checked_checkpoint, recovery_hint
 
 # Types beyond torch's weights_only defaults that fairseq or fairseq-alma put in checkpoints.
@@ -71,5 +71,5 @@ def unsafe_type(err: BaseException) -> str:
 
 
 def _unreadable(path: Path, err: BaseException) -> CheckpointError:
-    reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
+    reason = first_line(err)
     return CheckpointError(f"{path}: not a readable checkpoint ({reason}); {recovery_hint(path)}")

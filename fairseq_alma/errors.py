@@ -64,3 +64,14 @@ def require(condition: bool, message: str) -> None:
     """Raise ``UsageError(message)`` unless ``condition`` holds."""
     if not condition:
         raise UsageError(message)
+
+
+def first_line(err: BaseException, limit: int = 160) -> str:
+    """The first line of ``err``'s message (its type name when empty), cut at a word boundary
+    with "..." when longer than ``limit``: one-line errors quote library exceptions whose
+    messages run to paragraphs, and a quote cut mid-word reads as a garbled message."""
+    line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    if len(line) <= limit:
+        return line
+    cut = line[:limit].rsplit(" ", 1)[0] if " " in line[:limit] else line[:limit]
+    return cut.rstrip(" ,;:(") + "..."

@@ -67,3 +67,13 @@ def test_the_console_commands_refuse_it_in_one_line(reference_run, stream_dir, t
         assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
         assert "checkpoint_stage1.pt: holds a io.open" in errors[0]
         assert "Traceback" not in proc.stderr and not marker.exists()
+
+
+def test_a_quoted_library_message_is_cut_at_a_word_not_mid_word():
+    from fairseq_alma.errors import first_line
+
+    long = RuntimeError("Weights only load failed. " + "please torch.save your checkpoint again " * 8 + "\nnext")
+    quoted = first_line(long)
+    assert quoted.endswith("...") and len(quoted) <= 163 and quoted[:-3].split()[-1] in long.args[0].split()
+    assert first_line(RuntimeError("short\nsecond line")) == "short"
+    assert first_line(EOFError()) == "EOFError"

@@ -55,7 +55,7 @@ import warnings
 import zipfile
 from typing import Any
 
-from ..errors import AlmaError, CheckpointError, Preempted, StreamFinished
+from ..errors import AlmaError, CheckpointError, Preempted, StreamFinished, first_line
 from ..stream.run_dir import LAST_CHECKPOINT
 
 logger = logging.getLogger(__name__)
@@ -507,7 +507,7 @@ _UNREADABLE = (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFil
 def _unreadable(path: str, err: BaseException) -> CheckpointError:
     from ..stream.run_view import recovery_hint
 
-    reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
+    reason = first_line(err)
     return CheckpointError(f"{path}: not a readable checkpoint ({reason}); {recovery_hint(path)}")
 
 

@@ -33,7 +33,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from ..errors import UsageError
+from ..errors import UsageError, first_line
 from .expert_padded import buffer_rows, padded_experts
 from .router_kernel import route_tokens
 
@@ -90,7 +90,7 @@ def compiled_route_and_run(*args: object) -> tuple[Tensor, Tensor, Optional[Tens
         return _compiled()(*args)
     except torch._dynamo.exc.TorchDynamoException as err:
         cause = getattr(err, "inner_exception", None) or err  # inductor's failure, not dynamo's wrapper
-        reason = f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0][:200]}"
+        reason = f"{type(cause).__name__}: {first_line(cause, 200)}"
         raise UsageError(f"--moe-expert-kernel compiled: torch {torch.__version__} could not compile the "
                          f"Switch layer ({reason}); use --moe-expert-kernel batched "
                          f"(the same results, uncompiled)") from err
