@@ -76,9 +76,15 @@ def test_batch_prioritized_routing_flag_reaches_every_switch_block():
 
 
 def test_active_parameters_count_only_active_slots():
+    """A model with slots pre-allocated for growth counts as the same model without them: its
+    free slots' experts and router rows are allocated, not active."""
     model = build("switch_transformer_lm_tiny", 100, moe_experts=2, moe_max_experts=6)
     counts = model.parameter_counts()
-    assert counts["allocated"] - counts["active"] == 4 * counts["per_expert"]
+    plain = build("switch_transformer_lm_tiny", 100, moe_experts=2).parameter_counts()
+    assert counts["active"] == plain["active"] == plain["allocated"]
+    assert counts["shared"] == plain["shared"] and counts["per_expert"] == plain["per_expert"]
+    router_rows = 4 * model.moe_layers()[0].router.weight.shape[1]
+    assert counts["allocated"] - counts["active"] == 4 * counts["per_expert"] + router_rows
 
 
 def test_criterion_reports_cross_entropy_and_adds_balance_loss():

@@ -140,7 +140,8 @@ def test_aux_outputs_moe_layers_and_parameter_counts_cover_every_member():
         assert counts[key] == 3 * one[key], key
     assert counts["experts"] == 2 and counts["members"] == 3
     assert counts["allocated"] == sum(p.numel() for p in umix.parameters())
-    assert counts["allocated"] - counts["active"] == 3 * (5 - 2) * one["per_expert"]
+    router_row = sum(layer.router.weight.shape[1] for layer in member.moe_layers())  # per slot
+    assert counts["allocated"] - counts["active"] == 3 * (5 - 2) * (one["per_expert"] + router_row)
 
 
 def test_incremental_decoding_matches_the_full_forward():

@@ -332,12 +332,16 @@ class SwitchTransformerLanguageModel(FairseqLanguageModel):
         return self.decoder.moe_layers()
 
     def parameter_counts(self) -> Dict[str, int]:
-        """Shared, per-expert and active parameter counts (|θ_t| counts active experts only)."""
+        """Shared, per-expert and active parameter counts (|θ_t| counts active experts only, and
+        only their router rows); ``allocated`` is every parameter, growth's free slots included."""
         total = sum(p.numel() for p in self.parameters())
         moe = self.moe_layers()
         # with expert parallelism a rank holds only its shard of the slots (local_slots)
         expert_slots = sum(getattr(layer, "local_slots", layer.max_experts) * layer.expert_parameter_count() for layer in moe)
-        shared = total - expert_slots
+        # the router's rows of slots pre-allocated for growth score no token yet: not part of
+        # the model of num_experts experts, as those slots' experts are not
+        unused_router_rows = sum((layer.max_experts - layer.num_experts) * layer.router.weight.shape[1] for layer in moe)
+        shared = total - expert_slots - unused_router_rows
         per_expert = sum(layer.expert_parameter_count() for layer in moe)
         active_experts = sum(layer.num_experts * layer.expert_parameter_count() for layer in moe)
         return {
