@@ -11,6 +11,8 @@ the flag, the path and what to give instead.
 from __future__ import annotations
 
 import os
+import tempfile
+from collections.abc import Sequence
 
 from .errors import AlmaError, UsageError
 
@@ -40,3 +42,39 @@ def check_file_path(path: str | os.PathLike, flag: str) -> None:
         raise UsageError(f"{flag} {given}: is a directory; give the path of a file to write")
     folder = os.path.dirname(os.path.abspath(given))
     check_dir_path(folder, f"{flag} {given}: its folder")
+
+
+def check_output_files(outputs: Sequence[tuple[str, str | os.PathLike | None]],
+                       inputs: Sequence[str | os.PathLike], what: str = "run directory") -> None:
+    """Refuse, before any work, the files a command is asked to write (``(flag, path)``, path
+    None: not asked) when one would replace an input or another output: a path inside one of
+    the ``inputs`` directories (``--json RUN/stream.jsonl`` would destroy the run it reports),
+    the same path given to two flags (the second write would replace the first), or a folder
+    that cannot be written (found otherwise only after the work, naming a temporary file).
+    Each path is also checked as ``check_file_path`` does."""
+    taken: dict[str, str] = {}
+    roots = [os.path.realpath(path) for path in inputs]
+    for flag, path in outputs:
+        if not path:
+            continue
+        given = os.fspath(path)
+        check_file_path(given, flag)
+        real = os.path.realpath(given)
+        for root, name in zip(roots, inputs, strict=True):
+            if real == root or real.startswith(root.rstrip(os.sep) + os.sep):
+                raise UsageError(f"{flag} {given}: inside the {what} {os.fspath(name)}, whose "
+                                 f"files it would replace; write it outside the {what}")
+        if real in taken:
+            raise UsageError(f"{flag} {given}: also given to {taken[real]}; give each output "
+                             f"its own path")
+        taken[real] = flag
+        folder = os.path.dirname(real)
+        while not os.path.exists(folder):  # the nearest folder that exists is where it is made
+            folder = os.path.dirname(folder)
+        try:  # a probe, not os.access: root passes os.access on a folder it cannot write in
+            handle, probe = tempfile.mkstemp(dir=folder, prefix=".write-probe-")
+            os.close(handle)
+            os.unlink(probe)
+        except OSError as err:
+            raise UsageError(f"{flag} {given}: cannot write in {folder} ({err.strerror}); give "
+                             f"a path in a writable folder") from None

@@ -203,11 +203,18 @@ def test_report_draws_heatmap_and_summary_over_seeds(stream, tmp_path, capsys):
 @pytest.mark.slow
 def test_refusals_are_one_line(stream, capsys):
     capsys.readouterr()
+    from fairseq_alma.errors import DataError
+    from fairseq_alma.lm.score_matrix import check_period_splits
+
+    # plain is another stream (its mega-batches keep the documents w2's data holds out as
+    # periods): refused as data w2 was not trained on, before the period splits are looked for
     code = score_cli.main([str(stream / "w2"), "--matrix", "--cpu", "--data", str(stream / "plain")])
     err = capsys.readouterr().err
     assert code == 2
     assert err.startswith("alma-score: error: ") and len(err.strip().splitlines()) == 1, err
-    assert str(stream / "plain") in err and "alma-data-prep --eval-per-megabatch SIZE" in err
+    assert str(stream / "plain") in err and "score it on the stream it was trained on" in err
+    with pytest.raises(DataError, match="alma-data-prep --eval-per-megabatch SIZE"):
+        check_period_splits(str(stream / "plain"), 3)  # a run trained on plain asking --matrix
     for flags in (["--mode", "ens", str(stream / "w1_s2")], ["--from-log"]):
         assert score_cli.main([str(stream / "w1_s1"), "--matrix", "--cpu", *flags]) == 2
         err = capsys.readouterr().err

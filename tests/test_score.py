@@ -271,8 +271,36 @@ def _without(stream: Path, tmp_path: Path, run_name: str, drop: str = "",
     return copy
 
 
+def _swapped_stages(stream: Path, tmp_path: Path) -> Path:
+    """A copy of the scratch run with checkpoint_stage1.pt and checkpoint_stage2.pt swapped."""
+    copy = _without(stream, tmp_path, "scratch")
+    one, two = copy / "checkpoint_stage1.pt", copy / "checkpoint_stage2.pt"
+    one.rename(copy / "swap.pt")
+    two.rename(one)
+    (copy / "swap.pt").rename(two)
+    return copy
+
+
+def _rebuilt_data(stream: Path, tmp_path: Path) -> Path:
+    """A copy of the stream whose evaluation split is another (as another --eval-size makes)."""
+    data = tmp_path / "rebuilt"
+    shutil.copytree(stream / "data", data)
+    manifest = json.loads((data / "manifest.json").read_text())
+    manifest["splits"]["eval"]["documents"] += 1
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    return data
+
+
 @pytest.mark.parametrize("case, needle", [
     ("no_log", "stream.jsonl: missing"),
+    ("swapped_stages", "checkpoint_stage1.pt: holds the model of stage 2, not of stage 1"),
+    ("other_data", "was trained with other data (splits differ) than"),
+    ("ens_copies", "have the same fingerprint and seed (1)"),
+    ("from_log_data", "drop --data or --from-log"),
+    ("json_in_run", "stream.jsonl: inside the run directory"),
+    ("csv_in_run", "run.json: inside the run directory"),
+    ("same_output", "--csv {tmp}/o.json: also given to --json"),
+    ("unwritable_output", "--json /proc/o.json: cannot write in /proc"),
     ("gens_continue", "--stage-init scratch"),
     ("ens_other_b", "has B = 2 mega-batches but"),
     ("missing_checkpoint", "checkpoint_stage1.pt: missing (stage 1, trained at arrival 2)"),
@@ -289,11 +317,63 @@ def test_bad_input_is_one_line(stream, tmp_path, capsys, case, needle):
                                                 drop="checkpoint_stage1.pt")],
         "unfinished": lambda: [_without(stream, tmp_path, "scratch", keep_records=3)],
         "from_log_ens": lambda: [stream / "ens1", stream / "ens2", "--mode", "ens", "--from-log"],
+        "swapped_stages": lambda: [_swapped_stages(stream, tmp_path)],
+        "other_data": lambda: [stream / "ens1", "--data", _rebuilt_data(stream, tmp_path)],
+        "ens_copies": lambda: [stream / "ens1", _without(stream, tmp_path, "ens1"), "--mode", "ens"],
+        "from_log_data": lambda: [stream / "ens1", "--from-log", "--data", stream / "data"],
+        "json_in_run": lambda: [stream / "ens1", "--from-log", "--json", stream / "ens1/stream.jsonl"],
+        "csv_in_run": lambda: [stream / "ens1", "--from-log", "--csv", stream / "ens1/run.json"],
+        "same_output": lambda: [stream / "ens1", "--from-log", "--json", tmp_path / "o.json",
+                                "--csv", tmp_path / "o.json"],
+        "unwritable_output": lambda: [stream / "ens1", "--from-log", "--json", "/proc/o.json"],
     }[case]()
+    before = _snapshot(stream / "ens1")
     code, out, err = _score(capsys, *argv)
     lines = err.strip().splitlines()
     assert code == 2 and out == "" and len(lines) == 1, err
-    assert lines[0].startswith("alma-score: error:") and needle in lines[0]
+    assert lines[0].startswith("alma-score: error:")
+    assert needle.format(tmp=tmp_path) in lines[0], lines[0]
+    assert _snapshot(stream / "ens1") == before  # nothing of the run overwritten
+
+
+def test_ens_members_differ_only_by_seed():
+    """Ens members share run.json's fingerprint but the seed (alma-report's rule); execution
+    settings (the expert kernel) may differ.  Unit level: no checkpoint is read."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from fairseq_alma.errors import UsageError
+    from fairseq_alma.scoring.runs import _check_ens_seeds
+
+    def member(name: str, seed: int, updates: int = 4, kernel: str = "loop") -> SimpleNamespace:
+        config = {"common": {"seed": seed}, "task": {"updates_per_stage": updates},
+                  "model": {"moe_expert_kernel": kernel}}
+        return SimpleNamespace(path=Path(name), cfg=OmegaConf.create({"common": {"seed": seed}}),
+                               fingerprint={"config": config, "data": {"seed": 1}})
+
+    _check_ens_seeds([member("a", 1), member("b", 2, kernel="grouped")])  # accepted
+    with pytest.raises(UsageError, match=r"--mode ens: b differs from a in more than the seed "
+                                         r"\(config.task.updates_per_stage: 4 -> 8\)"):
+        _check_ens_seeds([member("a", 1), member("b", 2, updates=8)])
+    with pytest.raises(UsageError, match=r"a and b have the same fingerprint and seed \(1\)"):
+        _check_ens_seeds([member("a", 1), member("b", 1)])
+    legacy = SimpleNamespace(path=Path("old"), cfg=OmegaConf.create({"common": {"seed": 3}}),
+                             fingerprint=None)  # fairseq-alma 0.1: only the seeds are compared
+    _check_ens_seeds([member("a", 1), legacy])
+
+
+def test_data_copied_elsewhere_scores_with_data(stream, tmp_path, capsys):
+    """The data check compares what the stream is, not where: a copy of the run's stream
+    passed with --data scores as the original does."""
+    copy = tmp_path / "copy"
+    shutil.copytree(stream / "data", copy)
+    flags = ["--max-eval-tokens", "64"]
+    code, original, err = _score(capsys, stream / "ens1", *flags)
+    assert code == 0, err
+    code, copied, err = _score(capsys, stream / "ens1", *flags, "--data", copy)
+    assert code == 0, err
+    assert copied == original
 
 
 def test_unknown_mode_is_one_line(capsys):

@@ -33,13 +33,15 @@ import warnings
 
 from ..console import OneLineArgumentParser, run_console
 from ..lm.score_distributed import world_from_env
-from ..out_paths import check_file_path
+from ..out_paths import check_output_files
 from ..report.inputs import expand_run_dirs
 from ..scoring import LOGGER_NAME
 from ..scoring.flags import SCORE_FLAGS
 from ..scoring.outputs import cannot_write, results_text, write_results
 from ..scoring.request import ScoreRequest
 from ..scoring.score import score
+
+OUTPUT_FLAGS = ("json", "csv", "plot")  # every file alma-score writes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,9 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         world = world_from_env()  # an incomplete torchrun/srun environment: one line
         _configure_logging(world.is_main)
         request = request_from_args(args, expand_run_dirs(args.run_dirs))
-        for flag in ("json", "csv", "plot"):  # refused now, not after the scoring they record
-            if getattr(args, flag):
-                check_file_path(getattr(args, flag), f"--{flag}")
+        # refused now, not after the scoring they record; never onto a run's own files
+        check_output_files([(f"--{flag}", getattr(args, flag)) for flag in OUTPUT_FLAGS],
+                           request.run_dirs)
         results = score(request, world)
         if world.is_main:
             try:

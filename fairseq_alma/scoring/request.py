@@ -50,8 +50,9 @@ class ScoreRequest:
                 raise UsageError(f"--from-log works with --mode single only: --mode {self.mode} "
                                  f"averages the members' token probabilities, which needs "
                                  f"evaluation")
-            given = [f for f in ("batch_size", "tokens_per_sample", "subset", "max_eval_tokens",
-                                 "fp16") if getattr(self, f)]
+            # --data too: the logged metric is of the run's own stream, whatever --data says
+            given = [f for f in ("data", "batch_size", "tokens_per_sample", "subset",
+                                 "max_eval_tokens", "fp16") if getattr(self, f)]
             if given:
                 raise UsageError(f"--from-log reuses the run's own evaluation; drop "
                                  f"--{given[0].replace('_', '-')} or --from-log")

@@ -107,12 +107,20 @@ def load_run(run_dir: str, data: str | None, from_log: bool) -> StreamRun:
             raise RunDirError(f"{ckpt} belongs to another run than {view.run_file} (a "
                               f"restarted or mixed --save-dir); train this stream again with "
                               f"--restart-stream, or score the run it came from")
+        # The file name alone says which arrivals a checkpoint answers: a renamed or swapped
+        # file would score silently under another stage's column.
+        if alma.get("stage") is not None and int(alma["stage"]) != stage:
+            raise RunDirError(f"{ckpt}: holds the model of stage {alma['stage']}, not of stage "
+                              f"{stage} as its name says (renamed or swapped); rename it back to "
+                              f"{view.stage_checkpoint(int(alma['stage'])).name}")
         run.dictionaries[stage] = alma.get("dictionary")
     state = _read_checkpoint(run.checkpoints[run.stages[-1]])
     run.cfg = OmegaConf.create(state["cfg"])
     counts = [int(v) for k, v in state["model"].items() if k.endswith("num_active")]
     run.experts = max(counts) if counts else run.cfg.model.get("moe_experts")
     _check_complete(view, data or run.cfg.task.data, from_log)
+    if not from_log:  # --from-log reads the logged metric of the run's own data, not this one
+        _check_same_data(view, data or run.cfg.task.data)
     return run
 
 
@@ -129,6 +137,9 @@ def _check_complete(view: RunView, data: str, from_log: bool) -> None:
     B is the data's (the stream it is scored on), else the run's fingerprint's."""
     from fairseq_alma.stream.manifest import load_manifest
 
+    if from_log and view.num_megabatches is not None:  # the logged metric is of its own stream
+        view.require_finished(view.num_megabatches)
+        return
     try:
         b = int(load_manifest(data.split(os.pathsep)[0])["num_megabatches"])
     except DataError as err:
@@ -139,6 +150,36 @@ def _check_complete(view: RunView, data: str, from_log: bool) -> None:
             raise UsageError(f"{err} (the data of {view.path}; point --data at it)") from None
         b = view.num_megabatches
     view.require_finished(b)
+
+
+def _check_same_data(view: RunView, data: str) -> None:
+    """Refuse to score on a stream other than the one the run trained on: a stream rebuilt in
+    place (another --eval-size moves training documents into the evaluation split) or a relative
+    cfg.task.data resolved from another directory would give numbers on the wrong data.  The
+    identity is training's own (``data_identity``, in run.json's fingerprint), which leaves out
+    where the stream lives, so a copy elsewhere passed with --data is accepted.  A run without
+    that record (0.1: no run.json, or a fingerprint without ``data``) cannot be checked."""
+    from fairseq_alma.stream.manifest import data_identity, load_manifest
+
+    recorded = (view.fingerprint or {}).get("data")
+    if not isinstance(recorded, dict):
+        # debug, not warning: a refusal about another file must stay one line on stderr
+        logger.debug("%s records no data identity; cannot check that %s is its stream",
+                     view.path, data)
+        return
+    directory = data.split(os.pathsep)[0]
+    try:
+        current = data_identity(load_manifest(directory))
+    except DataError as err:
+        raise UsageError(f"{err} (the data of {view.path}; point --data at it)") from None
+    # keys the recorded identity lacks were added to it later (e.g. ``tokenizer``): not compared
+    differing = [key for key in recorded if recorded[key] != current.get(key)]
+    if differing:  # the dictionary first: the reason the task itself gives for that case
+        what = ("another dictionary" if "dictionary" in differing else
+                f"other data ({', '.join(differing)} differ)")
+        raise UsageError(f"{view.path} was trained with {what} than {directory} (the data "
+                         f"identity in {view.run_file}); score it on the stream it was trained "
+                         f"on, or point --data at it")
 
 
 def check_members(runs: list[StreamRun], mode: str) -> None:
@@ -168,3 +209,36 @@ def check_members(runs: list[StreamRun], mode: str) -> None:
         if [r.trained for r in run.records] != [r.trained for r in first.records]:
             raise UsageError(f"--mode ens: {run.path} trains at other arrivals than {first.path} "
                              f"(--wait differs); members must share the stream settings")
+    _check_ens_seeds(runs)
+
+
+def _check_ens_seeds(runs: list[StreamRun]) -> None:
+    """Ens members are one setting trained with different seeds (alma-report's rule,
+    ``report/seeds.py``): a member trained otherwise is another model, and a copy (same
+    fingerprint and seed) would count its compute twice for one model's perplexity.  Settings
+    that change how a run computes, not what (``EXECUTION_SETTINGS``), may differ."""
+    from ..report.seeds import SEED_KEYS, without_keys
+    from ..stream.run_dir import fingerprint_differences, without_execution_settings
+
+    def settings(run: StreamRun) -> dict | None:
+        if run.fingerprint is None:  # fairseq-alma 0.1: no run.json to compare
+            return None
+        return without_keys(without_execution_settings(run.fingerprint), SEED_KEYS)
+
+    first = runs[0]
+    seen: dict[Any, StreamRun] = {}
+    for run in runs:
+        if run is not first and None not in (settings(run), settings(first)):
+            changed = fingerprint_differences(settings(first), settings(run))
+            if changed:
+                shown = "; ".join(changed[:3]) + (f"; and {len(changed) - 3} more"
+                                                  if len(changed) > 3 else "")
+                raise UsageError(f"--mode ens: {run.path} differs from {first.path} in more "
+                                 f"than the seed ({shown}); members must share every training "
+                                 f"setting but --seed")
+        seed = run.cfg.common.get("seed")
+        if seed in seen:
+            raise UsageError(f"--mode ens: {seen[seed].path} and {run.path} have the same "
+                             f"fingerprint and seed ({seed}): the same run given twice, or "
+                             f"copies; pass members trained with distinct --seed")
+        seen[seed] = run
