@@ -174,9 +174,10 @@ class RunView:
             if record.trained:
                 path = self.stage_checkpoint(record.stage)
                 if not path.is_file():
+                    # training cannot make it again once later stages trained from it (the
+                    # same command finds the run finished): what is left is a copy or a retrain
                     raise UsageError(f"{path}: missing (stage {record.stage}, trained at arrival "
-                                     f"{record.arrival}); run the training command again to "
-                                     f"restore it")
+                                     f"{record.arrival}); {recovery_hint(path)}")
                 found[record.stage] = path
         return found
 
