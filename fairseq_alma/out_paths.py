@@ -68,13 +68,21 @@ def check_output_files(outputs: Sequence[tuple[str, str | os.PathLike | None]],
             raise UsageError(f"{flag} {given}: also given to {taken[real]}; give each output "
                              f"its own path")
         taken[real] = flag
-        folder = os.path.dirname(real)
-        while not os.path.exists(folder):  # the nearest folder that exists is where it is made
-            folder = os.path.dirname(folder)
-        try:  # a probe, not os.access: root passes os.access on a folder it cannot write in
-            handle, probe = tempfile.mkstemp(dir=folder, prefix=".write-probe-")
-            os.close(handle)
-            os.unlink(probe)
-        except OSError as err:
-            raise UsageError(f"{flag} {given}: cannot write in {folder} ({err.strerror}); give "
-                             f"a path in a writable folder") from None
+        check_writable(os.path.dirname(real), f"{flag} {given}")
+
+
+def check_writable(folder: str | os.PathLike, what: str, error: type[AlmaError] = UsageError) -> None:
+    """Refuse ``folder`` (or, when it does not exist yet, the nearest folder above it, where
+    it would be made) unless a file can be written in it: a read-only mount or a folder of
+    another user fails here, in one line, not after the work or inside a library's traceback.
+    A probe file, not ``os.access``: root passes ``os.access`` on a read-only file system."""
+    folder = os.path.realpath(folder)
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    try:
+        handle, probe = tempfile.mkstemp(dir=folder, prefix=".write-probe-")
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as err:
+        raise error(f"{what}: cannot write in {folder} ({err.strerror}); give a path in a "
+                    f"writable folder") from None

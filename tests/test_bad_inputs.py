@@ -231,6 +231,8 @@ LM_CASES = [
     Case("max-epoch negative", lambda c: (lm(c, c.data, c.tmp / "r", "--max-epoch", "-1"), []), r"--max-epoch must be >= 0 \(got -1\)"),
     Case("save-dir is a file", lambda c: (lm(c, c.data, c.tmp / "x.txt"), [c.tmp / "x.txt"]), r"--save-dir .*x.txt: exists and is not a directory"),
     Case("save-dir under a file", lambda c: (lm(c, c.data, c.tmp / "x.txt" / "r"), [c.tmp / "x.txt"]), r"--save-dir .*x.txt/r: .*x.txt is a file"),
+    Case("save-dir not writable", lambda c: (lm(c, c.data, Path("/proc/alma-run")), []),
+         r"--save-dir /proc/alma-run: cannot write in /proc .*give a path in a writable folder"),
     Case("eval subset missing", lambda c: (lm(c, c.data, c.tmp / "r", "--eval-subset", "test"), []), r"--eval-subset test: .*test.bin.* missing"),
     Case("checkpoint of another architecture", lambda c: (lm(c, c.data, _last_only(c), "--decoder-layers", "4"), [c.tmp / "r"]),
          r"checkpoint_last.pt holds another model \(model.decoder_layers: 2 -> 4\); move it aside"),

@@ -17,7 +17,7 @@ import os
 from typing import Any
 
 from ..errors import REQUEUE_EXIT_STATUS, CheckpointError, UsageError
-from ..out_paths import check_dir_path
+from ..out_paths import check_dir_path, check_writable
 from .config import given, section
 
 # flag -> (section, key): sizes that must be >= 1 when given (None: fairseq's default)
@@ -37,6 +37,7 @@ def check_run_inputs(cfg: Any) -> None:
     save_dir = given(cfg, "checkpoint", "save_dir")
     if save_dir:
         check_dir_path(save_dir, "--save-dir")
+        check_writable(save_dir, f"--save-dir {save_dir}")  # fairseq's own probe is a traceback
     for flag, (section_name, key) in SIZES.items():
         value = given(cfg, section_name, key)
         if value is not None and value < 1:
