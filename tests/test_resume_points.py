@@ -21,6 +21,7 @@ wraps the named fairseq / fairseq-alma function to print a marker and sleep 3 s 
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import subprocess
 import threading
@@ -29,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from forked_commands import ForkedCommands
 from lm_fixtures import RESUMABLE, assert_same_stream, stream_cmd
 
 from fairseq_alma.errors import REQUEUE_EXIT_STATUS
@@ -136,25 +138,39 @@ def _interrupt(cmd: list[str], save: Path, hooks: Path, point: tuple, how: signa
 
 
 def _interrupt_then_finish(stream_dir: Path, reference: Path, hooks: Path, tmp: Path,
-                           point: tuple, how: signal.Signals) -> None:
+                           point: tuple, how: signal.Signals, servers: queue.Queue) -> None:
+    """Interrupt a fresh process at ``point``, then finish with the same command in a fork
+    server's child (a real process forked after fairseq's ~7 s of imports: conftest
+    ``forked``), whose stream must equal the fresh uninterrupted reference run's."""
     save = tmp / f"run-{point[2]}-{how.name}"
     cmd = stream_cmd(stream_dir, save, *RESUMABLE)
     _interrupt(cmd, save, hooks, point, how, tmp)
-    subprocess.run(cmd, check=True, capture_output=True, timeout=600,
-                   env={**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+    server = servers.get()
+    try:
+        finished = server.run(cmd, cwd=Path.cwd(), timeout=600)
+    finally:
+        servers.put(server)
+    assert finished.returncode == 0, f"{point[0]}: {finished.stderr[-3000:]}"
     assert not list(save.glob("*.tmp*")) and not list(save.glob(".*.tmp")), point[0]
     assert_same_stream(save, reference)
 
 
 @pytest.mark.slow
 def test_interrupted_at_six_points_ends_like_an_uninterrupted_run(stream_dir, reference_run,
-                                                                   tmp_path):
+                                                                   tmp_path, forked):
     hooks = tmp_path / "hooks"
     hooks.mkdir()
     (hooks / "sitecustomize.py").write_text(PAUSE_HOOK)
     jobs = [(point, how) for point in POINTS for how in (signal.SIGKILL, signal.SIGTERM)]
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = [pool.submit(_interrupt_then_finish, stream_dir, reference_run[0], hooks,
-                               tmp_path, point, how) for point, how in jobs]
-        for future in futures:
-            future.result()
+    second = ForkedCommands({**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+    servers: queue.Queue = queue.Queue()
+    for server in (forked, second):  # one call at a time each: one per worker thread
+        servers.put(server)
+    try:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            futures = [pool.submit(_interrupt_then_finish, stream_dir, reference_run[0], hooks,
+                                   tmp_path, point, how, servers) for point, how in jobs]
+            for future in futures:
+                future.result()
+    finally:
+        second.close()
