@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import pickle
 import re
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,12 +55,12 @@ def load_checkpoint(path: str | os.PathLike, mmap: bool = False) -> Any:
             return torch.load(path, map_location="cpu", mmap=mmap, weights_only=not trusted())
     except pickle.UnpicklingError as err:
         if "weights_only" not in str(err) and "Unsupported global" not in str(err):
-            raise _unreadable(path, err) from None
+            raise unreadable(path, err) from None
         raise CheckpointError(f"{path}: holds {unsafe_type(err)}, which fairseq-alma's checkpoints "
                               f"never hold; loading it would run code from the file: load it only "
                               f"if you trust where it came from ({TRUST_FLAG})") from None
     except Exception as err:  # noqa: BLE001 - any unreadable file gets the same one line
-        raise _unreadable(path, err) from None
+        raise unreadable(path, err) from None
 
 
 def unsafe_type(err: BaseException) -> str:
@@ -70,6 +69,8 @@ def unsafe_type(err: BaseException) -> str:
     return f"a {found.group(1)}" if found else "a type outside the allowlist"
 
 
-def _unreadable(path: Path, err: BaseException) -> CheckpointError:
+def unreadable(path: str | os.PathLike, err: BaseException) -> CheckpointError:
+    """The one line for a checkpoint torch cannot read: the file, torch's reason, the way back
+    (also fairseq's own loader's, ``fairseq_glue/patches.install_checkpoint_errors``)."""
     reason = first_line(err)
     return CheckpointError(f"{path}: not a readable checkpoint ({reason}); {recovery_hint(path)}")

@@ -55,7 +55,7 @@ import warnings
 import zipfile
 from typing import Any
 
-from ..errors import AlmaError, CheckpointError, Preempted, StreamFinished, first_line
+from ..errors import AlmaError, CheckpointError, Preempted, StreamFinished
 from ..stream.run_dir import LAST_CHECKPOINT
 
 logger = logging.getLogger(__name__)
@@ -504,13 +504,6 @@ _UNREADABLE = (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFil
                KeyError, IndexError, AttributeError)
 
 
-def _unreadable(path: str, err: BaseException) -> CheckpointError:
-    from ..stream.run_view import recovery_hint
-
-    reason = first_line(err)
-    return CheckpointError(f"{path}: not a readable checkpoint ({reason}); {recovery_hint(path)}")
-
-
 def install_checkpoint_errors() -> None:
     """``checkpoint_utils.load_checkpoint_to_cpu``: a file torch cannot read, or whose records
     fail their CRC check, raises a one-line ``CheckpointError`` naming it and the way out.
@@ -528,7 +521,7 @@ def install_checkpoint_errors() -> None:
 
     def load_checkpoint_to_cpu(path: str, arg_overrides: Any = None,
                                load_on_all_ranks: bool = False) -> Any:
-        from ..checkpoint_load import TRUST_FLAG, unsafe_type
+        from ..checkpoint_load import TRUST_FLAG, unreadable, unsafe_type
         from ..stream.run_view import checked_checkpoint
 
         checked_checkpoint(path)
@@ -540,9 +533,9 @@ def install_checkpoint_errors() -> None:
                                       f"checkpoints never hold; loading it would run code from the "
                                       f"file: load it only if you trust where it came from "
                                       f"({TRUST_FLAG})") from None
-            raise _unreadable(path, err) from None
+            raise unreadable(path, err) from None
         except _UNREADABLE as err:
-            raise _unreadable(path, err) from None
+            raise unreadable(path, err) from None
 
     checkpoint_utils.load_checkpoint_to_cpu = _mark(load_checkpoint_to_cpu)
 
