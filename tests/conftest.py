@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 REPO = Path(__file__).resolve().parent.parent
 
-from lm_fixtures import RESUMABLE, prepare_stream, preprocess_lm, run, stream_cmd  # noqa: E402
+from lm_fixtures import RESUMABLE, fork_server, prepare_stream, preprocess_lm, run, stream_cmd  # noqa: E402
 
 NO_CUDA = "needs a CUDA GPU; none is visible to torch here"
 
@@ -53,19 +53,17 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # no
 
 @pytest.fixture(scope="session")
 def forked():
-    """A fork server for console scripts (``forked_commands``), one per test worker: for the
-    many calls that fail in a second after seconds of imports (one-line error cases)."""
-    from forked_commands import ForkedCommands
-
-    server = ForkedCommands({**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
-    yield server
-    server.close()
+    """The fork server for fairseq-train (``lm_fixtures.fork_server``), one per test worker:
+    for calls that need its ``run`` directly (extra environment variables, stdout and stderr
+    apart)."""
+    return fork_server("fairseq-train")
 
 
-@pytest.fixture
-def forked_prep(forked):
-    """``alma-data-prep ARGS`` run in the fork server (``forked``), as a CompletedProcess."""
-    return lambda *args: forked.run(["alma-data-prep", *args], cwd=Path.cwd(), timeout=300)
+@pytest.fixture(scope="session")
+def forked_prep():
+    """``alma-data-prep ARGS`` run in the fork server of our scripts, as a CompletedProcess."""
+    server = fork_server("alma-data-prep")
+    return lambda *args: server.run(["alma-data-prep", *args], cwd=Path.cwd(), timeout=300)
 
 
 @pytest.fixture(scope="session")

@@ -46,6 +46,8 @@ def _child(request: dict) -> None:
             os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
         sys.stdout = sys.__stdout__  # the server points it at stderr (its fd 1 is the reply channel)
         os.chdir(request["cwd"])
+        if request.get("whole_env"):  # the caller's complete environment, as subprocess.run(env=...)
+            os.environ.clear()
         os.environ.update(request["env"])
         sys.argv = list(request["argv"])
         name = os.path.basename(sys.argv[0])
@@ -80,12 +82,13 @@ def _wait(pid: int, timeout: float) -> int:
         time.sleep(0.02)
 
 
-def serve() -> None:
-    """Import once, then fork one child per request and reply with its exit status."""
-    import fairseq  # noqa: F401 - imported here so that every child starts with it
-    import fairseq_cli.train  # noqa: F401
-    import torch  # noqa: F401
+def serve(preload: list[str]) -> None:
+    """Import ``preload`` once, in that order, then fork one child per request and reply with
+    its exit status."""
+    import importlib
 
+    for name in preload:  # in the order the scripts' own processes import them (ForkedCommands)
+        importlib.import_module(name)
     reply = sys.stdout
     sys.stdout = sys.stderr  # nothing else may write into the reply channel
     print(json.dumps({"ready": True}), file=reply, flush=True)
@@ -98,14 +101,27 @@ def serve() -> None:
         print(json.dumps({"status": status}), file=reply, flush=True)
 
 
+# What a server imports before forking, by the scripts it runs, in their own processes' order:
+# fairseq's scripts configure logging at the top of their module, before they import fairseq
+# (whose wav2vec2 module would otherwise set the root logger to DEBUG first); ours import
+# fairseq_alma, whose __init__ quiets fairseq's start-up before importing it.
+FAIRSEQ_SCRIPTS = ("fairseq_cli.train",)
+ALMA_SCRIPTS = ("fairseq_alma",)
+
+
 class ForkedCommands:
     """One server process; ``run`` is ``subprocess.run(argv, capture_output=True, text=True)``
-    for a console script of this environment.  One call at a time per instance."""
+    for a console script of this environment.  One call at a time per instance.
 
-    def __init__(self, env: dict[str, str]) -> None:
+    ``preload``: the modules the server imports (``FAIRSEQ_SCRIPTS`` for fairseq's own console
+    scripts, ``ALMA_SCRIPTS`` for ours): a child runs its script in a process that imported
+    what the script's own process would have imported first, in that order, so that what
+    import-time code sets (logging, warning filters) is what the script would have."""
+
+    def __init__(self, env: dict[str, str], preload: tuple[str, ...] = FAIRSEQ_SCRIPTS) -> None:
         self._env = env
         self._server = subprocess.Popen(
-            [sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [sys.executable, __file__, *preload], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL, text=True, env=env)
         ready = self._server.stdout.readline()
         if not ready:
@@ -113,10 +129,13 @@ class ForkedCommands:
         self._scratch = Path(tempfile.mkdtemp(prefix="forked_commands_"))
 
     def run(self, argv: list[str], cwd: Path, env: dict[str, str] | None = None,
-            timeout: float = 600) -> subprocess.CompletedProcess:
+            timeout: float = 600, whole_env: bool = False) -> subprocess.CompletedProcess:
+        """``env``: variables set on top of the server's environment, or with ``whole_env``
+        the child's whole environment (what torch and fairseq read at import keeps the
+        server's value)."""
         out, err = self._scratch / "stdout", self._scratch / "stderr"
         request = {"argv": argv, "cwd": str(cwd), "env": env or {}, "timeout": timeout,
-                   "stdout": str(out), "stderr": str(err)}
+                   "stdout": str(out), "stderr": str(err), "whole_env": whole_env}
         self._server.stdin.write(json.dumps(request) + "\n")
         self._server.stdin.flush()
         status = json.loads(self._server.stdout.readline())["status"]
@@ -129,4 +148,4 @@ class ForkedCommands:
 
 
 if __name__ == "__main__":
-    serve()
+    serve(sys.argv[1:])

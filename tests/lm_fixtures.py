@@ -6,13 +6,17 @@ to show a falling loss within a few dozen updates, and no download.
 
 from __future__ import annotations
 
+import atexit
 import os
 import random
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 VENV_BIN = Path(sys.executable).parent
+THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # CI's two cores, two test workers
 
 SUBJECTS = ["the model", "a learner", "the stream", "every expert", "the router", "our data", "a mega-batch"]
 VERBS = ["reads", "routes", "waits for", "learns from", "forgets", "predicts", "grows with"]
@@ -37,9 +41,53 @@ def tool(name: str) -> str:
     return str(VENV_BIN / name)
 
 
-def run(cmd: list[str], cwd: Path | None = None, check: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env, timeout=timeout)
+_SERVERS: dict[str, Any] = {}
+_SERVER_LOCK = threading.Lock()
+
+
+def fork_server(script: str = "alma-score") -> Any:
+    """This test process's fork server (``forked_commands``), started at its first use.
+
+    Why one for every ``run``: the suite runs several hundred console-script calls, and a
+    fresh interpreter spends about seven seconds of CPU importing torch and fairseq before each
+    (on CI's two cores, with two test workers, that was a third of ``make test``).  A child
+    forked from a process that already imported them is a real process all the same: its own
+    pid, exit status, stdout, stderr, cwd and environment, and ``--user-dir`` still imports
+    fairseq_alma in it.  fairseq's scripts (``fairseq-*``) and ours get a server each: each
+    imports first what the script's own process would (``forked_commands.ForkedCommands``)."""
+    from forked_commands import ALMA_SCRIPTS, FAIRSEQ_SCRIPTS, ForkedCommands
+
+    kind = "fairseq" if script.startswith("fairseq-") else "alma"
+    with _SERVER_LOCK:
+        if kind not in _SERVERS:
+            preload = FAIRSEQ_SCRIPTS if kind == "fairseq" else ALMA_SCRIPTS
+            _SERVERS[kind] = ForkedCommands({**os.environ, **THREADS}, preload)
+            atexit.register(_SERVERS[kind].close)
+        return _SERVERS[kind]
+
+
+def _console_script(cmd: list[str]) -> bool:
+    """Whether ``cmd`` runs one of this environment's console scripts (entry points)."""
+    from importlib.metadata import entry_points
+
+    path = Path(cmd[0])
+    return path.parent == VENV_BIN and bool(entry_points(group="console_scripts", name=path.name))
+
+
+def run(cmd: list[str], cwd: Path | None = None, check: bool = True, timeout: int = 600,
+        fresh: bool = False) -> subprocess.CompletedProcess:
+    """``cmd`` to completion, output captured; a console script of this environment runs in a
+    child of the fork server (``fork_server``) unless ``fresh`` asks for a new interpreter (for
+    what happens at import: start-up messages, import-time environment); ALMA_TESTS_FRESH=1 in
+    the environment makes every call fresh (to rule the fork server out of a failure)."""
+    env = {**os.environ, **THREADS, "PYTHONUNBUFFERED": "1"}
+    if not (fresh or os.environ.get("ALMA_TESTS_FRESH")) and _console_script(cmd):
+        server = fork_server(Path(cmd[0]).name)
+        with _SERVER_LOCK:  # one call at a time per server
+            proc = server.run(cmd, cwd=Path(cwd or os.getcwd()), env=env, timeout=timeout,
+                              whole_env=True)
+    else:
+        proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc

@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from slurm_cluster import slurm  # noqa: F401  (module-scoped cluster fixture)
@@ -44,10 +43,10 @@ def corpus(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def prep(forked):
-    """``alma-data-prep ARGS`` in the fork server (conftest ``forked``): these runs are ~1 s of
-    work after ~7 s of importing fairseq, so they skip the imports; the Slurm jobs do not."""
-    return lambda *args: forked.run(["alma-data-prep", *args], cwd=Path.cwd(), timeout=300)
+def prep(forked_prep):
+    """``alma-data-prep ARGS`` in the fork server (conftest ``forked_prep``): these runs are ~1 s
+    of work after ~7 s of importing fairseq, so they skip the imports; the Slurm jobs do not."""
+    return forked_prep
 
 
 @pytest.fixture(scope="module")
