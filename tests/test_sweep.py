@@ -13,6 +13,7 @@ import pytest
 from fairseq_alma.cli.sweep import main
 from fairseq_alma.errors import UsageError
 from fairseq_alma.stream.atomic import atomic_write_json
+from fairseq_alma.stream.manifest import MANIFEST_FORMAT, expected_splits, sha256_file
 from fairseq_alma.sweeps import load_run_config, parse_grid_option, plan_sweep, run_dir_name
 from fairseq_alma.sweeps.train_script import LAUNCH_TASK, array_spec
 
@@ -185,14 +186,20 @@ def test_cli_errors_in_process(tmp_path, monkeypatch, capsys, args, expected):
     assert err[-1].startswith("alma-sweep: error: ") and expected in err[-1], err
 
 
-def test_submit_writes_records_and_an_executable_script(tmp_path, monkeypatch, capsys):
-    bin_dir = tmp_path / "bin"  # a fake sbatch: prints a job id, remembers its arguments
+def fake_sbatch(tmp_path: Path, monkeypatch) -> None:
+    """A fake sbatch on PATH that prints job id 77 and appends its arguments to tmp_path/calls;
+    the test then runs in tmp_path."""
+    bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "sbatch").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/calls\necho 77\n')
     (bin_dir / "sbatch").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
     monkeypatch.delenv("SLURM_CONF", raising=False)
     monkeypatch.chdir(tmp_path)
+
+
+def test_submit_writes_records_and_an_executable_script(tmp_path, monkeypatch, capsys):
+    fake_sbatch(tmp_path, monkeypatch)
     (tmp_path / "data-bin" / "tiny-lm").mkdir(parents=True)
     assert main(["submit", str(EXAMPLE), "--sweep-dir", "sw"]) == 0
     sweep_dir = tmp_path / "sw"
@@ -212,6 +219,63 @@ def test_submit_refuses_missing_data_before_calling_sbatch(tmp_path, monkeypatch
     assert main(["submit", str(EXAMPLE), "--sweep-dir", "sw"]) == 2
     assert f"data directory {tmp_path}/data-bin/tiny-lm not found" in capsys.readouterr().err
     assert not (tmp_path / "sw").exists()
+
+
+STREAM_EXAMPLE = REPO / "train_configs" / "examples" / "tiny_stream.yaml"
+
+
+def write_stream_skeleton(data: Path, megabatches: int = 2) -> None:
+    """What `alma-sweep submit` reads of a stream (manifest.json, dict.txt, the shards' sizes),
+    in milliseconds: alma-data-prep takes seconds and the check reads no token."""
+    data.mkdir(parents=True)
+    (data / "dict.txt").write_text("the 3\nend 2\n")
+    splits = expected_splits(megabatches)
+    for name in splits:
+        for ext in ("bin", "idx"):
+            (data / f"{name}.{ext}").touch()
+    atomic_write_json(data / "manifest.json", {
+        "format": MANIFEST_FORMAT, "num_megabatches": megabatches, "order": "shuffle",
+        "splits": {name: {"bin_bytes": 0, "idx_bytes": 0} for name in splits},
+        "dictionary": {"file": "dict.txt", "sha256": sha256_file(str(data / "dict.txt"))}})
+
+
+@pytest.fixture
+def stream_submit(tmp_path, monkeypatch):
+    """`alma-sweep submit` of tiny_stream.yaml on a 2-mega-batch stream, with a fake sbatch
+    that records its calls (``fake_sbatch``); returns its exit status."""
+    fake_sbatch(tmp_path, monkeypatch)
+    write_stream_skeleton(tmp_path / "data-bin" / "tiny-stream")
+    return lambda *args: main(["submit", str(STREAM_EXAMPLE), "--sweep-dir", "sw", *args])
+
+
+@pytest.mark.parametrize("args, point, expected", [
+    (["--grid", "wait=1,5"], "wait=5",
+     "--wait must be in [1, 2] (the stream's mega-batches); got 5"),
+    (["--grid", "capacity-factor=0"], "capacity-factor=0", "--capacity-factor must be > 0"),
+    (["--grid", "moe-max-experts=8", "--grid", "grow-experts=3"],
+     "moe-max-experts=8, grow-experts=3", "--grow-experts 3: stage 2 would copy 3 experts but the model has 2 then"),
+    (["--grid", "wait=2", "--grid", "replay=true"], "wait=2, replay=True",
+     "--replay has nothing to replay: with --wait 2 the stream of 2 mega-batches trains one stage"),
+    # local-cpu: the launcher adds --cpu to every task, which refuses --fp16 (not this machine)
+    (["--grid", "fp16=true"], "fp16=True", "--fp16 trains on CUDA GPUs only"),
+    (["--grid", "bf16=true", "--grid", "fp16=true"], "bf16=True, fp16=True",
+     "--bf16 and --fp16 are two precisions: use one"),  # fairseq's parser: a ValueError
+])
+def test_submit_refuses_values_every_task_would_refuse(stream_submit, tmp_path, capsys, args,
+                                                       point, expected):
+    assert stream_submit(*args) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith(f"alma-sweep: error: {STREAM_EXAMPLE} (grid point {point}): "), err
+    assert expected in err[-1] and not any("DEBUG" in line for line in err), err
+    assert not (tmp_path / "sw").exists() and not (tmp_path / "calls").exists()
+
+
+@pytest.mark.parametrize("flag", ["fp16", "bf16"])
+def test_submit_checks_precision_on_the_profile_not_this_machine(stream_submit, capsys, flag):
+    """A GPU sweep submitted from a login node without GPUs (as here): not refused."""
+    assert stream_submit("--profile", "gpu-1", "--grid", f"{flag}=true", "--dry-run") == 0, \
+        capsys.readouterr().err
+    assert f"--{flag} " in capsys.readouterr().out
 
 
 def _jsonl(path: Path, records: list[dict], torn_tail: str = "") -> None:

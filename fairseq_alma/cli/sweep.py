@@ -37,8 +37,10 @@ def submit(args: argparse.Namespace) -> int:
     profile = train_submit.sweep_profile(request, config)
     points = len(config.grid_points())
     print(f"alma-sweep: checking {points} grid point(s) of {config.path} against fairseq-train's "
-          "flags (imports fairseq: a few seconds)", file=sys.stderr, flush=True)
-    check_config_flags(config)
+          "flags and the values its runs check before training (imports fairseq: seconds, then "
+          "fairseq's config of each point: under a second each)",
+          file=sys.stderr, flush=True)
+    check_config_flags(config, profile)
     plan = train_submit.plan_submission(request, config, profile)
     print(sweep_text.submission_plan(plan), end="")
     if args.dry_run:

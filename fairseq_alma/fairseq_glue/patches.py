@@ -192,9 +192,31 @@ def _running_console_command() -> bool:
         main_spec is not None and main_spec.name in CONSOLE_COMMANDS)
 
 
-def _flags_given(names: tuple[str, ...]) -> list[str]:
-    """Flags of ``names`` on the command line (fairseq's parser takes no abbreviations)."""
-    return [arg.split("=")[0] for arg in sys.argv[1:] if arg.split("=")[0] in names]
+def _flags_given(names: tuple[str, ...], argv: list[str] | None = None) -> list[str]:
+    """Flags of ``names`` in ``argv`` (default: this command line; fairseq's parser takes no
+    abbreviations)."""
+    argv = sys.argv[1:] if argv is None else argv
+    return [arg.split("=")[0] for arg in argv if arg.split("=")[0] in names]
+
+
+def precision_conflict(argv: list[str]) -> str | None:
+    """Why ``argv`` asks for two precisions (a bf16 flag with --fp16, --memory-efficient-fp16
+    or --amp), or None; fairseq itself would raise "Cannot combine --fp16 and --tpu" with a
+    traceback.  ``alma-sweep submit`` asks it of every grid point
+    (``sweeps/fairseq_train_flags.argv_flag_problem``)."""
+    bf16, other = _flags_given(BF16_FLAGS, argv), _flags_given(OTHER_PRECISION_FLAGS, argv)
+    if bf16 and other:
+        return (f"{bf16[0]} and {other[0]} are two precisions: use one (bf16 on A100/H100, "
+                f"--fp16 on V100)")
+    return None
+
+
+def undo_bf16_tpu(args: Any, argv: list[str] | None = None) -> None:
+    """Undo the TPU mode that ``options.parse_args_and_arch`` attaches to ``--bf16`` unless
+    ``argv`` (default: this command line) asks for ``--tpu`` itself (``_TrainingConfig``)."""
+    tpu_given = bool(_flags_given(("--tpu",), argv))
+    if getattr(args, "bf16", False) and getattr(args, "tpu", False) and not tpu_given:
+        args.tpu = False
 
 
 class _TrainingConfig:
@@ -216,8 +238,7 @@ class _TrainingConfig:
         self.module_name, self.original = module_name, original
 
     def __call__(self, args: Any) -> Any:
-        if getattr(args, "bf16", False) and getattr(args, "tpu", False) and not _flags_given(("--tpu",)):
-            args.tpu = False
+        undo_bf16_tpu(args)
         cfg = self.original(args)
         if self.module_name.endswith(".train"):
             from .train_flags import check_training_flags
@@ -241,11 +262,10 @@ def install_training_flags() -> None:
     combine --fp16 and --tpu" with a traceback)."""
     if not _running_console_command():
         return
-    bf16, other = _flags_given(BF16_FLAGS), _flags_given(OTHER_PRECISION_FLAGS)
-    if bf16 and other:
+    conflict = precision_conflict(sys.argv[1:])
+    if conflict is not None:
         sys.stdout.flush()
-        print(f"{ERROR_PROG}: error: {bf16[0]} and {other[0]} are two precisions: use one "
-              f"(bf16 on A100/H100, --fp16 on V100)", file=sys.stderr, flush=True)
+        print(f"{ERROR_PROG}: error: {conflict}", file=sys.stderr, flush=True)
         raise SystemExit(2)
     modules = {name: sys.modules[name] for name in CONSOLE_COMMANDS if name in sys.modules}
     main_module = sys.modules.get("__main__")

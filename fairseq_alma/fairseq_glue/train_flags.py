@@ -2,6 +2,9 @@
 correctly, refused in one line before anything runs: ``check_training_flags`` runs once on
 fairseq-train's whole config right after fairseq parsed it (``patches.install_training_flags``);
 the stream training calls ``check_stream_start`` before it takes the run directory.
+``alma-sweep submit`` runs the same checks on every grid point (``sweeps/point_values.py``) with
+``machine_checks=False``: there, on a login node, this machine's GPUs, compilers and file system
+say nothing about the node a run will train on.
 
 Why: fairseq turns these into a traceback minutes in (a ZeroDivisionError for
 ``--tokens-per-sample 0``), into a late failure after a stage was trained (blocks longer than
@@ -31,11 +34,26 @@ SIZES = {
 FP16_FLAGS = ("memory_efficient_fp16", "amp", "fp16")  # fairseq sets fp16 with the first
 
 
-def check_run_inputs(cfg: Any) -> None:
+def on_cuda(node: Any, machine_checks: bool = True) -> bool:
+    """Whether the run trains on CUDA GPUs: never with ``--cpu``; otherwise where torch sees a
+    GPU, or, without ``machine_checks`` (``alma-sweep submit`` on a login node), wherever the
+    flags ask: a sweep on a CPU profile gets ``--cpu`` from ``slurm/launch_task.sh``, so a run
+    without it trains on the GPUs of its profile."""
+    if given(node, "common", "cpu"):
+        return False
+    if not machine_checks:
+        return True
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def check_run_inputs(cfg: Any, machine_checks: bool = True) -> None:
     """Every stream (LM or vision): ``--save-dir`` can be a directory, batch sizes and
-    ``--update-freq`` are >= 1."""
+    ``--update-freq`` are >= 1.  Without ``machine_checks`` the save dir is not probed: at
+    submit it does not exist yet, and the probe would write."""
     save_dir = given(cfg, "checkpoint", "save_dir")
-    if save_dir:
+    if save_dir and machine_checks:
         check_dir_path(save_dir, "--save-dir")
         check_writable(save_dir, f"--save-dir {save_dir}")  # fairseq's own probe is a traceback
     for flag, (section_name, key) in SIZES.items():
@@ -52,11 +70,9 @@ def check_run_inputs(cfg: Any) -> None:
                              "update, e.g. --update-freq 4")
 
 
-def check_lm_training(cfg: Any) -> None:
-    """A language-model run: block length, precision on this device, the processes that the
-    distributed options need."""
-    import torch
-
+def check_lm_training(cfg: Any, machine_checks: bool = True) -> None:
+    """A language-model run: block length, precision on its device (``on_cuda``), the processes
+    that the distributed options need."""
     tokens = given(cfg, "task", "tokens_per_sample")
     if tokens is not None:
         if tokens < 1:
@@ -72,7 +88,7 @@ def check_lm_training(cfg: Any) -> None:
             raise UsageError(f"--max-tokens {max_tokens} holds no block of --tokens-per-sample "
                              f"{tokens}; use --max-tokens >= {tokens} or --batch-size")
     flag = next((f"--{key.replace('_', '-')}" for key in FP16_FLAGS if given(cfg, "common", key)), None)
-    if flag is not None and (given(cfg, "common", "cpu") or not torch.cuda.is_available()):
+    if flag is not None and not on_cuda(cfg, machine_checks):
         raise UsageError(f"{flag} trains on CUDA GPUs only (half precision with loss scaling); "
                          f"on CPU train in fp32 (drop {flag})")
     world = int(given(cfg, "distributed_training", "distributed_world_size") or 1)
@@ -90,13 +106,14 @@ def check_lm_training(cfg: Any) -> None:
                              "experts; use --moe-expert-parallel-size 1 in one process")
 
 
-def check_stream_start(task: Any, stages: int, save_dir: str, restart: bool) -> None:
+def check_stream_start(task: Any, stages: int, save_dir: str | None, restart: bool) -> None:
     """What only the stream knows, before the run directory is taken: ``--replay`` has an
     earlier stage to replay (a one-stage run would be labelled replay yet train as without it;
     checked here, on the LM training path, not in ``StreamPlan``, which scoring and vision sweeps
     also build), ``--max-update`` leaves
     the stream's updates, the evaluation split exists, and a ``checkpoint_last.pt`` left without
-    ``run.json`` is of this model (fairseq would fail to load it after run.json was written)."""
+    ``run.json`` is of this model (fairseq would fail to load it after run.json was written);
+    ``save_dir`` None: no run directory yet (``alma-sweep submit``), nothing left in it."""
     plan = task.plan
     if plan.replay and not plan.adaptive and plan.num_stages < 2:  # as --replay-ratio (StreamPlan)
         raise UsageError(f"--replay has nothing to replay: with --wait {plan.wait} the stream of "
@@ -116,7 +133,7 @@ def check_stream_start(task: Any, stages: int, save_dir: str, restart: bool) -> 
                         if name.endswith(".idx") and not name.startswith("megabatch"))
         raise UsageError(f"--eval-subset {subset}: {' and '.join(missing)} missing in {data}; use "
                          f"one of its splits ({', '.join(splits)})")
-    if not restart:
+    if save_dir is not None and not restart:
         check_leftover_checkpoint(save_dir, task.cfg)
 
 
@@ -155,7 +172,7 @@ def _plain(value: Any) -> Any:
     return getattr(value, "value", value)
 
 
-def check_precision(node: Any) -> None:
+def check_precision(node: Any, machine_checks: bool = True) -> None:
     """Precision flags this run cannot train correctly, refused before the first update.
 
     ``--bf16``/``--memory-efficient-bf16`` train on CUDA GPUs (fairseq's trainer: model in bf16,
@@ -163,8 +180,6 @@ def check_precision(node: Any) -> None:
     fairseq 0.12's option parser attaches to the flag, ``fairseq_glue/patches.install_training_flags``).
     Not on CPU, where fairseq would run bf16 kernels no test covers, nor under fairscale's FSDP,
     which fairseq 0.12 refuses later with a traceback; ``--tpu`` needs torch_xla."""
-    import torch
-
     if given(node, "common", "tpu"):  # explicit --tpu (fairseq-train's --bf16 no longer sets it)
         raise UsageError("--tpu (fairseq's TPU mode) needs torch_xla, which fairseq-alma does not "
                          "support; train on GPUs (--bf16 or --fp16, without --tpu) or on CPU (--cpu)")
@@ -172,7 +187,7 @@ def check_precision(node: Any) -> None:
                  if given(node, "common", key)), None)
     if flag is None:
         return
-    if given(node, "common", "cpu") or not torch.cuda.is_available():
+    if not on_cuda(node, machine_checks):
         raise UsageError(f"{flag} trains on CUDA GPUs only (model in bf16, fp32 master weights); "
                          f"on CPU train in fp32 (drop {flag})")
     if str(given(node, "distributed_training", "ddp_backend") or "") == "fully_sharded":
@@ -180,21 +195,23 @@ def check_precision(node: Any) -> None:
                          f"support bf16; use {flag} with --ddp-backend pytorch_ddp (or legacy_ddp)")
 
 
-def check_training_flags(cfg: Any) -> None:
+def check_training_flags(cfg: Any, machine_checks: bool = True) -> None:
     """Flags a training run cannot honour, checked once on fairseq-train's whole config right
     after fairseq parsed it and before anything runs (``fairseq_glue/patches.install_training_flags``).
 
     Why there and not where the model or task is built: both are built again from a
     checkpoint's own config when it is scored, and a checkpoint trained with ``--bf16`` or
-    FSDP on a GPU must still score on a CPU."""
-    import torch
+    FSDP on a GPU must still score on a CPU.
 
-    check_run_inputs(cfg)
+    ``machine_checks=False`` (``alma-sweep submit``): nothing that asks this machine (its CUDA
+    devices, compilers, the --save-dir probe); a run trains on GPUs unless it has ``--cpu``
+    (``on_cuda``)."""
+    check_run_inputs(cfg, machine_checks)
     model = cfg.get("model") if hasattr(cfg, "get") else None
     arch = str(model.get("_name") or "") if model is not None and hasattr(model, "get") else ""
     if arch == "alma_vision":  # the vision learner checks its own flags (fairseq_glue/vision_entry.py)
         return
-    check_precision(cfg)
+    check_precision(cfg, machine_checks)
     task = cfg.get("task")
     if task is not None and task.get("_name") == "alma_stream":
         check_stream_run_flags(cfg)
@@ -205,20 +222,20 @@ def check_training_flags(cfg: Any) -> None:
                          "flattened parameters (on an H100 it failed at the first evaluation); use "
                          "--ddp-backend pytorch_ddp or legacy_ddp, with --zero-sharding os to shard the "
                          "optimizer state")
-    check_sharding(cfg, growth=bool(task is not None and str(task.get("grow_experts") or "").strip()))
+    growth = bool(task is not None and str(task.get("grow_experts") or "").strip())
+    check_sharding(cfg, growth=growth, machine_checks=machine_checks)
     kernel = str(model.get("moe_expert_kernel") or "auto") if model is not None else "auto"
-    if kernel == "segments" and torch.cuda.is_available() and not given(cfg, "common", "cpu"):
+    if kernel == "segments" and on_cuda(cfg, machine_checks):
         raise UsageError("--moe-expert-kernel segments is the CPU kernel (it reads every block's expert "
                          "loads back to the host); on a GPU use --moe-expert-kernel batched or auto")
-    if kernel == "compiled":
+    if kernel == "compiled" and machine_checks:  # the compiler of the node that trains
         from ..modules.switch_compiled import compiler_missing
 
-        on_gpu = torch.cuda.is_available() and not given(cfg, "common", "cpu")
-        missing = compiler_missing("cuda" if on_gpu else "cpu")
+        missing = compiler_missing("cuda" if on_cuda(cfg) else "cpu")
         if missing is not None:
             raise UsageError(f"--moe-expert-kernel compiled: {missing}; install it, or use "
                              f"--moe-expert-kernel batched (the same results, uncompiled)")
-    check_lm_training(cfg)
+    check_lm_training(cfg, machine_checks)
 
 
 # fairseq's resume-time resets: an alma_stream run resumes its optimizer, LR schedule, data
@@ -271,7 +288,7 @@ def check_stream_run_flags(node: Any) -> None:
                              f"position and meters as checkpointed; drop {flag}{hint}")
 
 
-def check_sharding(node: Any, growth: bool) -> None:
+def check_sharding(node: Any, growth: bool, machine_checks: bool = True) -> None:
     """fairscale's sharding options that an LM stream cannot run correctly, refused before the
     first update (fairseq itself would fail later, with a traceback, or not at all)."""
     zero = str(given(node, "distributed_training", "zero_sharding") or "none")
@@ -282,9 +299,7 @@ def check_sharding(node: Any, growth: bool) -> None:
         raise UsageError("--zero-sharding os cannot shard --fp16's flat fp32 copy: add "
                          "--fp16-no-flatten-grads, or use --memory-efficient-fp16")
     if backend == "fully_sharded":
-        import torch
-
-        if not torch.cuda.is_available() or given(node, "common", "cpu"):
+        if not on_cuda(node, machine_checks):
             raise UsageError("--ddp-backend fully_sharded needs CUDA (fairscale's FSDP); use "
                              "--ddp-backend legacy_ddp (and --zero-sharding os) on CPU")
         if (given(node, "distributed_training", "distributed_world_size") or 1) <= 1:

@@ -15,6 +15,7 @@ import difflib
 import re
 from typing import Mapping, NamedTuple, NoReturn
 
+from ..fairseq_glue.patches import precision_conflict
 from ..fairseq_glue.user_dir import load_plugin
 from ..stream.progress import AUTO, auto_wait_conflict
 
@@ -39,8 +40,11 @@ class FlagProblem(NamedTuple):
     flag: str | None = None
 
 
-def parse_training_argv(argv: list[str]) -> tuple[argparse.ArgumentParser, list[str]]:
-    """Parse ``argv`` with fairseq-train's complete parser; return it and the unparsed tokens.
+def parse_training_argv(
+    argv: list[str],
+) -> tuple[argparse.ArgumentParser, argparse.Namespace, list[str]]:
+    """Parse ``argv`` with fairseq-train's complete parser; return it, fairseq-train's namespace
+    and the unparsed tokens.
 
     Raises ``argparse.ArgumentError`` with argparse's message when fairseq-train would refuse a
     value.
@@ -50,8 +54,8 @@ def parse_training_argv(argv: list[str]) -> tuple[argparse.ArgumentParser, list[
     load_plugin()
     parser = options.get_training_parser()
     parser.error = _raise_instead_of_exit  # type: ignore[method-assign]
-    _, extra = options.parse_args_and_arch(parser, argv, parse_known=True)
-    return parser, extra
+    args, extra = options.parse_args_and_arch(parser, argv, parse_known=True)
+    return parser, args, extra
 
 
 def _readable_parser_error(message: str) -> str:
@@ -72,8 +76,11 @@ def argv_flag_problem(argv: list[str], flags: Mapping[str, object]) -> FlagProbl
     """
     if "--arch" not in argv:
         return FlagProblem("fairseq-train needs an architecture: add 'arch: NAME' to args")
+    conflict = precision_conflict(argv)  # fairseq's parser would raise a ValueError on it
+    if conflict is not None:
+        return FlagProblem(conflict, conflict.split()[0][2:])
     try:
-        parser, extra = parse_training_argv(argv)
+        parser, _, extra = parse_training_argv(argv)
     except argparse.ArgumentError as err:
         message = str(err)
         named = re.match(r"argument --([\w-]+)", message)

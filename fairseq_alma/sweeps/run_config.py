@@ -19,13 +19,15 @@ config cannot silently disagree with the sweep that runs it.
 from __future__ import annotations
 
 import itertools
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Union
 
-from ..errors import UsageError
+from ..errors import AlmaError, UsageError
 from ..fairseq_glue.user_dir import PLUGIN_DIR
 from .fairseq_train_flags import argv_flag_problem
+from .resource_profile import ResourceProfile
 from .yaml_files import load_with_includes, read_yaml_mapping
 
 Scalar = Union[str, int, float, bool, None]
@@ -46,6 +48,10 @@ LAUNCHER_FLAGS = {
     "distributed-port": "slurm/launch_task.sh derives the port from the job id",
     "cpu": "the resource profile decides (a profile without GPUs adds --cpu)",
 }
+
+# a flag named in a training check's message (``--wait 5 ...``), to find the file that sets it
+_FLAG = re.compile(r"--([a-z0-9][a-z0-9-]*)")
+
 
 def flag_argv(flag: str, value: Scalar) -> list[str]:
     """fairseq-train tokens of one entry: ``true`` -> bare flag, ``false``/``null`` -> nothing."""
@@ -214,14 +220,30 @@ def load_run_config(path: str | Path, check_flags: bool = True) -> RunConfig:
     return config
 
 
-def check_config_flags(config: RunConfig) -> None:
+def check_config_flags(config: RunConfig, profile: ResourceProfile | None = None) -> None:
     """Parse every grid point of ``config`` with fairseq-train's parser (fairseq_train_flags.py);
-    raise ``UsageError`` naming the file (and grid point) that sets the flag at fault."""
+    raise ``UsageError`` naming the file (and grid point) that sets the flag at fault.
+
+    With the ``profile`` the runs train on (``alma-sweep submit``), also check every point's
+    values as its array task would before training (point_values.py): raise that check's own
+    error, naming the file (and grid point) that sets the flag it names.  Without a profile the
+    values are not checked: the processes of a run and its device (``--cpu``) come from it.
+    """
+    if profile is not None:
+        from .point_values import check_run_values  # imports fairseq's training code
     for point in config.grid_points():
         argv = config.to_argv(point, config.seeds[0], "alma-sweep-flag-check")
-        problem = argv_flag_problem(argv, {**config.args, **point})
+        flags = {**config.args, **point}
+        problem = argv_flag_problem(argv, flags)
         if problem is not None:
             raise UsageError(f"{_origin(config, problem.flag, point)}: {problem.message}")
+        if profile is None:
+            continue
+        try:
+            check_run_values(argv, profile)
+        except AlmaError as err:
+            flag = next((name for name in _FLAG.findall(str(err)) if name in flags), None)
+            raise type(err)(f"{_origin(config, flag, point)}: {err}") from None
 
 
 def _origin(config: RunConfig, flag: str | None, point: dict) -> str:

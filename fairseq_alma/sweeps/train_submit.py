@@ -2,7 +2,8 @@
 
 Four steps, so the caller can say what happens between them: ``load_sweep_config`` (the config
 with the request's grid and seeds, cheap), ``sweep_profile`` (cheap: a bad profile is refused
-before the slow step), ``check_config_flags`` (``run_config.py``: imports fairseq, seconds) and
+before the slow step), ``check_config_flags`` (``run_config.py``: imports fairseq, seconds; with
+the profile also each grid point's values, ``point_values.py``) and
 ``plan_submission`` (program, jobs, the sbatch script). Nothing
 is written before ``submit_links``, which submits only the runs that are not done: running it
 again on the same directory resumes each unfinished run from its checkpoint.

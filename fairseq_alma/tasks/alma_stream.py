@@ -35,7 +35,7 @@ from fairseq.tasks import register_task
 from fairseq.tasks.language_modeling import LanguageModelingConfig, LanguageModelingTask
 from omegaconf import II
 
-from ..errors import DataError, require
+from ..errors import DataError, UsageError, require
 from ..lm.budget import fixed_budget_batches, interleave_slots, spare_updates
 from ..lm.growth import parse_growth_plan
 from ..optim.alma_stage_linear import stage_budget
@@ -169,24 +169,33 @@ class AlmaStreamTask(LanguageModelingTask):
     def build_model(self, cfg: Any, from_checkpoint: bool = False) -> Any:
         model = super().build_model(cfg, from_checkpoint)
         self.model = model  # the same module fairseq trains (moved/cast in place by the Trainer)
-        if self.growth_plan:
-            layers = model.moe_layers() if hasattr(model, "moe_layers") else []
-            require(bool(layers), "--grow-experts needs a model with MoE blocks")
-            final = layers[0].num_experts + sum(self.growth_plan.values())
-            require(layers[0].max_experts >= final,
-                    f"--moe-max-experts must be >= {final} to grow by --grow-experts {self.cfg.grow_experts} "
-                    f"(allocated: {layers[0].max_experts})")
+        layers = model.moe_layers() if hasattr(model, "moe_layers") else []
+        self.check_growth_room(layers[0].num_experts if layers else None,
+                               layers[0].max_experts if layers else 0)
         if not from_checkpoint:
             from ..fairseq_glue.stream_training import StreamTraining
             from ..lm.growth import check_growth_schedule
 
             # training only: a run already trained with such flags is still scored
-            layers = model.moe_layers() if hasattr(model, "moe_layers") else []
             check_growth_schedule(self.cfg.grow_experts, self.cfg.grow_at_stages, self.plan.max_stages,
                                   layers[0].num_experts if layers else 0)
 
             self.training = StreamTraining(self)
         return model
+
+    def check_growth_room(self, experts: Optional[int], slots: int) -> None:
+        """``--grow-experts`` against the model's MoE blocks: ``experts`` per block before the
+        first growth (None: the model has no MoE block) and the ``slots`` allocated per block
+        (``--moe-max-experts``).  ``build_model`` asks it of the model it built; ``alma-sweep
+        submit`` of the model the flags describe (``sweeps/point_values.py``), so a sweep is
+        refused before its tasks queue."""
+        if not self.growth_plan:
+            return
+        if experts is None:
+            raise UsageError("--grow-experts needs a model with MoE blocks")
+        final = experts + sum(self.growth_plan.values())
+        require(slots >= final, f"--moe-max-experts must be >= {final} to grow by --grow-experts "
+                f"{self.cfg.grow_experts} (allocated: {slots})")
 
     # ---- data --------------------------------------------------------------------------
     def load_dataset(self, split: str, epoch: int = 1, combine: bool = False, **kwargs: Any) -> None:
