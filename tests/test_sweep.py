@@ -265,7 +265,8 @@ def test_submit_refuses_values_every_task_would_refuse(stream_submit, tmp_path, 
                                                        point, expected):
     assert stream_submit(*args) == 2
     err = capsys.readouterr().err.splitlines()
-    assert err[-1].startswith(f"alma-sweep: error: {STREAM_EXAMPLE} (grid point {point}): "), err
+    named = f"--grid {expected.split()[0][2:]}"  # set on the command line, not in a file
+    assert err[-1].startswith(f"alma-sweep: error: {named} (grid point {point}): "), err
     assert expected in err[-1] and not any("DEBUG" in line for line in err), err
     assert not (tmp_path / "sw").exists() and not (tmp_path / "calls").exists()
 

@@ -75,6 +75,7 @@ class RunConfig:
     resources: str | dict[str, Any] | None = None
     sources: tuple[Path, ...] = ()
     global_batch: int | None = None  # sequences per update (global_batch.py)
+    command_line_grid: tuple[str, ...] = ()  # grid flags given with --grid (with_grid)
 
     def grid_points(self) -> list[dict[str, Scalar]]:
         """Every combination of grid values, first grid key varying slowest (config order)."""
@@ -102,7 +103,8 @@ class RunConfig:
             _check_flag_name(flag, "--grid")
             _check_grid_values(flag, values, "--grid")
             merged[flag] = list(values)
-        return replace(self, grid=merged)
+        given = tuple(dict.fromkeys((*self.command_line_grid, *grid)))
+        return replace(self, grid=merged, command_line_grid=given)
 
     def with_seeds(self, seeds: list[int]) -> "RunConfig":
         """A copy with ``seeds`` instead of the config's seeds."""
@@ -247,8 +249,11 @@ def check_config_flags(config: RunConfig, profile: ResourceProfile | None = None
 
 
 def _origin(config: RunConfig, flag: str | None, point: dict) -> str:
-    path: Path = config.flag_origin(flag) if flag else config.path
+    """Where ``flag`` was set: the command line's ``--grid FLAG`` (not a file that also
+    mentions it), or the file of the include chain that sets it; with the grid point."""
+    where = f"--grid {flag}" if flag in config.command_line_grid else \
+        str(config.flag_origin(flag) if flag else config.path)
     if not point:
-        return str(path)
+        return where
     shown = ", ".join(f"{k}={v}" for k, v in point.items())
-    return f"{path} (grid point {shown})"
+    return f"{where} (grid point {shown})"
