@@ -31,6 +31,7 @@ Prepare an ALMA language-modeling stream (paper §5) from raw text.
 INPUT files are UTF-8 text, plain or .gz; directories are searched recursively (sorted order,
 hidden entries skipped). A DOCUMENT is a block of non-empty lines; one or more blank lines end
 it. Documents are the unit of shuffling and splitting; whitespace inside a line is collapsed.
+A document that repeats an earlier one exactly is dropped (--keep-duplicates keeps it).
 
 Steps: train a sentencepiece BPE model; encode every document (--workers processes); shuffle
 documents with --seed; carve, in this order, the validation set (--valid-size), the evaluation
@@ -134,6 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "mega-batch k holds period k+1 of a stream that drifts -- valid and eval "
                    "are still the seeded sample of the whole corpus that 'shuffle' holds out "
                    f"(default: {d.order})")
+    p.add_argument("--keep-duplicates", action="store_true",
+                   help="keep documents that repeat an earlier one exactly (same text once "
+                   "whitespace is collapsed; same token ids with --from-binarized). By default "
+                   "every later copy is dropped before the split, so that no text is both "
+                   "trained on and evaluated on; the count is logged and recorded in "
+                   "manifest.json (repeated_documents)")
     p.add_argument("--eval-per-megabatch", type=_size, default=d.eval_per_megabatch,
                    metavar="SIZE",
                    help="also hold out SIZE of every mega-batch k (whole documents, seeded; a "

@@ -17,10 +17,13 @@ import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+import numpy as np
+
 from fairseq_alma.errors import DataError
 from fairseq_alma.stream.atomic import atomic_output
 
 from .progress_lines import Progress
+from .repeats import document_digest, later_copies, log_repeats
 
 
 @dataclass(frozen=True)
@@ -99,14 +102,18 @@ def iter_documents(lines: Iterable[str]) -> Iterator[list[str]]:
         yield doc
 
 
-def extract_documents(sources: list[SourceFile], out_path: str) -> dict:
+def extract_documents(sources: list[SourceFile], out_path: str, drop_repeats: bool = True) -> dict:
     """Write every document to ``out_path`` (lines, blank line after each document).
 
     One plain file lets sentencepiece train from it natively and later steps stream it again
-    without re-decompressing. Returns counts and the sha256 of what was written, which keys
-    every later step: touching a source without changing its text rebuilds nothing else.
+    without re-decompressing. With ``drop_repeats`` every exact repeat of an earlier document is
+    left out (``repeats.py`` says why); the file is then written a second time, which costs a
+    pass over the text only for corpora that hold repeats. Returns counts and the sha256 of what
+    was written, which keys every later step: touching a source without changing its text
+    rebuilds nothing else.
     """
     digest = hashlib.sha256()
+    digests = bytearray()
     documents = lines = 0
     progress = Progress("extract")
     with atomic_output(out_path, "wb") as out:
@@ -115,6 +122,7 @@ def extract_documents(sources: list[SourceFile], out_path: str) -> dict:
                 data = ("\n".join(doc) + "\n\n").encode("utf-8")
                 out.write(data)
                 digest.update(data)
+                digests += document_digest(data)
                 documents += 1
                 lines += len(doc)
                 progress.update(1, len(data))
@@ -123,5 +131,34 @@ def extract_documents(sources: list[SourceFile], out_path: str) -> dict:
         os.remove(out_path)
         raise DataError("the inputs contain no text (every line is blank); "
                             "pass files with documents separated by blank lines")
+    repeated = later_copies(digests)
+    found = int(repeated.sum())
+    log_repeats(found, documents, dropped=drop_repeats)
+    if found and drop_repeats:
+        documents, lines, sha256 = _rewrite_without(out_path, repeated)
+    else:
+        sha256 = digest.hexdigest()
     return {"documents": documents, "lines": lines, "bytes": os.path.getsize(out_path),
-            "sha256": digest.hexdigest()}
+            "sha256": sha256, "repeated_documents": found,
+            "repeats_dropped": bool(found and drop_repeats)}
+
+
+def _rewrite_without(path: str, dropped: np.ndarray) -> tuple[int, int, str]:
+    """Rewrite the extracted text at ``path`` without the documents ``dropped`` marks; return
+    its documents, lines and sha256. Reads the old file while the new one is written beside it,
+    so a kill leaves the old one whole (the step then runs again)."""
+    digest = hashlib.sha256()
+    documents = lines = 0
+    progress = Progress("drop repeats")
+    with atomic_output(path, "wb") as out:
+        for index, doc in enumerate(iter_documents(iter_lines(path))):
+            if dropped[index]:
+                continue
+            data = ("\n".join(doc) + "\n\n").encode("utf-8")
+            out.write(data)
+            digest.update(data)
+            documents += 1
+            lines += len(doc)
+            progress.update(1, len(data))
+    progress.finish()
+    return documents, lines, digest.hexdigest()

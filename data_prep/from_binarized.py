@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -42,6 +43,7 @@ from .pipeline import (
     withdraw_manifest,
 )
 from .progress_lines import Progress
+from .repeats import document_digest, later_copies, log_repeats, repeats_entry, repeats_key
 from .split import (
     assign_documents,
     check_megabatch_bound,
@@ -66,6 +68,11 @@ class Documents:
     last: np.ndarray  # (D,) last item (inclusive)
     tokens: np.ndarray  # (D,) int64: item tokens + 1 for the separator, as the text path counts
     unk: np.ndarray  # (D,) <unk> tokens
+
+    def subset(self, keep: np.ndarray) -> Documents:
+        """The documents where ``keep`` is True, in the same order."""
+        return Documents(self.shard[keep], self.first[keep], self.last[keep], self.tokens[keep],
+                         self.unk[keep])
 
 
 def _prefix(data_bin: str, k: int) -> str:
@@ -165,6 +172,31 @@ def read_documents(prefixes: list[str], dictionary: Dictionary) -> Documents:
         unk=np.concatenate([p[3] for p in parts]))
 
 
+def _document_items(prefixes: list[str],
+                    docs: Documents) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    """(index, token ids, item sizes) of every document of ``docs``, in order, as views of the
+    shards' memory maps: whole documents as slices, no per-line loop."""
+    for k, prefix in enumerate(prefixes):
+        shard_sizes, tokens = _shard_tokens(prefix)
+        ends = np.cumsum(shard_sizes)
+        for d in np.flatnonzero(docs.shard == k):
+            a, b = int(docs.first[d]), int(docs.last[d])
+            yield int(d), tokens[ends[a] - shard_sizes[a]:ends[b]], shard_sizes[a:b + 1]
+
+
+def document_digests(prefixes: list[str], docs: Documents) -> bytearray:
+    """The digest of every document's token ids (as int64, whatever the shard's dtype), in
+    order: what finds the documents that repeat an earlier one (``repeats.py``)."""
+    digests = bytearray()
+    progress = Progress("repeats")
+    for _, ids, _ in _document_items(prefixes, docs):
+        data = np.asarray(ids, dtype="<i8").tobytes()
+        digests += document_digest(data)
+        progress.update(1, len(data))
+    progress.finish()
+    return digests
+
+
 def write_shards(prefixes: list[str], docs: Documents, labels: np.ndarray, names: list[str],
                  vocab_size: int, eos: int, out_dir: str) -> dict[str, dict]:
     """Write each split's documents (corpus order), each followed by one separator, as fairseq
@@ -179,16 +211,11 @@ def write_shards(prefixes: list[str], docs: Documents, labels: np.ndarray, names
     with ExitStack() as stack:
         files = {name: stack.enter_context(atomic_output(os.path.join(out_dir, f"{name}.bin"),
                                                          "wb")) for name in names}
-        for k, prefix in enumerate(prefixes):
-            shard_sizes, tokens = _shard_tokens(prefix)
-            ends = np.cumsum(shard_sizes)
-            for d in np.flatnonzero(docs.shard == k):
-                name = names[labels[d]]
-                a, b = int(docs.first[d]), int(docs.last[d])
-                files[name].write(np.asarray(tokens[ends[a] - shard_sizes[a]:ends[b]],
-                                             dtype=dtype).tobytes() + separator)
-                sizes[name] += [shard_sizes[a:b + 1], np.ones(1, dtype=np.int64)]
-                progress.update(1, int(docs.tokens[d]) * np.dtype(dtype).itemsize)
+        for d, ids, item_sizes in _document_items(prefixes, docs):
+            name = names[labels[d]]
+            files[name].write(np.asarray(ids, dtype=dtype).tobytes() + separator)
+            sizes[name] += [item_sizes, np.ones(1, dtype=np.int64)]
+            progress.update(1, int(docs.tokens[d]) * np.dtype(dtype).itemsize)
     progress.finish()
     info = {}
     for index_of_split, name in enumerate(names):
@@ -248,16 +275,24 @@ def prepare_from_binarized(options: PrepOptions, command: str) -> dict:
         key = {"version": PIPELINE_VERSION, "dict": dict_sha,
                "sources": [[s.path, s.bytes, s.mtime_ns] for s in sources], "seed": o.seed,
                "num_megabatches": o.num_megabatches, "eval_size": o.eval_size,
-               "valid_size": o.valid_size, **order_key(o.order, o.eval_per_megabatch)}
+               "valid_size": o.valid_size, **order_key(o.order, o.eval_per_megabatch),
+               **repeats_key(o.keep_duplicates)}
 
         def build() -> dict:
             docs = read_documents(prefixes, dictionary)
+            repeated = later_copies(document_digests(prefixes, docs))
+            found, drop = int(repeated.sum()), not o.keep_duplicates
+            log_repeats(found, len(repeated), dropped=drop)
+            if found and drop:
+                docs = docs.subset(~repeated)
             needed = documents_needed(o.num_megabatches, o.eval_per_megabatch is not None)
             if len(docs.tokens) < needed:
+                distinct = " distinct" if found and drop else ""
                 raise DataError(
-                    f"{data_bin}: the train split has {len(docs.tokens)} documents (empty lines "
-                    f"separate them) but --num-megabatches {o.num_megabatches} needs at least "
-                    f"{needed}; binarize text with blank lines between documents or lower it")
+                    f"{data_bin}: the train split has {len(docs.tokens)}{distinct} documents "
+                    f"(empty lines separate them) but --num-megabatches {o.num_megabatches} "
+                    f"needs at least {needed}; binarize text with blank lines between documents "
+                    "or lower it")
             labels, stats = assign_documents(docs.tokens, o.seed, o.num_megabatches,
                                              parse_size(o.valid_size), parse_size(o.eval_size),
                                              o.order, per_megabatch_size(o.eval_per_megabatch))
@@ -267,7 +302,7 @@ def prepare_from_binarized(options: PrepOptions, command: str) -> dict:
                 if split["tokens"] != stats[name]["tokens"]:  # written vs counted
                     raise RuntimeError(f"{name}: wrote {split['tokens']} tokens, the split "
                                        f"counted {stats[name]['tokens']}")
-            return info
+            return {**info, "repeated_documents": found, "repeats_dropped": bool(found and drop)}
         outputs = [f"{name}.{ext}" for name in names for ext in ("bin", "idx")]
         info = runner.ensure("cut", key, outputs, build)
         splits = {name: info[name] for name in [*names[2:], "eval", "valid"]}
@@ -276,7 +311,8 @@ def prepare_from_binarized(options: PrepOptions, command: str) -> dict:
         tokenizer = {"kind": "from-binarized", "source": os.path.abspath(data_bin),
                      "dict_sha256": dict_sha}
         manifest = stream_manifest(o, splits, {**dict_info, "size": len(dictionary)},
-                                   {"tokenizer": tokenizer}, sources, runner.seconds, command)
+                                   {"tokenizer": tokenizer}, sources, runner.seconds, command,
+                                   repeats_entry(info))
         atomic_write_json(os.path.join(o.out, MANIFEST_NAME), manifest)
         if o.clean:
             shutil.rmtree(os.path.join(o.out, "work"))

@@ -34,3 +34,4 @@ class PrepOptions:
     prepare_only: bool = False
     order: str = ORDERS[0]
     eval_per_megabatch: str | None = None
+    keep_duplicates: bool = False

@@ -43,6 +43,7 @@ from .fileio import PARTIAL_SUFFIX, aligned_offsets
 from .gpt2_bpe import Gpt2Lines, check_gpt2_files, gpt2_vocabulary
 from .options import PrepOptions
 from .out_dir import check_output_dir, hold_lock, output_dir, stream_inputs
+from .repeats import repeats_entry, repeats_key
 from .split import (
     ORDERS,
     PERIOD_PREFIX,
@@ -92,10 +93,12 @@ class Pipeline:
 
     def extract(self, need_outputs: bool = False) -> dict:
         key = {"version": PIPELINE_VERSION,
-               "sources": [[s.path, s.bytes, s.mtime_ns] for s in self.sources]}
+               "sources": [[s.path, s.bytes, s.mtime_ns] for s in self.sources],
+               **repeats_key(self.o.keep_duplicates)}
         return self.runner.ensure(
             "extract", key, ["work/docs.txt"],
-            lambda: extract_documents(self.sources, self.path("work/docs.txt")), need_outputs)
+            lambda: extract_documents(self.sources, self.path("work/docs.txt"),
+                                      drop_repeats=not self.o.keep_duplicates), need_outputs)
 
     def sentencepiece(self) -> dict:
         o = self.o
@@ -345,7 +348,8 @@ def prepare(options: PrepOptions, command: str) -> dict:
         if pipeline.gpt2 is not None:
             remove_files(options.out, ["spm.model", "spm.vocab"])
         manifest = stream_manifest(options, splits, dict_info, tokenizer, pipeline.sources,
-                                   pipeline.runner.seconds, command)
+                                   pipeline.runner.seconds, command,
+                                   repeats_entry(pipeline.extract()))
         atomic_write_json(os.path.join(options.out, MANIFEST_NAME), manifest)
         if options.clean:
             shutil.rmtree(pipeline.work)
@@ -371,14 +375,16 @@ def _shard_facts(out_dir: str, name: str, info: dict) -> dict:
 
 def stream_manifest(options: PrepOptions, splits: dict, dict_info: dict, tokenizer: dict,
                     sources: list[SourceFile], step_seconds: dict[str, float],
-                    command: str) -> dict:
+                    command: str, repeats: dict) -> dict:
     """The manifest of either route; ``tokenizer`` is ``{"sentencepiece": ...}`` (the entry
-    manifests have always had) or ``{"tokenizer": {"kind": ...}}``."""
+    manifests have always had) or ``{"tokenizer": {"kind": ...}}``; ``repeats``: the
+    documents that repeated an earlier one, and whether they were dropped (``repeats.py``)."""
     o = options
     return {
         "format": MANIFEST_FORMAT, "kind": "lm",
         "num_megabatches": o.num_megabatches, "seed": o.seed, "order": o.order,
         "eval_per_megabatch": o.eval_per_megabatch,
+        "repeated_documents": repeats,
         "splits": {name: {"tokens": info["tokens"], "documents": info["documents"],
                           "lines": info["lines"], "unk_tokens": info["unk_tokens"],
                           **_shard_facts(o.out, name, info)}

@@ -413,3 +413,56 @@ def test_from_binarized_reads_train1_after_train(gpt2_stream, encoded_text, tmp_
     assert _load(out)["splits"] == _load(gpt2_stream)["splits"]
     assert [os.path.basename(s["path"]) for s in _load(out)["sources"]] == \
         ["train.bin", "train.idx", "train1.bin", "train1.idx"]
+
+
+def _gpt2_flags(gpt2_files) -> list[str]:
+    return ["--bpe", "gpt2", "--gpt2-encoder-json", gpt2_files[0], "--gpt2-vocab-bpe",
+            gpt2_files[1], *SPLIT_FLAGS]
+
+
+def test_repeated_documents_are_dropped_before_the_split(forked_prep, corpus, gpt2_files,
+                                                        gpt2_stream, tmp_path):
+    """A third of the corpus again, in another file and with other whitespace, adds only
+    repeats: they are dropped and the stream is the corpus's own, byte for byte, so no copy can
+    sit in the evaluation mega-batch and in a training one at once. --keep-duplicates keeps
+    them, and says what that risks."""
+    copies = _documents()[::3]
+    again = tmp_path / "again.txt"
+    again.write_text("\n\n\n".join("\n".join("  " + line.replace(" ", "\t") for line in doc)
+                                   for doc in copies) + "\n", encoding="utf-8")
+    out = str(tmp_path / "dropped")
+    result = forked_prep(corpus, str(again), "--out", out, *_gpt2_flags(gpt2_files))
+    assert result.returncode == 0, result.stderr
+    assert f"dropped {len(copies)} of {NUM_DOCS + len(copies)} documents" in result.stderr
+    assert _load(out)["repeated_documents"] == {"count": len(copies), "dropped": True}
+    assert _load(out)["splits"] == _load(gpt2_stream)["splits"]
+    kept = str(tmp_path / "kept")
+    result = forked_prep(corpus, str(again), "--out", kept, "--keep-duplicates",
+                         *_gpt2_flags(gpt2_files))
+    assert result.returncode == 0, result.stderr
+    assert "warning:" in result.stderr and "lowers the evaluation perplexity" in result.stderr
+    manifest = _load(kept)
+    assert manifest["repeated_documents"] == {"count": len(copies), "dropped": False}
+    assert sum(s["documents"] for s in manifest["splits"].values()) == NUM_DOCS + len(copies)
+
+
+def test_from_binarized_drops_repeated_documents(forked_prep, gpt2_stream, encoded_text,
+                                                 tmp_path):
+    """The same on token ids: a data-bin whose last documents repeat its first ones cuts into
+    the stream of the data-bin without them."""
+    with open(encoded_text, encoding="utf-8") as f:
+        docs = f.read().split("\n\n")[:-1]
+    text = tmp_path / "repeated.txt"
+    text.write_text("".join(doc + "\n\n" for doc in docs + docs[:5]), encoding="utf-8")
+    data_bin = str(tmp_path / "bin")
+    fairseq_preprocess(str(text), data_bin, "--srcdict", os.path.join(gpt2_stream, "dict.txt"))
+    out = str(tmp_path / "cut")
+    result = forked_prep("--from-binarized", data_bin, "--out", out, *SPLIT_FLAGS)
+    assert result.returncode == 0, result.stderr
+    assert _load(out)["repeated_documents"] == {"count": 5, "dropped": True}
+    assert _load(out)["splits"] == _load(gpt2_stream)["splits"]
+    kept = str(tmp_path / "kept")
+    result = forked_prep("--from-binarized", data_bin, "--out", kept, "--keep-duplicates",
+                         *SPLIT_FLAGS)
+    assert result.returncode == 0, result.stderr
+    assert sum(s["documents"] for s in _load(kept)["splits"].values()) == NUM_DOCS + 5

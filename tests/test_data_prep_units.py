@@ -12,6 +12,7 @@ import pytest
 
 from data_prep.corpus import discover_sources, iter_documents
 from data_prep.demo_corpus import build_demo_corpus, documents_of_file
+from data_prep.repeats import document_digest, later_copies
 from data_prep.split import SizeSpec, assign_documents, carve, parse_size, split_names
 from data_prep.steps import StepRunner
 from fairseq_alma.errors import DataError
@@ -151,6 +152,12 @@ def test_documents_are_blank_line_separated_blocks_with_whitespace_collapsed():
              "last\n"]
     assert list(iter_documents(lines)) == [["first line", "second line"], ["next doc"],
                                            ["last"]]
+
+
+def test_later_copies_marks_every_repeat_after_the_first_in_corpus_order():
+    digests = b"".join(document_digest(text) for text in [b"a", b"b", b"a", b"c", b"b", b"a"])
+    assert later_copies(digests).tolist() == [False, False, True, False, True, True]
+    assert later_copies(b"").tolist() == []
 
 
 def test_discover_sources_sorts_dedupes_and_skips_hidden(tmp_path):
