@@ -6,12 +6,13 @@ itself cannot be imported, nothing is registered and the parts that need no fair
 stream core in ``stream/``, the errors) still import: the core is tested that way.
 """
 
-from .fairseq_glue.patches import install_quiet_startup
+from .fairseq_glue.patches import install_quiet_startup, undo_debug_root_logging
 
 install_quiet_startup()  # before fairseq's own import, when we are first (our console tools)
 
 try:
-    import fairseq  # noqa: F401
+    with undo_debug_root_logging():
+        import fairseq  # noqa: F401
 except ModuleNotFoundError as err:  # only the fairseq-free parts are usable
     if err.name != "fairseq":
         raise

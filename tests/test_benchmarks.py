@@ -30,7 +30,8 @@ def _bench(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedP
 
 
 def test_switch_layer_op_count_does_not_grow(tmp_path):
-    _bench("switch_ffn.py", "--ops", "--json", str(tmp_path / "ops.json"))
+    proc = _bench("switch_ffn.py", "--ops", "--json", str(tmp_path / "ops.json"))
+    assert "DEBUG:" not in proc.stdout + proc.stderr  # fairseq's import turns no DEBUG logs on
     ops = json.loads((tmp_path / "ops.json").read_text())["ops"]
     assert ops["switch_batched"]["aten_ops"] <= OP_LIMIT["aten_ops"], ops
     assert ops["switch_batched"]["launch_ops"] <= OP_LIMIT["launch_ops"], ops

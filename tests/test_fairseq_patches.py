@@ -175,3 +175,18 @@ def test_flat_bf16_master_params_replace_fairseqs_per_parameter_copies(monkeypat
     assert not fairseq_patches.flat_bf16_master(sharded, params)
     params[0].expert = True  # an expert-parallel shard
     assert not fairseq_patches.flat_bf16_master(cfg(), params)
+
+
+def test_fairseqs_debug_basic_config_on_import_is_undone_only_when_it_set_it(monkeypatch):
+    import logging
+
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [])
+    monkeypatch.setattr(root, "level", logging.WARNING)
+    with fairseq_patches.undo_debug_root_logging():
+        logging.basicConfig(level=logging.DEBUG)  # what fairseq's wav2vec2 module does
+    assert root.level == logging.INFO and len(root.handlers) == 1
+    root.setLevel(logging.DEBUG)  # a user who asked for DEBUG keeps it
+    with fairseq_patches.undo_debug_root_logging():
+        logging.basicConfig(level=logging.DEBUG)
+    assert root.level == logging.DEBUG

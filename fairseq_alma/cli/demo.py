@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(problem)
     settings = LmDemoSettings(out=Path(args.out), corpus_mb=args.corpus_mb, vocab_size=args.vocab_size,
                               updates_per_stage=args.updates_per_stage, workers=args.workers)
-    logging.getLogger().setLevel(logging.WARNING)  # importing fairseq set the root logger to DEBUG
+    logging.getLogger().setLevel(logging.WARNING)  # the demo prints its own steps; no INFO lines
     demo = run_drift_demo if args.drift else run_table2_demo
     return run_console("alma-demo", lambda: demo(settings))
 

@@ -43,6 +43,7 @@ The patches:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import importlib
 import logging
@@ -53,6 +54,7 @@ import sys
 import time
 import warnings
 import zipfile
+from collections.abc import Iterator
 from typing import Any
 
 from ..errors import AlmaError, CheckpointError, Preempted, StreamFinished
@@ -582,3 +584,22 @@ def install_quiet_startup() -> None:
         warnings.filterwarnings("ignore", message=message, category=UserWarning)
     # fairscale 0.4.13 (imported by fairseq's fsdp_wrap) uses torch.cuda.amp's deprecated API
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"fairscale\.")
+
+
+@contextlib.contextmanager
+def undo_debug_root_logging() -> Iterator[None]:
+    """Keep fairseq's import from turning every library's DEBUG records on.
+
+    Why: one of fairseq 0.12's model modules calls ``logging.basicConfig(level=DEBUG)`` when it
+    is imported. Under ``fairseq-train`` that does nothing, since fairseq_cli has configured
+    logging (INFO) before. In our own tools, benchmarks and notebooks, fairseq's import comes
+    first, so the root logger ends up at DEBUG, and matplotlib's font search, filelock's locks
+    and inductor's compiler print hundreds of DEBUG lines in front of the results. When the
+    import is what set DEBUG, the root level goes back to INFO: the INFO lines those tools
+    print stay, in the same format. A root logger someone else configured is left alone.
+    """
+    root = logging.getLogger()
+    configured_before = bool(root.handlers) or root.level == logging.DEBUG
+    yield
+    if not configured_before and root.level == logging.DEBUG:
+        root.setLevel(logging.INFO)
