@@ -3,6 +3,7 @@ and `status` from the run directories alone."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -277,6 +278,36 @@ def test_submit_checks_precision_on_the_profile_not_this_machine(stream_submit, 
     assert stream_submit("--profile", "gpu-1", "--grid", f"{flag}=true", "--dry-run") == 0, \
         capsys.readouterr().err
     assert f"--{flag} " in capsys.readouterr().out
+
+
+def test_covering_points_hold_every_grid_value_in_as_many_points_as_the_longest_flag(tmp_path):
+    config = load_run_config(REPO / "train_configs" / "vision" / "mnist.yaml", check_flags=False)
+    points = config.covering_points()
+    assert len(points) == max(len(values) for values in config.grid.values())
+    assert all(point in config.grid_points() for point in points)
+    for flag, values in config.grid.items():
+        assert {point[flag] for point in points} == set(values)
+    assert dataclasses.replace(config, grid={}).covering_points() == [{}]  # one point, no grid
+
+
+@pytest.mark.parametrize("args, refused", [
+    (["--grid", "wait=1,9"], "--grid wait (grid point vision-method=gmoe, wait=9): --wait must be "
+     "in [1, 4] (the stream's mega-batches); got 9"),
+    (["--grid", "vision-amp=off,fp16"], "--grid vision-amp (grid point vision-method=gmoe, wait=4, "
+     "vision-amp=fp16): --vision-amp fp16 needs a CUDA device"),  # local-cpu: the tasks get --cpu
+    (["--grid", "vision-amp=fp16", "--profile", "gpu-1", "--dry-run"], None),
+])
+def test_submit_checks_the_values_of_a_vision_grid(tmp_path, monkeypatch, capsys, args, refused):
+    """Every value of every grid flag, on the few points that hold them all (covering_points)."""
+    fake_sbatch(tmp_path, monkeypatch)
+    smoke = REPO / "train_configs" / "vision" / "digits_smoke.yaml"
+    status = main(["submit", str(smoke), "--sweep-dir", "sw", *args])
+    err = capsys.readouterr().err.splitlines()
+    if refused is None:
+        assert status == 0, err
+        return
+    assert status == 2 and err[-1].startswith(f"alma-sweep: error: {refused}"), err
+    assert not (tmp_path / "sw").exists() and not (tmp_path / "calls").exists()
 
 
 def _jsonl(path: Path, records: list[dict], torn_tail: str = "") -> None:

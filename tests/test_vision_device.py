@@ -320,3 +320,16 @@ def test_cuda_epoch_reads_nothing_back_on_the_host(digits, variant):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert math.isfinite(float(running))
+
+
+def test_planned_device_is_the_training_nodes_not_this_machines():
+    """``alma-sweep submit`` on a login node without GPUs: a run trains on a GPU unless its
+    flags say CPU (--cpu, which a CPU profile's launcher adds, or --vision-device cpu)."""
+    from fairseq_alma.vision.devices import planned_device
+
+    assert planned_device("auto") == planned_device("cuda") == "cuda"
+    assert planned_device("auto", cpu_flag=True) == planned_device("cpu") == "cpu"
+    with pytest.raises(UsageError, match="contradicts --cpu"):
+        planned_device("cuda", cpu_flag=True)
+    with pytest.raises(UsageError, match="--vision-device 'tpu' is unknown"):
+        planned_device("tpu")

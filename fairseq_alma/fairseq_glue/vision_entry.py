@@ -24,7 +24,7 @@ from ..ranks import raise_unless_all_ok, world
 from ..stream.progress import StreamPlan, wait_from_flag
 from ..stream.session import StreamSession
 from ..stream.stop import StopSignal, stage_limit
-from ..vision.devices import resolve_device
+from ..vision.devices import planned_device, resolve_device
 from ..vision.learners import LearnerSpec
 from ..vision.runner import VisionRun, run_vision_session
 from ..vision.stage_trainer import OptimizerSpec, StageTrainConfig
@@ -75,12 +75,29 @@ def refuse_lm_only_stream_flags(task_cfg: Any) -> None:
             f"vision stream's optimizer keeps App. B.1's settings (--vision-optimizer, --vision-lr)")
 
 
-def vision_run(task_cfg: Any, model_cfg: Any) -> VisionRun:
-    """The ``VisionRun`` that fairseq-train's flags describe (one-line errors name the flag)."""
+def check_vision_stream_flags(task_cfg: Any, model_cfg: Any) -> None:
+    """The flags of fairseq-train that a vision stream refuses before its ``VisionRun`` is made:
+    another --arch, fairseq's precision flags, the LM-only stream flags."""
+    name = getattr(model_cfg, "_name", None)
+    require(name == "alma_vision", f"--arch {name} is not a vision learner; vision streams use "
+            "--arch alma_vision (the learner is set by --vision-method, --vision-arch, --vision-width)")
+    refuse_flags(task_cfg, "common", ("fp16", "bf16", "memory_efficient_fp16", "memory_efficient_bf16", "amp"),
+                 "does not apply to vision streams (the learner has its own precision); use "
+                 "--vision-amp fp16|bf16 instead")
+    refuse_lm_only_stream_flags(task_cfg)
+
+
+def vision_run(task_cfg: Any, model_cfg: Any, machine_checks: bool = True) -> VisionRun:
+    """The ``VisionRun`` that fairseq-train's flags describe (one-line errors name the flag).
+
+    ``machine_checks=False`` (``alma-sweep submit``): the device is the one the run would take
+    on a node with GPUs (``planned_device``), and --vision-amp is checked against it."""
     dataset = model_cfg.vision_dataset
     require(bool(dataset), f"--arch alma_vision needs --vision-dataset ({', '.join(DATASETS)})")
     require(dataset in DATASETS, f"--vision-dataset {dataset!r} is unknown; use one of {', '.join(DATASETS)}")
     data_path = None if dataset == "digits" else (model_cfg.vision_data_path or task_cfg.data)
+    where = (resolve_device if machine_checks else planned_device)
+    device = where(_text(model_cfg.vision_device), bool(given(task_cfg, "common", "cpu")))
     augment = _text(model_cfg.vision_augment)
     crop_flip = augment == "crop-flip" or (augment == "auto" and dataset == "cifar10")
     require(model_cfg.epochs_per_stage >= 1, f"--epochs-per-stage must be >= 1, got {model_cfg.epochs_per_stage}")
@@ -99,8 +116,7 @@ def vision_run(task_cfg: Any, model_cfg: Any) -> VisionRun:
         dataset=dataset, data_path=data_path,
         plan=StreamPlan(int(model_cfg.num_megabatches), wait_from_flag(task_cfg.wait), bool(task_cfg.replay)),
         learner=learner, training=training, valid_fraction=float(model_cfg.valid_fraction),
-        seed=int(task_cfg.seed), device=resolve_device(_text(model_cfg.vision_device), bool(given(task_cfg, "common", "cpu"))),
-        keep_stage_checkpoints=bool(model_cfg.keep_stage_checkpoints))
+        seed=int(task_cfg.seed), device=device, keep_stage_checkpoints=bool(model_cfg.keep_stage_checkpoints))
 
 
 class VisionStreamEntry(FairseqTask):
@@ -114,13 +130,7 @@ class VisionStreamEntry(FairseqTask):
         return cls(cfg)
 
     def build_model(self, cfg: Any, from_checkpoint: bool = False) -> NoReturn:
-        name = getattr(cfg, "_name", None)
-        require(name == "alma_vision", f"--arch {name} is not a vision learner; vision streams use "
-                "--arch alma_vision (the learner is set by --vision-method, --vision-arch, --vision-width)")
-        refuse_flags(self.cfg, "common", ("fp16", "bf16", "memory_efficient_fp16", "memory_efficient_bf16", "amp"),
-                     "does not apply to vision streams (the learner has its own precision); use "
-                     "--vision-amp fp16|bf16 instead")
-        refuse_lm_only_stream_flags(self.cfg)
+        check_vision_stream_flags(self.cfg, cfg)
         run = vision_run(self.cfg, cfg)
         torch.set_num_threads(int(cfg.vision_threads))
         limit = stage_limit(run.plan.max_stages, self.cfg.max_epoch or None)

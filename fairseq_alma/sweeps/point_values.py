@@ -21,9 +21,13 @@ themselves, in the order a training run meets them (``fairseq_cli/train.py``):
   taken: the growth against the model's experts, ``check_stream_start`` (replay, --max-update,
   --eval-subset).
 
-A vision stream (``--arch alma_vision``) is left to its learner, which checks its flags when it
-starts: building fairseq's config of a point costs about a second (hydra's compose of ~300
-overrides), and vision grids run to hundreds of points.
+A vision stream (``--arch alma_vision``) gets what its entry checks before it opens the run
+directory (``fairseq_glue/vision_entry.py``: the precision and LM-only flags, the dataset,
+epochs, threads, optimizer, --wait against --num-megabatches, the device) and --vision-amp
+against that device, as its runner checks first. Building fairseq's config of a point costs
+about a second (hydra's compose of ~300 overrides) and vision grids run to hundreds of points,
+so ``run_config.check_config_flags`` checks the values of the few points that hold every value
+of every grid flag (``RunConfig.covering_points``), not of every point.
 """
 
 from __future__ import annotations
@@ -39,9 +43,9 @@ from .resource_profile import ResourceProfile
 
 @contextmanager
 def _quiet_logger(name: str) -> Iterator[None]:
-    """Only warnings from logger ``name`` meanwhile: importing fairseq sets the root logger to
-    DEBUG (``fairseq/models/wav2vec/wav2vec2_classification.py``), and hydra's compose would
-    print its debug lines for every grid point."""
+    """Only warnings from logger ``name`` meanwhile: hydra's compose would print its lines for
+    every grid point wherever the root logger is at DEBUG (a program that imported fairseq
+    first: ``fairseq/models/wav2vec/wav2vec2_classification.py`` sets DEBUG then)."""
     logger = logging.getLogger(name)
     level = logger.level
     logger.setLevel(logging.WARNING)
@@ -104,6 +108,20 @@ def check_stream_start_values(task: Any, moe: tuple[int | None, int] | None) -> 
     check_stream_start(task, limit, None, bool(task.cfg.restart_stream))
 
 
+def check_vision_values(cfg: Any) -> None:
+    """What a vision stream checks before it opens its run directory (``VisionStreamEntry``'s
+    ``build_model``) and first thing in its runner (--vision-amp against the device), with the
+    device the run takes on the node that trains it."""
+    import torch
+
+    from ..fairseq_glue.vision_entry import check_vision_stream_flags, vision_run
+    from ..vision.devices import check_amp
+
+    check_vision_stream_flags(cfg.task, cfg.model)
+    run = vision_run(cfg.task, cfg.model, machine_checks=False)
+    check_amp(run.training.amp, torch.device(run.device))
+
+
 def check_run_values(argv: list[str], profile: ResourceProfile) -> None:
     """Raise the ``AlmaError`` a task of ``profile`` running fairseq-train ``argv`` would end
     with before training (module doc).  ``argv`` must already pass the flag check
@@ -117,15 +135,13 @@ def check_run_values(argv: list[str], profile: ResourceProfile) -> None:
 
     argv = argv + launcher_flags(profile)
     _, args, _ = parse_training_argv(argv)
-    if getattr(args, "arch", None) == "alma_vision":
-        # the vision learner checks its flags when it starts (fairseq_glue/vision_entry.py);
-        # fairseq's config of a point costs ~1 s (hydra's compose), and vision grids run to
-        # hundreds of points (train_configs/vision/mnist.yaml: 200)
-        return
     undo_bf16_tpu(args, argv)
-    with _quiet_logger("hydra"):  # fairseq's import leaves the root logger at DEBUG
+    with _quiet_logger("hydra"):
         cfg = convert_namespace_to_omegaconf(args)
     check_training_flags(cfg, machine_checks=False)
+    if str(given(cfg, "model", "_name") or "") == "alma_vision":
+        check_vision_values(cfg)
+        return
     data = str(given(cfg, "task", "data") or "").split(os.pathsep)[0]
     stream = str(given(cfg, "task", "_name") or "") == "alma_stream"
     # the stream's manifest and dictionary, read as fairseq-train reads them; data not there

@@ -47,19 +47,25 @@ def placement(module: nn.Module) -> tuple[torch.device, torch.dtype]:
     return torch.device("cpu"), torch.get_default_dtype()
 
 
+def planned_device(choice: str, cpu_flag: bool = False) -> str:
+    """The device a run of these flags trains on, judged without asking this machine: a GPU
+    unless --vision-device cpu or fairseq's --cpu says otherwise. ``alma-sweep submit`` checks
+    with it on a login node, which has no GPU while the nodes that train do."""
+    if choice not in ("auto", "cpu", "cuda"):
+        raise UsageError(f"--vision-device {choice!r} is unknown; use auto, cpu or cuda")
+    if choice == "cuda" and cpu_flag:
+        raise UsageError("--vision-device cuda contradicts --cpu; drop one of them")
+    return "cpu" if choice == "cpu" or cpu_flag else "cuda"
+
+
 def resolve_device(choice: str, cpu_flag: bool = False) -> str:
     """``--vision-device auto|cpu|cuda`` (with fairseq's ``--cpu``) as a torch device name:
     auto is the GPU when torch sees one and --cpu is not given."""
-    if choice == "cpu" or (choice == "auto" and (cpu_flag or not torch.cuda.is_available())):
-        return "cpu"
-    if choice not in ("auto", "cuda"):
-        raise UsageError(f"--vision-device {choice!r} is unknown; use auto, cpu or cuda")
-    if not torch.cuda.is_available():
+    if choice == "cuda" and not torch.cuda.is_available():
         raise UsageError("--vision-device cuda: no CUDA device is visible to torch here; use "
                          "--vision-device cpu (or auto)")
-    if cpu_flag:
-        raise UsageError("--vision-device cuda contradicts --cpu; drop one of them")
-    return "cuda"
+    device = planned_device(choice, cpu_flag)
+    return "cpu" if device == "cuda" and not torch.cuda.is_available() else device  # auto
 
 
 def check_amp(amp: str, device: torch.device) -> None:
