@@ -100,7 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "token ids are kept")
     p.add_argument("--verify", metavar="DIR", help="check a prepared stream instead: the "
                    "dictionary and every shard against the sha256 in DIR/manifest.json (reads "
-                   "every shard once); prints what was checked, or one line naming the bad file")
+                   "every shard once), and count the held-out documents that a training "
+                   "mega-batch also holds; prints what was checked, or one line naming the bad "
+                   "file")
     p.add_argument("--vocab-size", type=_at_least(1), default=d.vocab_size,
                    help=f"BPE vocabulary size (default: {d.vocab_size}, as in the paper)")
     p.add_argument("--spm-sample-sentences", type=_at_least(0), default=d.spm_sample_sentences,
@@ -184,11 +186,15 @@ def build_parser() -> argparse.ArgumentParser:
 def _verify(data_dir: str) -> None:
     from fairseq_alma.stream.manifest import has_shard_checksums, verify_stream_dir
 
+    from .overlap import held_out_overlap, overlap_lines
+
     manifest = verify_stream_dir(data_dir, hashes=True)
     files = 2 * len(manifest["splits"]) + 1
     what = "sizes and sha256" if has_shard_checksums(manifest) else \
         "sizes only (this manifest predates shard checksums: re-run alma-data-prep to add them)"
     print(f"{data_dir}: {files} files match manifest.json ({what})")
+    for line in overlap_lines(data_dir, held_out_overlap(data_dir, manifest)):
+        print(line)
 
 
 def _run(args: argparse.Namespace, command: str, argv: list[str]) -> None:

@@ -184,11 +184,12 @@ def _document_items(prefixes: list[str],
             yield int(d), tokens[ends[a] - shard_sizes[a]:ends[b]], shard_sizes[a:b + 1]
 
 
-def document_digests(prefixes: list[str], docs: Documents) -> bytearray:
+def document_digests(prefixes: list[str], docs: Documents, step: str = "repeats") -> bytearray:
     """The digest of every document's token ids (as int64, whatever the shard's dtype), in
-    order: what finds the documents that repeat an earlier one (``repeats.py``)."""
+    order: what finds the documents that repeat an earlier one (``repeats.py``); ``step``
+    names the progress lines."""
     digests = bytearray()
-    progress = Progress("repeats")
+    progress = Progress(step)
     for _, ids, _ in _document_items(prefixes, docs):
         data = np.asarray(ids, dtype="<i8").tobytes()
         digests += document_digest(data)

@@ -444,6 +444,55 @@ def test_repeated_documents_are_dropped_before_the_split(forked_prep, corpus, gp
     manifest = _load(kept)
     assert manifest["repeated_documents"] == {"count": len(copies), "dropped": False}
     assert sum(s["documents"] for s in manifest["splits"].values()) == NUM_DOCS + len(copies)
+    # --verify counts, from the binaries, the held-out documents that training also holds
+    for stream in (out, kept):
+        verified = forked_prep("--verify", stream)
+        assert verified.returncode == 0, verified.stderr
+        shared, any_shared = _shared_held_out_documents(stream)
+        assert f"also in a training mega-batch: {shared}\n" in verified.stdout, verified.stdout
+        assert ("warning:" in verified.stdout) == any_shared == (stream == kept), shared
+
+
+def test_a_stream_that_kept_repeats_is_named_when_a_task_opens_it(caplog, tmp_path):
+    from omegaconf import OmegaConf
+
+    from fairseq_alma.tasks.alma_stream import AlmaStreamConfig, AlmaStreamTask
+    from test_sweep import write_stream_skeleton
+
+    write_stream_skeleton(tmp_path / "data")
+    manifest = _load(str(tmp_path / "data"))
+    for repeats, warned in [({"count": 3, "dropped": False}, True),
+                            ({"count": 3, "dropped": True}, False), (None, False)]:
+        (tmp_path / "data" / "manifest.json").write_text(json.dumps(
+            {**manifest, "repeated_documents": repeats}))
+        caplog.clear()
+        AlmaStreamTask.setup_task(OmegaConf.structured(AlmaStreamConfig(data=str(tmp_path /
+                                                                                "data"))))
+        assert ("3 documents that repeat an earlier one were kept" in caplog.text) == warned
+
+
+def _shared_held_out_documents(stream: str) -> tuple[str, bool]:
+    """The reference count, on fairseq's own reader: the documents of each split as tuples of
+    token ids (items up to an end-of-sentence-only separator), held-out ones in training."""
+    from fairseq.data.indexed_dataset import MMapIndexedDataset
+
+    def documents(name: str) -> list[tuple[int, ...]]:
+        data, docs, doc = MMapIndexedDataset(os.path.join(stream, name)), [], []
+        for i in range(len(data)):
+            item = data[i].tolist()
+            if len(item) == 1:
+                docs.append(tuple(doc))
+                doc = []
+            else:
+                doc += item
+        return docs
+
+    megabatches = _load(stream)["num_megabatches"]
+    training = {doc for k in range(megabatches) for doc in documents(f"megabatch{k}")}
+    counts = {name: (sum(doc in training for doc in documents(name)), len(documents(name)))
+              for name in ("eval", "valid")}
+    return (", ".join(f"{name} {shared} of {total}" for name, (shared, total) in counts.items()),
+            any(shared for shared, _ in counts.values()))
 
 
 def test_from_binarized_drops_repeated_documents(forked_prep, gpt2_stream, encoded_text,

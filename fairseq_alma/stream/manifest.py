@@ -112,5 +112,15 @@ def verify_stream_dir(data_dir: str, hashes: bool = False) -> dict:
     return manifest
 
 
+def kept_repeats(manifest: dict) -> int:
+    """Documents of the corpus that repeat an earlier one and were kept in the stream
+    (``alma-data-prep --keep-duplicates``; 0 when dropped, or for a stream prepared before
+    repeats were counted): copies that may sit in a held-out split and in training at once."""
+    repeats = manifest.get("repeated_documents")
+    if not isinstance(repeats, dict) or repeats.get("dropped", True):
+        return 0
+    return int(repeats.get("count") or 0)
+
+
 def has_shard_checksums(manifest: dict) -> bool:
     return all("bin_sha256" in split for split in manifest["splits"].values())

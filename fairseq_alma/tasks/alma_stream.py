@@ -40,6 +40,7 @@ from ..lm.budget import fixed_budget_batches, interleave_slots, spare_updates
 from ..lm.growth import parse_growth_plan
 from ..optim.alma_stage_linear import stage_budget
 from ..ranks import all_ranks_stop
+from ..stream.manifest import kept_repeats
 from ..stream.progress import StreamPlan, auto_wait_conflict, wait_flag, wait_from_flag
 from ..stream.replay import check_replay_budget, slot_pattern
 
@@ -159,6 +160,11 @@ class AlmaStreamTask(LanguageModelingTask):
         if os.path.exists(data) and not os.path.isdir(data):
             raise DataError(f"DATA {data}: not a directory; give the --out directory of alma-data-prep")
         manifest = _verify_stream_dir(data)
+        if kept_repeats(manifest):
+            logger.warning("%s: %d documents that repeat an earlier one were kept (alma-data-prep "
+                           "--keep-duplicates), so evaluation may be partly on text it trains on; "
+                           "alma-data-prep --verify %s counts the held-out ones", data,
+                           kept_repeats(manifest), data)
         if cfg.wait is None:
             check_wait_auto(cfg, manifest)
         require(cfg.updates_per_stage >= 1, f"--updates-per-stage must be >= 1 (got {cfg.updates_per_stage})")
