@@ -455,9 +455,9 @@ def test_repeated_documents_are_dropped_before_the_split(forked_prep, corpus, gp
 
 def test_a_stream_that_kept_repeats_is_named_when_a_task_opens_it(caplog, tmp_path):
     from omegaconf import OmegaConf
+    from test_sweep import write_stream_skeleton
 
     from fairseq_alma.tasks.alma_stream import AlmaStreamConfig, AlmaStreamTask
-    from test_sweep import write_stream_skeleton
 
     write_stream_skeleton(tmp_path / "data")
     manifest = _load(str(tmp_path / "data"))
