@@ -25,6 +25,25 @@ def test_help_lists_the_plugins_flags_with_their_help():
     assert "--moe-experts" not in stock.stdout  # what alma-train is for
 
 
+def test_help_without_arch_shows_the_switch_lm_and_says_so():
+    """fairseq cannot build its parser without a model: a bare RuntimeError traceback before."""
+    proc = run([tool("alma-train"), "--help"])
+    assert proc.stdout.startswith("usage: alma-train") and "--moe-experts" in proc.stdout
+    assert "No --arch was given" in proc.stdout and not proc.stderr.strip(), proc.stderr
+
+
+@pytest.mark.parametrize("program", ["alma-train", "fairseq-train"])
+def test_training_without_arch_is_one_line(program, stream_dir, tmp_path):
+    cmd = [tool(program), str(stream_dir), "--task", "alma_stream", "--save-dir", str(tmp_path)]
+    if program == "fairseq-train":
+        cmd += ["--user-dir", "fairseq_alma"]
+    proc = run(cmd, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "fairseq-alma: error: --arch is required: the model to train, e.g. --arch "
+        "switch_transformer_lm_base (alma-train --arch NAME --help lists that model's options)")
+
+
 @pytest.mark.slow
 def test_alma_train_trains_like_fairseq_train(stream_dir, tmp_path):
     cmd = stream_cmd(stream_dir, tmp_path / "run")

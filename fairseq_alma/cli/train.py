@@ -14,6 +14,7 @@ Training itself is exactly ``fairseq-train`` (its own ``cli_main``) with ``--use
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -21,6 +22,7 @@ from ..fairseq_glue.user_dir import PLUGIN_DIR
 
 HELP_FLAGS = ("-h", "--help")
 DEFAULTS = {"--task": "alma_stream"}  # the plugin's task unless another one is named
+HELP_ARCH = "switch_transformer_lm"  # whose options --help lists when no --arch is named
 
 
 def with_plugin(argv: Sequence[str]) -> list[str]:
@@ -37,10 +39,19 @@ def full_help(argv: Sequence[str]) -> str:
     """fairseq-train's help with every option of the components named in ``argv``."""
     from fairseq import options
 
+    from ..fairseq_glue.patches import arch_missing
+
+    logging.getLogger().setLevel(logging.WARNING)  # the help alone, not fairseq's INFO lines
     rest = [a for a in argv if a not in HELP_FLAGS]
+    shown_arch = arch_missing(rest)  # fairseq cannot build a parser without a model
+    if shown_arch:
+        rest += ["--arch", HELP_ARCH]
     sys.argv = ["alma-train", *rest]  # fairseq reads --user-dir from sys.argv
     parser = options.get_training_parser()
     parser.prog = "alma-train"
+    if shown_arch:
+        parser.epilog = (f"No --arch was given: the model options above are those of --arch "
+                         f"{HELP_ARCH}; add --arch NAME to see another model's.")
     if not rest or rest[0].startswith("-"):  # no DATA given (it comes first): a stand-in
         rest = ["DATA", *rest]
     options.parse_args_and_arch(parser, input_args=rest, parse_known=True)

@@ -201,6 +201,24 @@ def _flags_given(names: tuple[str, ...], argv: list[str] | None = None) -> list[
     return [arg.split("=")[0] for arg in argv if arg.split("=")[0] in names]
 
 
+TRAINING_PROGRAMS = ("fairseq-train", "alma-train")
+HELP_FLAGS = ("-h", "--help")
+
+
+def _running_training_command() -> bool:
+    """Whether this process is fairseq-train (or alma-train, or ``python -m fairseq_cli.train``)."""
+    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return os.path.basename(sys.argv[0] if sys.argv else "") in TRAINING_PROGRAMS or (
+        main_spec is not None and main_spec.name == "fairseq_cli.train")
+
+
+def arch_missing(argv: list[str]) -> bool:
+    """Whether a training command line names no model: fairseq 0.12 then ends in a bare
+    ``RuntimeError()`` traceback (``options.parse_args_and_arch``), with no word of why."""
+    return not any(arg in ("--arch", "-a") or arg.startswith("--arch=") or
+                   (arg.startswith("-a") and not arg.startswith("--")) for arg in argv)
+
+
 def precision_conflict(argv: list[str]) -> str | None:
     """Why ``argv`` asks for two precisions (a bf16 flag with --fp16, --memory-efficient-fp16
     or --amp), or None; fairseq itself would raise "Cannot combine --fp16 and --tpu" with a
@@ -258,13 +276,18 @@ class _TrainingConfig:
 
 
 def install_training_flags() -> None:
-    """``_TrainingConfig`` in the fairseq command this process runs; and ``--bf16`` or
-    ``--memory-efficient-bf16`` with ``--fp16``, ``--memory-efficient-fp16`` or ``--amp`` end in
-    one line and exit 2 while fairseq is still parsing (fairseq itself would raise "Cannot
-    combine --fp16 and --tpu" with a traceback)."""
+    """``_TrainingConfig`` in the fairseq command this process runs; and two command lines end
+    in one line and exit 2 while fairseq is still parsing, where fairseq itself would end in a
+    traceback: ``--bf16`` or ``--memory-efficient-bf16`` with ``--fp16``,
+    ``--memory-efficient-fp16`` or ``--amp`` ("Cannot combine --fp16 and --tpu"), and a
+    training command without ``--arch`` (a bare ``RuntimeError``)."""
     if not _running_console_command():
         return
     conflict = precision_conflict(sys.argv[1:])
+    if conflict is None and _running_training_command() and arch_missing(sys.argv[1:]) and \
+            not _flags_given(HELP_FLAGS):
+        conflict = ("--arch is required: the model to train, e.g. --arch switch_transformer_lm_base "
+                    "(alma-train --arch NAME --help lists that model's options)")
     if conflict is not None:
         sys.stdout.flush()
         print(f"{ERROR_PROG}: error: {conflict}", file=sys.stderr, flush=True)
