@@ -34,6 +34,10 @@ class DataError(AlmaError):
     """Input data that cannot be used: a stream directory, manifest, shard, corpus or data set."""
 
 
+class MissingSplit(DataError):
+    """A split that a stream directory does not hold was asked for (its tools name the flag)."""
+
+
 class RunDirError(AlmaError):
     """A run directory that cannot be used as asked: unreadable records, missing stage
     checkpoints, another run's files."""

@@ -84,6 +84,12 @@ def vision(ctx: Ctx, data: str, save: Path, *extra: str) -> list[str]:
     return [tool("fairseq-train"), data, *VISION_FLAGS, "--save-dir", str(save), *extra]
 
 
+def without(argv: list[str], flag: str) -> list[str]:
+    """``argv`` without ``flag`` and its value."""
+    at = argv.index(flag)
+    return argv[:at] + argv[at + 2:]
+
+
 def flip_byte(path: Path, offset: int = 40) -> None:
     raw = bytearray(path.read_bytes())
     raw[offset] ^= 0xFF
@@ -212,6 +218,17 @@ LM_CASES = [
     Case("batch-size-valid 0", lambda c: (lm(c, c.data, c.tmp / "r", "--batch-size-valid", "0"), []), r"--batch-size-valid must be >= 1 .*got 0"),
     Case("max-tokens 0", lambda c: (lm(c, c.data, c.tmp / "r", "--max-tokens", "0"), []), r"--max-tokens must be >= 1 .*got 0"),
     Case("max-tokens below a block", lambda c: (lm(c, c.data, c.tmp / "r", "--max-tokens", "16"), []), r"--max-tokens 16 .*--tokens-per-sample 32"),
+    Case("no batch size", lambda c: (without(lm(c, c.data, c.tmp / "r"), "--batch-size"), []),
+         r"--batch-size N or --max-tokens N is required"),
+    Case("vision without batch size", lambda c: (without(vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits"), "--batch-size"), []),
+         r"--batch-size N or --max-tokens N is required"),
+    Case("valid-subset without fairseq validation", lambda c: (lm(c, c.data, c.tmp / "r", "--valid-subset", "eval"), []),
+         r"--valid-subset eval sets fairseq's own validation, which an alma_stream run does not run: .*--eval-subset eval"),
+    Case("valid-subset the stream lacks", lambda c: (lm(c, c.data, c.tmp / "r", "--fairseq-validation", "--valid-subset", "nope"), []),
+         r"the stream has no split 'nope' .*it holds .*eval, valid and megabatch0\.\.1"),
+    Case("eval-lm of the test split a stream lacks", lambda c: ([tool("fairseq-eval-lm"), str(c.data), "--user-dir", USER_DIR, "--path",
+                                                               str(c.done / "checkpoint_last.pt"), "--cpu", "--tokens-per-sample", "32"], [c.done]),
+         r"Dataset not found: test .*an ALMA stream holds eval .*--gen-subset eval"),
     Case("update-freq 0", lambda c: (lm(c, c.data, c.tmp / "r", "--update-freq", "0"), []), r"--update-freq must be >= 1 .*got 0"),
     Case("update-freq negative", lambda c: (lm(c, c.data, c.tmp / "r", "--update-freq", "-2"), []), r"--update-freq must be >= 1 .*got -2"),
     Case("required-batch-size-multiple 0", lambda c: (lm(c, c.data, c.tmp / "r", "--required-batch-size-multiple", "0"), []),

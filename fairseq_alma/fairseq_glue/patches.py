@@ -119,6 +119,13 @@ class _ConsoleMain:
             sys.stdout.flush()
             print(error_line(ERROR_PROG, err), file=sys.stderr, flush=True)
             raise SystemExit(err.exit_status) from None
+        except FileNotFoundError as err:
+            if not str(err).startswith("Dataset not found:"):  # fairseq's load_dataset
+                raise
+            sys.stdout.flush()
+            print(f"{ERROR_PROG}: error: {err}{_split_hint(args[0] if args else kwargs.get('cfg'))}",
+                  file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
         except (OSError, RuntimeError) as err:
             save_dir = _save_dir(args[0] if args else kwargs.get("cfg"))
             if not _disk_full(err, save_dir):
@@ -131,6 +138,19 @@ class _ConsoleMain:
 
     def __reduce__(self) -> tuple:
         return (_console_main, (self.module_name,))
+
+
+def _split_hint(cfg: Any) -> str:
+    """What to name instead of a split DATA lacks (fairseq-eval-lm scores ``test`` unless told):
+    on an ALMA stream, its evaluation mega-batch and validation set."""
+    try:
+        data = str(cfg.task.data).split(os.pathsep)[0]
+    except AttributeError:
+        return ""
+    if not os.path.isfile(os.path.join(data, "manifest.json")):
+        return "; name a split that DATA holds (--gen-subset, --valid-subset)"
+    return ("; an ALMA stream holds eval (the evaluation mega-batch), valid and megabatch{k}: "
+            "e.g. --gen-subset eval")
 
 
 def _save_dir(cfg: Any) -> str:

@@ -49,13 +49,18 @@ def on_cuda(node: Any, machine_checks: bool = True) -> bool:
 
 
 def check_run_inputs(cfg: Any, machine_checks: bool = True) -> None:
-    """Every stream (LM or vision): ``--save-dir`` can be a directory, batch sizes and
-    ``--update-freq`` are >= 1.  Without ``machine_checks`` the save dir is not probed: at
+    """Every stream (LM or vision): ``--save-dir`` can be a directory, a batch size is given,
+    batch sizes and ``--update-freq`` are >= 1.  Without ``machine_checks`` the save dir is not probed: at
     submit it does not exist yet, and the probe would write."""
     save_dir = given(cfg, "checkpoint", "save_dir")
     if save_dir and machine_checks:
         check_dir_path(save_dir, "--save-dir")
         check_writable(save_dir, f"--save-dir {save_dir}")  # fairseq's own probe is a traceback
+    if given(cfg, "dataset", "batch_size") is None and given(cfg, "dataset", "max_tokens") is None:
+        # fairseq_cli/train.py would end in an AssertionError traceback
+        raise UsageError("--batch-size N or --max-tokens N is required: the sequences (or tokens) "
+                         "of one batch of each process, e.g. --batch-size 8 (the paper's LMs: 8 per "
+                         "GPU; its vision streams: 128)")
     for flag, (section_name, key) in SIZES.items():
         value = given(cfg, section_name, key)
         if value is not None and value < 1:
@@ -252,7 +257,8 @@ def check_stream_run_flags(node: Any) -> None:
     unit of resumption.  ``--restore-file``/``--finetune-from-model`` would load another run's
     weights and stream position into this run directory under this run's settings (seen: a new
     --save-dir "done training in 0.0 seconds" holding the other run's records); ``--no-save``
-    leaves no stage checkpoints to resume or score; ``--stop-time-hours`` ends fairseq's loop
+    leaves no stage checkpoints to resume or score; ``--valid-subset`` would name a validation
+    that the stream turns off (``config.stream_training_settings``); ``--stop-time-hours`` ends fairseq's loop
     mid-stage with exit 0 and an unfinished stream; the ``--reset-*`` flags break the resumed
     run's update count and schedule.  Nothing in fairseq_alma passes these flags itself (stage
     starts and growth reset the optimizer in place: ``lm/stage_start.py``, ``lm/growth.py``)."""
@@ -279,6 +285,12 @@ def check_stream_run_flags(node: Any) -> None:
                          f"drop it: --max-epoch N stops after stage N (run again without it to "
                          f"continue), and SIGUSR1/SIGTERM save and exit {REQUEUE_EXIT_STATUS} for "
                          f"a requeue")
+    valid_subset = str(given(node, "dataset", "valid_subset") or "valid")
+    if valid_subset != "valid" and not given(node, "task", "fairseq_validation"):
+        raise UsageError(f"--valid-subset {valid_subset} sets fairseq's own validation, which an "
+                         f"alma_stream run does not run: stream.jsonl records the split 'valid' and "
+                         f"--eval-subset after every arrival; score {valid_subset} with --eval-subset "
+                         f"{valid_subset}, or add --fairseq-validation")
     for key in RESET_FLAGS:
         if given(node, "checkpoint", key):
             flag = f"--{key.replace('_', '-')}"

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from fairseq import checkpoint_utils, utils
 
-from ..errors import AlmaError, CheckpointError, UsageError
+from ..errors import AlmaError, CheckpointError, MissingSplit, UsageError
 from ..ranks import world
 from .eval_slice import EvalSlice, slice_dataset
 from .nll import Batching, eval_batches, target_log_probs
@@ -179,7 +179,7 @@ class CheckpointScorer:
         if dataset is None:
             try:
                 task.load_dataset(settings.subset)
-            except FileNotFoundError:
+            except (FileNotFoundError, MissingSplit):  # fairseq's task, or alma_stream's
                 raise UsageError(
                     f"--subset {settings.subset}: no such split in {settings.data} "
                     f"(the stream's evaluation mega-batch is 'eval')"

@@ -35,12 +35,12 @@ from fairseq.tasks import register_task
 from fairseq.tasks.language_modeling import LanguageModelingConfig, LanguageModelingTask
 from omegaconf import II
 
-from ..errors import DataError, UsageError, require
+from ..errors import DataError, MissingSplit, UsageError, require
 from ..lm.budget import fixed_budget_batches, interleave_slots, spare_updates
 from ..lm.growth import parse_growth_plan
 from ..optim.alma_stage_linear import stage_budget
 from ..ranks import all_ranks_stop
-from ..stream.manifest import kept_repeats
+from ..stream.manifest import expected_splits, kept_repeats
 from ..stream.progress import StreamPlan, auto_wait_conflict, wait_flag, wait_from_flag
 from ..stream.replay import check_replay_budget, slot_pattern
 
@@ -206,6 +206,7 @@ class AlmaStreamTask(LanguageModelingTask):
     # ---- data --------------------------------------------------------------------------
     def load_dataset(self, split: str, epoch: int = 1, combine: bool = False, **kwargs: Any) -> None:
         if split != "train":
+            self._check_split(split)
             super().load_dataset(split, epoch=epoch, combine=False, **kwargs)
             return
         if self.plan.adaptive and self.training is not None:
@@ -216,6 +217,19 @@ class AlmaStreamTask(LanguageModelingTask):
         self.datasets["train"] = self._stage_dataset(min(epoch, self.plan.num_stages))
         if self.training is not None:
             self.training.stage_boundary(epoch - 1)
+
+    def _check_split(self, split: str) -> None:
+        """A split the stream does not hold (``--valid-subset``, fairseq-eval-lm's
+        ``--gen-subset``) is one line naming the ones it does; fairseq would end in a
+        FileNotFoundError traceback."""
+        data = self.cfg.data.split(os.pathsep)[0]
+        names = expected_splits(int(self.manifest["num_megabatches"]),
+                                self.manifest.get("eval_per_megabatch") is not None)
+        if split not in names:
+            held_out = [name for name in names if not name.startswith("megabatch")]
+            raise MissingSplit(f"{data}: the stream has no split {split!r} (the subset flag: "
+                            f"--valid-subset, or fairseq-eval-lm's --gen-subset); it holds "
+                            f"{', '.join(held_out)} and megabatch0..{self.plan.num_megabatches - 1}")
 
     def _stage_dataset(self, stage: int) -> Any:
         """The mega-batches ``stage`` trains on (new ones, or all seen with --replay), concatenated;
