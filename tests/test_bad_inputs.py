@@ -551,6 +551,9 @@ def _run_case(case: Case, ctx: Ctx, forked: ForkedCommands | None = None
               ) -> tuple[Case, subprocess.CompletedProcess, dict, dict]:
     argv, watched = case.setup(ctx)
     before = {str(p): _tree_hash(p) for p in watched}
+    new_save_dir = None  # a --save-dir the command was given that does not exist yet
+    if "--save-dir" in argv and not os.path.exists(ctx.tmp / argv[argv.index("--save-dir") + 1]):
+        new_save_dir = ctx.tmp / argv[argv.index("--save-dir") + 1]
     if case.prog in IN_PROCESS:
         assert not case.env and os.path.basename(argv[0]) == case.prog, case.name
         proc = _call_main(argv, ctx.tmp)
@@ -560,6 +563,8 @@ def _run_case(case: Case, ctx: Ctx, forked: ForkedCommands | None = None
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=ctx.tmp,
                               env={**ENV, **case.env})
     after = {str(p): _tree_hash(p) for p in watched}
+    if new_save_dir is not None and os.path.exists(new_save_dir):
+        after["left behind"] = str(new_save_dir)  # a refused command leaves no --save-dir
     return case, proc, before, after
 
 

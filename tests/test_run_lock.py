@@ -15,7 +15,7 @@ import pytest
 
 from fairseq_alma.errors import RunDirError
 from fairseq_alma.stream.lock import HOLDER_FILE, RunLock
-from fairseq_alma.stream.run_dir import RunDirectory
+from fairseq_alma.stream.run_dir import RunDirectory, discard_unstarted
 
 HOLD = ("import sys, time\n"
         "from fairseq_alma.stream.lock import RunLock\n"
@@ -102,6 +102,31 @@ def test_another_run_is_refused_and_restart_moves_it_aside(tmp_path):
         assert run_dir.read_fingerprint() == second
     finally:
         run_dir.close()
+
+
+def test_a_refused_commands_directory_gives_way_and_goes_at_exit(tmp_path):
+    """What a command refused after it claimed its --save-dir leaves (run.json,
+    data_verified.json, the lock file) stops no corrected command and, where the command made
+    the directory, is removed at its exit; anything a run trained is never touched."""
+    run_dir = RunDirectory.for_training(tmp_path / "run")
+    try:
+        run_dir.claim({"warmup": 3})
+        (run_dir.path / "data_verified.json").write_text('"0123"')
+        run_dir.check_fingerprint({"warmup": 2})  # it never trained: no refusal
+        run_dir.claim({"warmup": 2})
+        assert run_dir.read_fingerprint() == {"warmup": 2}
+        (run_dir.path / "growth.jsonl").write_text("{}\n")  # anything else a run writes
+        with pytest.raises(RunDirError, match="holds another run"):
+            run_dir.check_fingerprint({"warmup": 1})
+        discard_unstarted(run_dir.path)
+        assert (run_dir.path / "growth.jsonl").exists()  # more than bookkeeping: kept
+        (run_dir.path / "growth.jsonl").unlink()
+        discard_unstarted(run_dir.path)
+        assert (run_dir.path / "run.json").exists()  # its lock is held: kept
+    finally:
+        run_dir.close()
+    discard_unstarted(run_dir.path)
+    assert not run_dir.path.exists()
 
 
 def test_unreadable_run_json_is_one_line(tmp_path):

@@ -91,9 +91,22 @@ def test_a_stop_signal_ends_the_stage_loop_and_the_limit_bounds_it(tmp_path):
     session.close()
 
 
+def test_a_run_that_never_trained_gives_way_with_the_new_fingerprint(tmp_path):
+    """A command refused after it claimed the directory (only run.json there) must not stop
+    the corrected command, and run.json then describes the corrected run, not the refused one."""
+    session, _ = _session(tmp_path / "run")
+    session.claim({"a": 1})
+    session.close()
+    corrected, _ = _session(tmp_path / "run")
+    corrected.claim({"a": 2})
+    assert corrected.fingerprint == corrected.run_dir.read_fingerprint() == {"a": 2}
+    corrected.close()
+
+
 def test_a_finished_run_is_not_claimed_and_a_refused_rank_stops_every_rank(tmp_path):
     session, _ = _session(tmp_path / "run")
     session.claim({"a": 1})
+    (tmp_path / "run" / "stream.jsonl").write_text("")  # it trained: another run is refused
     session.close()
     again, _ = _session(tmp_path / "run")
     again.claim({"a": 1}, finished=lambda: True)

@@ -43,6 +43,7 @@ The patches:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import importlib
@@ -105,6 +106,10 @@ class _ConsoleMain:
     def _call_original(self, *args: Any, **kwargs: Any) -> Any:
         from ..console import INTERRUPTED_EXIT_STATUS, error_line
 
+        refused: list[bool] = []
+        made = _new_save_dir(args[0] if args else kwargs.get("cfg"))
+        if made is not None:  # registered before the run lock's release, so it runs after it
+            atexit.register(_remove_if_refused_and_empty, made, refused)
         try:
             return self.original(*args, **kwargs)
         except StreamFinished as end:
@@ -116,6 +121,8 @@ class _ConsoleMain:
                   flush=True)
             raise SystemExit(INTERRUPTED_EXIT_STATUS) from None
         except AlmaError as err:
+            if not isinstance(err, Preempted):
+                refused.append(True)
             sys.stdout.flush()
             print(error_line(ERROR_PROG, err), file=sys.stderr, flush=True)
             raise SystemExit(err.exit_status) from None
@@ -138,6 +145,24 @@ class _ConsoleMain:
 
     def __reduce__(self) -> tuple:
         return (_console_main, (self.module_name,))
+
+
+def _new_save_dir(cfg: Any) -> str | None:
+    """``--save-dir`` when it does not exist yet: fairseq-train makes it first thing
+    (``checkpoint_utils.verify_checkpoint_directory``), before the task, the data or the model
+    can refuse the command."""
+    save_dir = _save_dir(cfg)
+    return save_dir if save_dir != "." and not os.path.exists(save_dir) else None
+
+
+def _remove_if_refused_and_empty(save_dir: str, refused: list[bool]) -> None:
+    """At exit, after the run lock it may have taken is released: a refused command leaves no
+    trace, so the --save-dir it made goes again if it holds no more than a run that never
+    trained (``run_dir.discard_unstarted``). One that existed before is never touched."""
+    if refused:
+        from ..stream.run_dir import discard_unstarted
+
+        discard_unstarted(save_dir)
 
 
 def _split_hint(cfg: Any) -> str:

@@ -30,7 +30,7 @@ from ..optim.stage_lr_schedules import describe_schedule, stage_peak
 from ..ranks import any_rank, raise_unless_all_ok, world
 from ..stream.records import ArrivalRecord
 from ..stream.replay import counted_replays
-from ..stream.run_dir import RunDirectory, fingerprint_hash
+from ..stream.run_dir import DATA_VERIFIED, RunDirectory, fingerprint_hash
 from ..stream.schedule import ArrivalInfo
 from ..stream.session import StreamSession
 from ..stream.stop import StopSignal, stage_limit
@@ -141,7 +141,7 @@ class StreamTraining:
         are checked at every start); ``data_verified.json`` records it for later starts."""
         from fairseq_alma.stream.manifest import has_shard_checksums, verify_stream_dir
 
-        marker = run_dir.path / "data_verified.json"
+        marker = run_dir.path / DATA_VERIFIED
         done = fingerprint_hash(data)
         if not run_dir.writes or not has_shard_checksums(self.task.manifest):
             return

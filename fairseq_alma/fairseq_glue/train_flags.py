@@ -56,6 +56,10 @@ def check_run_inputs(cfg: Any, machine_checks: bool = True) -> None:
     if save_dir and machine_checks:
         check_dir_path(save_dir, "--save-dir")
         check_writable(save_dir, f"--save-dir {save_dir}")  # fairseq's own probe is a traceback
+    seed = given(cfg, "common", "seed")
+    if seed is not None and not 0 <= seed < 2**32:
+        # numpy's seeding in fairseq's data loading would end in a ValueError traceback
+        raise UsageError(f"--seed must be in [0, {2**32 - 1}] (got {seed})")
     if given(cfg, "dataset", "batch_size") is None and given(cfg, "dataset", "max_tokens") is None:
         # fairseq_cli/train.py would end in an AssertionError traceback
         raise UsageError("--batch-size N or --max-tokens N is required: the sequences (or tokens) "

@@ -43,6 +43,10 @@ logger = logging.getLogger(__name__)
 RUN_FILE = "run.json"
 STREAM_LOG = "stream.jsonl"
 GROWTH_LOG = "growth.jsonl"
+DATA_VERIFIED = "data_verified.json"  # the training process hashed the data once for this run
+# What a run writes when it claims its directory, before any record, checkpoint or log of
+# training: a command refused after that point leaves only these (and the lock file).
+BOOKKEEPING_FILES = frozenset({RUN_FILE, DATA_VERIFIED})
 LAST_CHECKPOINT = "checkpoint_last.pt"
 STAGE_CHECKPOINT = "checkpoint_stage{stage}.pt"
 # Temporaries of interrupted writes: fairseq's own ``<name>.tmp`` and ``atomic.py``'s
@@ -138,7 +142,7 @@ class RunDirectory:
         The message names the settings that differ and the two ways out.  A run may continue
         under other ``EXECUTION_SETTINGS`` (``same_run``)."""
         old = self.read_fingerprint()
-        if old is None or same_run(old, fingerprint) or restart:
+        if old is None or same_run(old, fingerprint) or restart or self.never_trained():
             return
         changed = fingerprint_differences(old, fingerprint)
         shown = "; ".join(changed[:4]) + (f"; and {len(changed) - 4} more" if len(changed) > 4 else "")
@@ -157,10 +161,17 @@ class RunDirectory:
             moved = self.move_aside()
         elif old is None and self.run_files():
             note_run_without_fingerprint(self.path)
+
         if old != fingerprint or moved is not None:
             atomic_write_json(self.path / RUN_FILE, {"fingerprint": fingerprint,
                                                      "hash": fingerprint_hash(fingerprint)})
         return moved
+
+    def never_trained(self) -> bool:
+        """Whether the run here left nothing but its bookkeeping (``BOOKKEEPING_FILES``): no
+        record, checkpoint or log. Another run may then take the directory: there is nothing
+        to protect, and refusing would stop the corrected command of a refused one."""
+        return all(path.name in BOOKKEEPING_FILES for path in self.run_files())
 
     def run_files(self) -> list[Path]:
         """What a run leaves here (everything but the lock and earlier replaced runs)."""
@@ -291,3 +302,30 @@ def damaged_record(path: str | os.PathLike) -> str | None:
             return archive.testzip()
     except (zipfile.BadZipFile, OSError, EOFError) as err:
         return f"({err})"
+
+
+def discard_unstarted(path: str | os.PathLike) -> None:
+    """Remove the run directory ``path`` if it holds no more than a run that never trained
+    leaves (``BOOKKEEPING_FILES`` and the lock file, whose lock nobody holds): what a command
+    refused after it made the directory leaves behind. Anything else, it is left as it is."""
+    from .lock import try_flock
+
+    path = Path(path)
+    try:
+        names = {entry.name for entry in path.iterdir()}
+    except OSError:
+        return
+    if not names <= BOOKKEEPING_FILES | {LOCK_FILE}:
+        return
+    held = try_flock(path / LOCK_FILE) if LOCK_FILE in names else None
+    if LOCK_FILE in names and held is None:
+        return  # another process holds the lock: its run
+    try:
+        for name in names:
+            (path / name).unlink(missing_ok=True)
+        path.rmdir()
+    except OSError:
+        pass
+    finally:
+        if held is not None:
+            os.close(held[0])

@@ -25,7 +25,6 @@ from .records import ArrivalRecord, read_records
 from .run_dir import RUN_FILE, RunDirectory, damaged_record, fingerprint_hash
 
 SLURM_EVENTS = "slurm_events.jsonl"  # written by slurm/sweep.sbatch.in (alma-sweep status)
-DATA_VERIFIED = "data_verified.json"  # the training process hashed the data once for this run
 
 
 class RunView:

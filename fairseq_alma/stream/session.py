@@ -38,7 +38,7 @@ from typing import Any, Protocol
 from ..errors import AlmaError, Preempted
 from .progress import StreamPlan, StreamProgress
 from .records import ArrivalRecord
-from .run_dir import RunDirectory, fingerprint_differences
+from .run_dir import RunDirectory, fingerprint_differences, same_run
 from .schedule import ArrivalInfo, Stage
 from .stage_clock import StageClock
 from .stop import StopSignal
@@ -106,11 +106,14 @@ class StreamSession:
         byte of it), make it this run's."""
         self.run_dir.check_fingerprint(fingerprint, restart)
         old = None if restart else self.run_dir.read_fingerprint()
-        if old is not None and old != fingerprint:  # only how it computes changed (same_run)
-            changed = fingerprint_differences(old, fingerprint)
+        if old is not None and old != fingerprint and same_run(old, fingerprint):
+            changed = fingerprint_differences(old, fingerprint)  # only how it computes
             logger.info("continuing the run in %s with other execution settings (%s): the same "
                         "computation, to floating-point rounding", self.run_dir.path, "; ".join(changed))
             fingerprint = old  # the run keeps its fingerprint, and its checkpoints their run hash
+        elif old is not None and old != fingerprint:  # check_fingerprint let another run in
+            logger.info("%s: its run.json is a run's that never trained (a command refused before "
+                        "its first arrival left it); this run takes the directory", self.run_dir.path)
         self.fingerprint = fingerprint
         self.finished = (not restart and finished is not None
                          and self.run_dir.read_fingerprint() == fingerprint and finished())
