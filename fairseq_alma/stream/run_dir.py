@@ -44,9 +44,11 @@ RUN_FILE = "run.json"
 STREAM_LOG = "stream.jsonl"
 GROWTH_LOG = "growth.jsonl"
 DATA_VERIFIED = "data_verified.json"  # the training process hashed the data once for this run
+SLURM_EVENTS = "slurm_events.jsonl"  # written by slurm/sweep.sbatch.in (alma-sweep status)
 # What a run writes when it claims its directory, before any record, checkpoint or log of
-# training: a command refused after that point leaves only these (and the lock file).
-BOOKKEEPING_FILES = frozenset({RUN_FILE, DATA_VERIFIED})
+# training (and what its Slurm batch script logs): a command refused after that point leaves
+# only these, and the lock file.
+BOOKKEEPING_FILES = frozenset({RUN_FILE, DATA_VERIFIED, SLURM_EVENTS})
 LAST_CHECKPOINT = "checkpoint_last.pt"
 STAGE_CHECKPOINT = "checkpoint_stage{stage}.pt"
 # Temporaries of interrupted writes: fairseq's own ``<name>.tmp`` and ``atomic.py``'s

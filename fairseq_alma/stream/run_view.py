@@ -22,9 +22,7 @@ from typing import Any
 
 from ..errors import CheckpointError, RunDirError, UsageError
 from .records import ArrivalRecord, read_records
-from .run_dir import RUN_FILE, RunDirectory, damaged_record, fingerprint_hash
-
-SLURM_EVENTS = "slurm_events.jsonl"  # written by slurm/sweep.sbatch.in (alma-sweep status)
+from .run_dir import RUN_FILE, SLURM_EVENTS, RunDirectory, damaged_record, fingerprint_hash
 
 
 class RunView:
