@@ -321,7 +321,7 @@ def test_a_checkpoint_trained_with_gpu_only_flags_builds_on_cpu():
                               "common": {"bf16": True, "memory_efficient_bf16": False, "cpu": False, "tpu": False,
                                          "fp16": False, "memory_efficient_fp16": False, "fp16_no_flatten_grads": False},
                               "distributed_training": {"ddp_backend": "fully_sharded", "zero_sharding": "none"},
-                              "task": {"grow_experts": ""}})
+                              "task": {"grow_experts": ""}, "dataset": {"batch_size": 8}})
     validate_config(saved.model)
     with pytest.raises(UsageError, match="--bf16 trains on CUDA GPUs only"):
         check_training_flags(saved)  # but fairseq-train refuses them on this CPU
@@ -336,7 +336,8 @@ def test_fully_sharded_on_one_gpu_is_refused(monkeypatch):
                                        "memory_efficient_fp16": False, "memory_efficient_bf16": False,
                                        "fp16_no_flatten_grads": False},
                             "distributed_training": {"ddp_backend": "fully_sharded", "zero_sharding": "none",
-                                                     "distributed_world_size": 1}})
+                                                     "distributed_world_size": 1},
+                            "dataset": {"batch_size": 8}})
     with pytest.raises(UsageError, match="fully_sharded on one GPU: fairscale 0.4.13 cannot save"):
         check_training_flags(cfg)
     cfg.distributed_training.distributed_world_size = 2
