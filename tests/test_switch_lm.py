@@ -331,6 +331,7 @@ def test_fully_sharded_on_one_gpu_is_refused(monkeypatch):
     from fairseq_alma.fairseq_glue.train_flags import check_training_flags
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # a node with two GPUs
     cfg = OmegaConf.create({"model": {"_name": "switch_transformer_lm"}, "task": {"_name": "language_modeling"},
                             "common": {"cpu": False, "tpu": False, "bf16": False, "fp16": True,
                                        "memory_efficient_fp16": False, "memory_efficient_bf16": False,

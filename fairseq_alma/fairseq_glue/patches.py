@@ -134,6 +134,11 @@ class _ConsoleMain:
                   file=sys.stderr, flush=True)
             raise SystemExit(2) from None
         except (OSError, RuntimeError) as err:
+            if isinstance(err, OSError) and str(err).startswith("Model file not found:"):
+                sys.stdout.flush()  # fairseq's load_model_ensemble_and_task, for --path
+                print(f"{ERROR_PROG}: error: {err}; give the path of a checkpoint file (--path)",
+                      file=sys.stderr, flush=True)
+                raise SystemExit(2) from None
             save_dir = _save_dir(args[0] if args else kwargs.get("cfg"))
             if not _disk_full(err, save_dir):
                 raise

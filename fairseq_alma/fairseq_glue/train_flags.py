@@ -60,6 +60,14 @@ def check_run_inputs(cfg: Any, machine_checks: bool = True) -> None:
     if seed is not None and not 0 <= seed < 2**32:
         # numpy's seeding in fairseq's data loading would end in a ValueError traceback
         raise UsageError(f"--seed must be in [0, {2**32 - 1}] (got {seed})")
+    model = cfg.get("model") if hasattr(cfg, "get") else None
+    for key, value in (model.items() if model is not None and hasattr(model, "items") else []):
+        if str(key).endswith("dropout") and isinstance(value, (int, float)) and \
+                not isinstance(value, bool) and not 0 <= value <= 1:
+            # torch would end in a ValueError traceback at the first forward
+            raise UsageError(f"--{str(key).replace('_', '-')} must be in [0, 1] (a probability); "
+                             f"got {value}")
+    check_process_start(cfg, machine_checks)
     if given(cfg, "dataset", "batch_size") is None and given(cfg, "dataset", "max_tokens") is None:
         # fairseq_cli/train.py would end in an AssertionError traceback
         raise UsageError("--batch-size N or --max-tokens N is required: the sequences (or tokens) "
@@ -77,6 +85,32 @@ def check_run_inputs(cfg: Any, machine_checks: bool = True) -> None:
         if value < 1:
             raise UsageError(f"--update-freq must be >= 1 (got {value}): batches accumulated per "
                              "update, e.g. --update-freq 4")
+
+
+TORCH_LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
+
+
+def check_process_start(cfg: Any, machine_checks: bool = True) -> None:
+    """``--distributed-world-size N`` with nothing that says where the other processes come
+    from: fairseq then starts one process per GPU of this machine
+    (``distributed_utils.infer_init_method``), and with fewer GPUs than N it ends in an
+    AssertionError traceback. Not asked at submit (``machine_checks=False``): the launcher
+    gives every task its init method."""
+    world = given(cfg, "distributed_training", "distributed_world_size") or 1
+    port = given(cfg, "distributed_training", "distributed_port") or 0
+    if (not machine_checks or world <= 1 or given(cfg, "distributed_training", "distributed_init_method")
+            or given(cfg, "common", "tpu") or port > 0
+            or all(name in os.environ for name in TORCH_LAUNCH_VARIABLES)):
+        return
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if world > gpus:
+        how = ("on CPU, start one process per rank with --distributed-init-method tcp://HOST:PORT "
+               "and --distributed-rank R (or torchrun, or alma-sweep on Slurm)") if gpus == 0 else \
+            f"use at most {gpus}, or start the processes with torchrun or alma-sweep on Slurm"
+        raise UsageError(f"--distributed-world-size {world}: fairseq would start one process per GPU "
+                         f"of this machine, which has {gpus}; {how}")
 
 
 def check_lm_training(cfg: Any, machine_checks: bool = True) -> None:
