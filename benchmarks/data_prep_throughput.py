@@ -108,7 +108,7 @@ def _cpu_seconds() -> float:
                                                  resource.getrusage(resource.RUSAGE_CHILDREN)))
 
 
-def run_prep(corpora: list[str], workers: int, scratch: str) -> dict:
+def run_prep(corpora: list[str], workers: int, scratch: str, flags: list[str]) -> dict:
     """One alma-data-prep run from scratch; wall time, steps, peak memory, output digest."""
     out = tempfile.mkdtemp(dir=scratch, prefix=f"w{workers}-")
     cpu = _cpu_seconds()
@@ -117,7 +117,7 @@ def run_prep(corpora: list[str], workers: int, scratch: str) -> dict:
     current = ["startup"]
     started = time.perf_counter()
     process = subprocess.Popen([*_script("alma-data-prep"), *corpora, "--out", out,
-                                "--workers", str(workers), *PREP_FLAGS],
+                                "--workers", str(workers), *flags],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
     def sample() -> None:
@@ -246,13 +246,15 @@ def main() -> None:
             repeated = os.path.join(scratch, "repeated.txt")
             copies = build_repeated_corpus(corpora, args.repeat_to, repeated)
             corpora, described = [repeated], f"{copies} reordered copies of {described}"
+        # the copies are the point of --repeat-to: kept, not dropped as repeated documents
+        flags = PREP_FLAGS + (["--keep-duplicates"] if args.repeat_to is not None else [])
         size = sum(os.path.getsize(s.path) for s in _sources(corpora))
-        print(f"corpus: {described}: {size / 1e6:.1f} MB; flags: {' '.join(PREP_FLAGS)}; "
+        print(f"corpus: {described}: {size / 1e6:.1f} MB; flags: {' '.join(flags)}; "
               f"cpus: {os.cpu_count()}; load average before: {os.getloadavg()[0]:.1f}",
               flush=True)
         results = {}
         for workers in (2, 1):
-            run = run_prep(corpora, workers, scratch)
+            run = run_prep(corpora, workers, scratch, flags)
             run["alone"], run["alone_cpu"], run["alone_tokens"] = time_encode_alone(run["out"],
                                                                                     workers)
             results[workers] = run
