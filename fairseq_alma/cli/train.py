@@ -18,9 +18,9 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from ..fairseq_glue.patches import HELP_FLAGS, arch_missing
 from ..fairseq_glue.user_dir import PLUGIN_DIR
 
-HELP_FLAGS = ("-h", "--help")
 DEFAULTS = {"--task": "alma_stream"}  # the plugin's task unless another one is named
 HELP_ARCH = "switch_transformer_lm"  # whose options --help lists when no --arch is named
 
@@ -38,8 +38,6 @@ def with_plugin(argv: Sequence[str]) -> list[str]:
 def full_help(argv: Sequence[str]) -> str:
     """fairseq-train's help with every option of the components named in ``argv``."""
     from fairseq import options
-
-    from ..fairseq_glue.patches import arch_missing
 
     logging.getLogger().setLevel(logging.WARNING)  # the help alone, not fairseq's INFO lines
     rest = [a for a in argv if a not in HELP_FLAGS]
