@@ -14,6 +14,7 @@ decision about where the file came from) loads it fully, fairseq's own loads inc
 
 from __future__ import annotations
 
+import argparse
 import os
 import pickle
 import re
@@ -25,8 +26,13 @@ from .errors import CheckpointError, first_line
 from .stream.run_view import checked_checkpoint, recovery_hint
 
 # Types beyond torch's weights_only defaults that fairseq or fairseq-alma put in checkpoints.
-# None today: fairseq 0.12 stores its config as plain containers and its meters as state dicts.
-SAFE_GLOBALS: list[Any] = []
+# fairseq 0.12 stores its config as plain containers and its meters as state dicts, except the
+# config of a pre-dataclass component (``--optimizer sgd``, adagrad, adafactor, ...), which it
+# keeps as the ``argparse.Namespace`` of the command line: plain attributes, whose values the
+# allowlist checks in turn, and no code of its own.  Registered for the whole process, so
+# fairseq's own ``torch.load`` calls (resuming, fairseq-eval-lm) accept it too.
+SAFE_GLOBALS: list[Any] = [argparse.Namespace]
+torch.serialization.add_safe_globals(SAFE_GLOBALS)
 TRUST_FLAG = "--trust-checkpoint"
 _TRUST_ENV = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"  # torch's own switch for loads that pass no flag
 
@@ -51,8 +57,9 @@ def load_checkpoint(path: str | os.PathLike, mmap: bool = False) -> Any:
     that needs a type a checkpoint of ours never holds (module doc)."""
     path = checked_checkpoint(path)
     try:
-        with torch.serialization.safe_globals(SAFE_GLOBALS):
-            return torch.load(path, map_location="cpu", mmap=mmap, weights_only=not trusted())
+        # SAFE_GLOBALS are registered for the process (above); torch's safe_globals context
+        # manager would drop them again on exit, for fairseq's own loads that come later
+        return torch.load(path, map_location="cpu", mmap=mmap, weights_only=not trusted())
     except pickle.UnpicklingError as err:
         if "weights_only" not in str(err) and "Unsupported global" not in str(err):
             raise unreadable(path, err) from None

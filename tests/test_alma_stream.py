@@ -207,3 +207,33 @@ def test_the_same_command_on_a_finished_run_changes_no_byte(stream_dir, referenc
     proc = run(stream_cmd(stream_dir, save, *RESUMABLE))
     assert "nothing to train" in proc.stdout + proc.stderr
     assert digest() == before
+
+
+@pytest.mark.slow
+def test_pre_dataclass_optimizer_trains_resumes_and_scores(stream_dir, tmp_path):
+    """fairseq 0.12 configures some optimizers the old way (``--optimizer sgd``, adagrad,
+    adafactor, ...): their config is the command line's ``argparse.Namespace``, in the
+    checkpoints too.  Such a run fingerprints only the optimizer's own flags, resumes to
+    exactly the uninterrupted run, keeps its initialised model (``--wait 2``) and scores with
+    alma-score and fairseq-eval-lm (the run.json write, the weights-only loads and the
+    checkpoint config each ended in a traceback before)."""
+    sgd = ("--optimizer", "sgd", "--momentum", "0.9", "--lr", "0.3")
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    run(stream_cmd(stream_dir, whole, *sgd))
+    run(stream_cmd(stream_dir, parts, *sgd, "--max-epoch", "1"))
+    run(stream_cmd(stream_dir, parts, *sgd))
+    assert_same_stream(whole, parts)
+    fingerprint = json.loads((whole / "run.json").read_text())["fingerprint"]["config"]
+    assert fingerprint["optimizer"] == {"_name": "sgd", "momentum": 0.9, "weight_decay": 0.0}
+    scored = run([tool("alma-score"), str(whole), "--json", str(tmp_path / "s.json")])
+    logged = [r["eval_ppl"] for r in map(json.loads, (whole / "stream.jsonl").read_text().splitlines())]
+    arrivals = json.loads((tmp_path / "s.json").read_text())["series"][0]["arrivals"]
+    assert [a["ppl"] for a in arrivals[1:]] == pytest.approx(logged[1:], rel=1e-6), scored.stdout
+    waited = tmp_path / "waited"
+    run(stream_cmd(stream_dir, waited, *sgd, "--wait", "2"))
+    assert (waited / "checkpoint_stage0.pt").exists()
+    run([tool("alma-score"), str(waited)])
+    evaluated = run([tool("fairseq-eval-lm"), str(stream_dir), "--path", str(waited / "checkpoint_stage0.pt"),
+                     "--user-dir", USER_DIR, "--gen-subset", "eval", "--cpu", "--tokens-per-sample", "32",
+                     "--batch-size", "8"])
+    assert "Perplexity" in evaluated.stdout + evaluated.stderr

@@ -80,6 +80,11 @@ def lm(ctx: Ctx, data: Path, save: Path, *extra: str) -> list[str]:
     return [tool("fairseq-train"), str(data), *LM_FLAGS, "--save-dir", str(save), *extra]
 
 
+def fresh_run_case(flags: tuple[str, ...], needle: str) -> Case:
+    """A training command on the stream, into a new --save-dir, with ``flags`` added."""
+    return Case(" ".join(flags), lambda c: (lm(c, c.data, c.tmp / "r", *flags), []), needle)
+
+
 def vision(ctx: Ctx, data: str, save: Path, *extra: str) -> list[str]:
     return [tool("fairseq-train"), data, *VISION_FLAGS, "--save-dir", str(save), *extra]
 
@@ -283,6 +288,18 @@ LM_CASES = [
     Case("reset-lr-scheduler", lambda c: (lm(c, c.data, c.tmp / "r", "--reset-lr-scheduler"), []), r"--reset-lr-scheduler: .*drop --reset-lr-scheduler$"),
     Case("reset-dataloader", lambda c: (lm(c, c.data, c.tmp / "r", "--reset-dataloader"), []), r"--reset-dataloader: .*drop --reset-dataloader$"),
     Case("reset-meters", lambda c: (lm(c, c.data, c.tmp / "r", "--reset-meters"), []), r"--reset-meters: .*drop --reset-meters$"),
+    *(fresh_run_case(flags, needle) for flags, needle in (
+        (("--no-last-checkpoints",), r"--no-last-checkpoints: an alma_stream run keeps each stage's model from the checkpoint_last.pt .*drop it"),
+        (("--save-interval", "2"), r"--save-interval 2: an alma_stream run saves at the end of every stage .*--save-interval-updates"),
+        (("--log-interval", "0"), r"--log-interval must be >= 1 \(got 0\)"),
+        (("--fairseq-validation", "--patience", "1"), r"--patience 1 would end the stream with exit 0 when validation stops improving; drop it"),
+        (("--stop-min-lr", "0"), r"--stop-min-lr 0 would end the stream with exit 0 when the LR falls to it"),
+        (("--store-ema",), r"--store-ema: an alma_stream run evaluates and keeps the trained weights .*drop --store-ema"),
+        (("--clip-norm", "nan"), r"--clip-norm nan: every number a run is given must be finite"),
+        (("--capacity-factor", "inf"), r"--capacity-factor inf: every number a run is given must be finite"),
+        (("--lr", "-1"), r"--lr must be >= 0 \(got -1\)"),
+        (("--optimizer", "lamb"), r"--optimizer lamb is NVIDIA apex's fused LAMB, and apex is not installed"),
+    )),
     Case("growth step above the experts", lambda c: (lm(c, c.data, c.tmp / "r", "--moe-max-experts", "8", "--grow-experts", "3"), []),
          r"--grow-experts 3: stage 2 would copy 3 experts but the model has 2 then .*use k <= 2"),
     Case("growth stage repeated", lambda c: (lm(c, c.data, c.tmp / "r", "--moe-max-experts", "6", "--grow-experts", "2,2", "--grow-at-stages", "2,2"), []),

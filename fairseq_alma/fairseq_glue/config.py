@@ -11,6 +11,7 @@ never silently replaced.
 
 from __future__ import annotations
 
+import argparse
 import logging
 from typing import Any
 
@@ -82,12 +83,21 @@ def given(node: Any, section_name: str, key: str) -> Any:
     return target.get(key) if target is not None else None
 
 
+def component_name(node: Any, section_name: str) -> str | None:
+    """The registered name of ``cfg.<section_name>`` (``--optimizer``, ``--lr-scheduler``, ...),
+    a config node or, for fairseq's pre-dataclass components, an ``argparse.Namespace``."""
+    part = section(node, section_name)
+    if isinstance(part, argparse.Namespace):
+        return getattr(part, "_name", None)
+    return part.get("_name") if part is not None and hasattr(part, "get") else None
+
+
 def stage_lr_settings(node: Any) -> tuple[str, float] | None:
     """(``--stage-lr-schedule``, the peak ``--lr``) when the run's LR scheduler is
     ``alma_stage_linear``, else None (the records then say nothing about a meta-schedule)."""
-    scheduler = section(node, "lr_scheduler")
-    if scheduler is None or scheduler.get("_name") != "alma_stage_linear":
+    if component_name(node, "lr_scheduler") != "alma_stage_linear":
         return None
+    scheduler = section(node, "lr_scheduler")
     schedule = scheduler.get("stage_lr_schedule") or "restart"
     lr = given(node, "optimization", "lr")
     return str(getattr(schedule, "value", schedule)), float(lr[0])
@@ -120,13 +130,35 @@ TASK_NOT_FINGERPRINTED = ("data", "save_dir", "max_epoch", "tensorboard_logdir",
                           "plasma_path")
 
 
+def legacy_component_settings(section_name: str, namespace: argparse.Namespace) -> dict[str, Any]:
+    """The settings of a component fairseq 0.12 still configures the pre-dataclass way
+    (``--optimizer sgd``, ``adagrad``, ``adafactor``, ``adadelta``, ``adamax``, ``lamb``;
+    ``--lr-scheduler manual``): the flags its class's ``add_args`` defines, and its name.
+
+    Why: fairseq hands such a component the whole command line as one ``Namespace`` (paths,
+    logging and ports included), which is neither JSON nor what the run's results depend on;
+    taking all of it would make a moved ``--save-dir`` look like another run."""
+    from fairseq.registry import REGISTRIES
+
+    name = getattr(namespace, "_name", None) or getattr(namespace, section_name, None)
+    component = REGISTRIES.get(section_name, {}).get("registry", {}).get(name)
+    parser = argparse.ArgumentParser(add_help=False)
+    if component is not None and hasattr(component, "add_args"):
+        component.add_args(parser)
+    keys = sorted({action.dest for action in parser._actions})
+    settings = {key: getattr(namespace, key, None) for key in keys}
+    return {"_name": name, **{key: list(v) if isinstance(v, tuple) else v for key, v in settings.items()}}
+
+
 def run_fingerprint(node: Any) -> dict[str, Any]:
     """The settings of a fairseq-train run that change its results (see FINGERPRINT_KEYS)."""
     from omegaconf import OmegaConf
 
-    def plain(value: Any) -> Any:
+    def plain(value: Any, section_name: str = "") -> Any:
         if OmegaConf.is_config(value):
             return OmegaConf.to_container(value, resolve=True, enum_to_str=True)
+        if isinstance(value, argparse.Namespace):
+            return legacy_component_settings(section_name, value)
         return getattr(value, "value", value)  # ChoiceEnum members
 
     out: dict[str, Any] = {}
@@ -137,7 +169,7 @@ def run_fingerprint(node: Any) -> dict[str, Any]:
     for name in WHOLE_SECTIONS:
         part = section(node, name)
         if part is not None:
-            out[name] = plain(part)
+            out[name] = plain(part, name)
     task = section(node, "task")
     if task is not None:
         out["task"] = {key: plain(task.get(key)) for key in task if key not in TASK_NOT_FINGERPRINTED}

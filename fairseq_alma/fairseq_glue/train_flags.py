@@ -17,11 +17,12 @@ that silently does something else (``--batch-size 0`` trains with fairseq's defa
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import REQUEUE_EXIT_STATUS, CheckpointError, UsageError
 from ..out_paths import check_dir_path, check_writable
-from .config import given, section
+from .config import component_name, given, section
 
 # flag -> (section, key): sizes that must be >= 1 when given (None: fairseq's default)
 SIZES = {
@@ -85,6 +86,38 @@ def check_run_inputs(cfg: Any, machine_checks: bool = True) -> None:
         if value < 1:
             raise UsageError(f"--update-freq must be >= 1 (got {value}): batches accumulated per "
                              "update, e.g. --update-freq 4")
+    for flag, (section_name, key) in INTERVALS.items():
+        value = given(cfg, section_name, key)
+        if value is not None and value < 1:
+            # fairseq takes each modulo its interval: a ZeroDivisionError traceback at the first one
+            raise UsageError(f"{flag} must be >= 1 (got {value}); leave it out for fairseq's default")
+    check_finite(cfg)
+
+
+# flag -> (section, key): fairseq's every-N cadences (it computes ``n % N``)
+INTERVALS = {
+    "--log-interval": ("common", "log_interval"),
+    "--validate-interval": ("dataset", "validate_interval"),
+    "--save-interval": ("checkpoint", "save_interval"),
+}
+
+
+def check_finite(cfg: Any) -> None:
+    """Every number of the config is finite: fairseq parses ``nan`` and ``inf`` for any float
+    flag (``--clip-norm nan``, ``--capacity-factor inf``), and no such setting trains a run
+    whose records can be written or compared (run.json and stream.jsonl hold strict JSON)."""
+    import math
+    from argparse import Namespace
+
+    sections = cfg.items() if hasattr(cfg, "items") else []
+    for _, part in sections:
+        items = vars(part).items() if isinstance(part, Namespace) else             part.items() if hasattr(part, "items") else []
+        for key, value in items:
+            values = value if isinstance(value, (list, tuple)) or type(value).__name__ == "ListConfig"                 else [value]
+            for item in values:
+                if isinstance(item, float) and not math.isfinite(item):
+                    raise UsageError(f"--{str(key).replace('_', '-')} {item}: every number a run is "
+                                     "given must be finite; give a finite value")
 
 
 TORCH_LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
@@ -255,6 +288,7 @@ def check_training_flags(cfg: Any, machine_checks: bool = True) -> None:
     if arch == "alma_vision":  # the vision learner checks its own flags (fairseq_glue/vision_entry.py)
         return
     check_precision(cfg, machine_checks)
+    check_optimizer(cfg)
     task = cfg.get("task")
     if task is not None and task.get("_name") == "alma_stream":
         check_stream_run_flags(cfg)
@@ -279,6 +313,22 @@ def check_training_flags(cfg: Any, machine_checks: bool = True) -> None:
             raise UsageError(f"--moe-expert-kernel compiled: {missing}; install it, or use "
                              f"--moe-expert-kernel batched (the same results, uncompiled)")
     check_lm_training(cfg, machine_checks)
+
+
+def check_optimizer(cfg: Any) -> None:
+    """A learning rate below 0 (fairseq would stop before the first update with exit 0: its
+    loop ends once the LR is at most ``--stop-min-lr``, -1 by default), and ``--optimizer lamb``
+    without NVIDIA apex (fairseq's LAMB is apex's fused kernel: an ImportError traceback)."""
+    for value in given(cfg, "optimization", "lr") or []:
+        if value < 0:
+            raise UsageError(f"--lr must be >= 0 (got {value:g}): the peak learning rate, e.g. "
+                             "--lr 0.0005")
+    if component_name(cfg, "optimizer") == "lamb":
+        import importlib.util
+
+        if importlib.util.find_spec("apex") is None:
+            raise UsageError("--optimizer lamb is NVIDIA apex's fused LAMB, and apex is not installed; "
+                             "install apex, or use --optimizer adam")
 
 
 # fairseq's resume-time resets: an alma_stream run resumes its optimizer, LR schedule, data
@@ -314,21 +364,13 @@ def check_stream_run_flags(node: Any) -> None:
         raise UsageError(f"--finetune-from-model {finetune}: an alma_stream run starts from a fresh "
                          f"model or resumes from its own --save-dir; drop it (give that run's "
                          f"directory as --save-dir to continue it)")
-    if given(node, "checkpoint", "no_save"):
-        raise UsageError("--no-save: an alma_stream run needs its checkpoints (checkpoint_last.pt to "
-                         "resume, checkpoint_stage{s}.pt to score); drop --no-save")
-    hours = given(node, "optimization", "stop_time_hours") or 0
-    if hours > 0:
-        raise UsageError(f"--stop-time-hours {hours:g} would end the stream mid-stage with exit 0; "
-                         f"drop it: --max-epoch N stops after stage N (run again without it to "
-                         f"continue), and SIGUSR1/SIGTERM save and exit {REQUEUE_EXIT_STATUS} for "
-                         f"a requeue")
     valid_subset = str(given(node, "dataset", "valid_subset") or "valid")
     if valid_subset != "valid" and not given(node, "task", "fairseq_validation"):
         raise UsageError(f"--valid-subset {valid_subset} sets fairseq's own validation, which an "
                          f"alma_stream run does not run: stream.jsonl records the split 'valid' and "
                          f"--eval-subset after every arrival; score {valid_subset} with --eval-subset "
                          f"{valid_subset}, or add --fairseq-validation")
+    check_stream_stopping(node)
     for key in RESET_FLAGS:
         if given(node, "checkpoint", key):
             flag = f"--{key.replace('_', '-')}"
@@ -362,3 +404,49 @@ def check_sharding(node: Any, growth: bool, machine_checks: bool = True) -> None
             raise UsageError("--grow-experts cannot grow experts inside FSDP's flattened, sharded "
                              "parameters; use --ddp-backend legacy_ddp or pytorch_ddp with "
                              "--zero-sharding os")
+
+
+# (section, key, refused when, the one line; {v} is the value): fairseq's flags that would end
+# an alma_stream run early with exit 0, or leave it without the checkpoints every stage needs
+# (``check_stream_stopping``).
+STREAM_STOPPERS: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = (
+    ("checkpoint", "no_save", bool,
+     "--no-save: an alma_stream run needs its checkpoints (checkpoint_last.pt to resume, "
+     "checkpoint_stage{{s}}.pt to score); drop --no-save"),
+    ("checkpoint", "no_last_checkpoints", bool,
+     "--no-last-checkpoints: an alma_stream run keeps each stage's model from the "
+     "checkpoint_last.pt saved at the stage's end (and resumes from it); drop it"),
+    ("checkpoint", "save_interval", lambda v: v != 1,
+     "--save-interval {v}: an alma_stream run saves at the end of every stage (one fairseq "
+     "epoch), which is its stage checkpoint; drop it (--save-interval-updates N saves within stages)"),
+    ("optimization", "stop_time_hours", lambda v: v > 0,
+     "--stop-time-hours {v:g} would end the stream mid-stage with exit 0; drop it: --max-epoch N "
+     "stops after stage N (run again without it to continue), and SIGUSR1/SIGTERM save and exit "
+     f"{REQUEUE_EXIT_STATUS} for a requeue"),
+    ("checkpoint", "patience", lambda v: v > 0,
+     "--patience {v} would end the stream with exit 0 when validation stops improving; drop it "
+     "(every arrival is evaluated; --max-epoch N stops after stage N)"),
+    ("optimization", "stop_min_lr", lambda v: v >= 0,
+     "--stop-min-lr {v:g} would end the stream with exit 0 when the LR falls to it (the stage "
+     "schedules decay to 0); drop it (--max-epoch N stops after stage N)"),
+    ("ema", "store_ema", bool,
+     "--store-ema: an alma_stream run evaluates and keeps the trained weights at every arrival, "
+     "not fairseq's EMA copy; drop --store-ema"),
+)
+
+
+def check_stream_stopping(node: Any) -> None:
+    """``STREAM_STOPPERS``, each seen doing what its line says.
+
+    Why: a stage checkpoint is the ``checkpoint_last.pt`` fairseq saves at the end of each
+    epoch (one epoch per stage), so ``--no-last-checkpoints`` left a finished-looking
+    ``stream.jsonl`` with no stage checkpoint at all, and ``--save-interval 2`` kept every
+    second stage only.  ``--stop-time-hours``, ``--patience`` (with ``--fairseq-validation``)
+    and ``--stop-min-lr`` stop fairseq's loop on time, stalled validation or a low LR: with exit
+    0 and an unfinished stream (``--patience 1`` ended one after its first stage).  fairseq's
+    EMA (``--store-ema``) is neither what the stream evaluates after every arrival nor what its
+    stage checkpoints keep, and its update fails on the Switch routers' integer buffers."""
+    for section_name, key, refused, message in STREAM_STOPPERS:
+        value = given(node, section_name, key)
+        if value is not None and refused(value):
+            raise UsageError(message.format(v=value))

@@ -67,7 +67,9 @@ def keep_initial_checkpoint(run_dir: RunDirectory, model: Any, fairseq_cfg: Any,
         return target if target.exists() else None
     cfg = OmegaConf.to_container(fairseq_cfg, resolve=True, enum_to_str=True) \
         if OmegaConf.is_config(fairseq_cfg) else fairseq_cfg
-    names = {key: (cfg.get(key) or {}).get("_name") for key in ("criterion", "optimizer", "lr_scheduler")}
+    # a pre-dataclass component (--optimizer sgd, ...) keeps its config as a Namespace
+    names = {key: part.get("_name") if isinstance(part, dict) else getattr(part, "_name", None)
+             for key, part in ((key, cfg.get(key)) for key in ("criterion", "optimizer", "lr_scheduler"))}
     state = {
         "args": None,
         "cfg": cfg,

@@ -72,8 +72,9 @@ class StreamRun:
         """Table 2's names: 'SM_w1', 'Ens_w4 (4x steps)', 'gEns_w1'; ' replay' when replaying."""
         if self.cfg is None:
             return setting_name(self.records[-1].extra, prefix)
-        scheduler = self.cfg.get("lr_scheduler") or {}
-        return setting_name(self.cfg.task, prefix, scheduler.get("stage_lr_schedule"))
+        scheduler = self.cfg.get("lr_scheduler")  # a Namespace for --lr-scheduler manual
+        schedule = getattr(scheduler, "stage_lr_schedule", None) if scheduler is not None else None
+        return setting_name(self.cfg.task, prefix, schedule)
 
 
 def load_run(run_dir: str, data: str | None, from_log: bool) -> StreamRun:
@@ -115,7 +116,8 @@ def load_run(run_dir: str, data: str | None, from_log: bool) -> StreamRun:
                               f"{view.stage_checkpoint(int(alma['stage'])).name}")
         run.dictionaries[stage] = alma.get("dictionary")
     state = _read_checkpoint(run.checkpoints[run.stages[-1]])
-    run.cfg = OmegaConf.create(state["cfg"])
+    # allow_objects, as fairseq's own loader: a pre-dataclass optimizer's config is a Namespace
+    run.cfg = OmegaConf.create(state["cfg"], flags={"allow_objects": True})
     counts = [int(v) for k, v in state["model"].items() if k.endswith("num_active")]
     run.experts = max(counts) if counts else run.cfg.model.get("moe_experts")
     _check_complete(view, data or run.cfg.task.data, from_log)
