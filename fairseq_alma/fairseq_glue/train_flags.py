@@ -407,8 +407,8 @@ def check_sharding(node: Any, growth: bool, machine_checks: bool = True) -> None
 
 
 # (section, key, refused when, the one line; {v} is the value): fairseq's flags that would end
-# an alma_stream run early with exit 0, or leave it without the checkpoints every stage needs
-# (``check_stream_stopping``).
+# an alma_stream run early with exit 0, leave it without the checkpoints every stage needs, or
+# that it would ignore (``check_stream_stopping``).
 STREAM_STOPPERS: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = (
     ("checkpoint", "no_save", bool,
      "--no-save: an alma_stream run needs its checkpoints (checkpoint_last.pt to resume, "
@@ -432,6 +432,15 @@ STREAM_STOPPERS: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = (
     ("ema", "store_ema", bool,
      "--store-ema: an alma_stream run evaluates and keeps the trained weights at every arrival, "
      "not fairseq's EMA copy; drop --store-ema"),
+    ("dataset", "train_subset", lambda v: v != "train",
+     "--train-subset {v}: an alma_stream run trains on its mega-batches (megabatch0, ...) in stream "
+     "order; drop it"),
+    ("dataset", "num_shards", lambda v: v > 1,
+     "--num-shards {v}: an alma_stream run shares each stage's batches out over its processes "
+     "itself (--distributed-world-size); drop --num-shards and --shard-id"),
+    ("dataset", "curriculum", lambda v: v > 0,
+     "--curriculum {v}: an alma_stream run orders each stage's data itself (passes over it "
+     "shuffled with --seed); drop it"),
 )
 
 
@@ -445,7 +454,10 @@ def check_stream_stopping(node: Any) -> None:
     and ``--stop-min-lr`` stop fairseq's loop on time, stalled validation or a low LR: with exit
     0 and an unfinished stream (``--patience 1`` ended one after its first stage).  fairseq's
     EMA (``--store-ema``) is neither what the stream evaluates after every arrival nor what its
-    stage checkpoints keep, and its update fails on the Switch routers' integer buffers."""
+    stage checkpoints keep, and its update fails on the Switch routers' integer buffers.
+    ``--train-subset valid`` trained on the validation split, wrote no stream record and no
+    stage checkpoint, and exited 0; the stream's own data order makes fairseq's ``--num-shards``
+    and ``--curriculum`` no-ops, and a flag that does nothing is refused, not ignored."""
     for section_name, key, refused, message in STREAM_STOPPERS:
         value = given(node, section_name, key)
         if value is not None and refused(value):

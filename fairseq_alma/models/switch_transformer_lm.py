@@ -296,6 +296,7 @@ def validate_config(cfg: SwitchTransformerLMConfig) -> None:
             "--checkpoint-activations with --moe-expert-parallel-size > 1 is not supported (the "
             "recomputed all_to_all would have to run in the same order on every rank); drop one")
     require(cfg.moe_freq >= 1, f"--moe-freq must be an integer >= 1 (got {cfg.moe_freq})")
+    require(cfg.decoder_layers >= 1, f"--decoder-layers must be an integer >= 1 (got {cfg.decoder_layers})")
     require(cfg.moe_freq <= cfg.decoder_layers,
             f"--moe-freq {cfg.moe_freq} leaves the {cfg.decoder_layers} decoder layers without a "
             f"Switch block (every {cfg.moe_freq}-th layer is one): use --moe-freq <= "
