@@ -380,6 +380,8 @@ SCORE_CASES = [
     Case("score bad batch size", lambda c: ([tool("alma-score"), str(c.done), "--batch-size", "0"], [c.done]), r"--batch-size must be >= 1", prog="alma-score"),    Case("score tokens-per-sample 0", lambda c: ([tool("alma-score"), str(c.done), "--tokens-per-sample", "0"], [c.done]), r"--tokens-per-sample must be >= 1", prog="alma-score"),
     Case("score max-eval-tokens 0", lambda c: ([tool("alma-score"), str(c.done), "--max-eval-tokens", "0"], [c.done]), r"--max-eval-tokens must be >= 1", prog="alma-score"),
     Case("score subset missing", lambda c: ([tool("alma-score"), str(c.done), "--subset", "test"], [c.done]), r"--subset test: no such split in .*data \(the stream's evaluation mega-batch is 'eval'\)", prog="alma-score"),
+    Case("score plot of no image format", lambda c: ([tool("alma-score"), str(c.done), "--from-log", "--plot", str(c.tmp / "fig.txt")], [c.done, c.tmp]),
+         r"--plot .*fig.txt: give a file ending in .png, .pdf, .svg", prog="alma-score"),
     Case("score run given twice", lambda c: ([tool("alma-score"), str(c.done), str(c.done)], [c.done]), r"a RUN_DIR is given twice", prog="alma-score"),
     Case("score from-log with ens", lambda c: ([tool("alma-score"), str(c.done), "--from-log", "--mode", "ens"], [c.done]), r"--from-log works with --mode single only", prog="alma-score"),
     Case("score fp16 on CPU", lambda c: ([tool("alma-score"), str(c.done), "--fp16", "--cpu"], [c.done]), r"--fp16", prog="alma-score"),

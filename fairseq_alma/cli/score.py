@@ -34,6 +34,7 @@ import warnings
 from ..console import OneLineArgumentParser, run_console
 from ..lm.score_distributed import world_from_env
 from ..out_paths import check_output_files
+from ..report.figures import check_plot_path
 from ..report.inputs import expand_run_dirs
 from ..scoring import LOGGER_NAME
 from ..scoring.flags import SCORE_FLAGS
@@ -89,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         # refused now, not after the scoring they record; never onto a run's own files
         check_output_files([(f"--{flag}", getattr(args, flag)) for flag in OUTPUT_FLAGS],
                            request.run_dirs)
+        if args.plot:
+            check_plot_path("--plot", args.plot)
         results = score(request, world)
         if world.is_main:
             try:

@@ -41,9 +41,29 @@ def _figure(rows: int, columns: int) -> tuple[Any, list[list[Any]]]:
     return figure, axes
 
 
+# the formats a figure is written in, chosen by the file's extension (a paper wants PDF or SVG)
+PLOT_FORMATS = ("png", "pdf", "svg")
+
+
+def plot_format(path: str | os.PathLike) -> str | None:
+    """The format ``path``'s extension asks for, or None when it names none of PLOT_FORMATS."""
+    extension = os.path.splitext(os.fspath(path))[1].lower().lstrip(".")
+    return extension if extension in PLOT_FORMATS else None
+
+
+def check_plot_path(flag: str, path: str | os.PathLike) -> None:
+    """Refuse, before any work, a figure path whose extension names no format we write: the
+    file would otherwise hold a PNG under another name (a ``fig.svg`` that is not SVG)."""
+    if plot_format(path) is None:
+        from ..errors import UsageError
+
+        raise UsageError(f"{flag} {path}: give a file ending in "
+                         f"{', '.join('.' + f for f in PLOT_FORMATS)} (the format follows the extension)")
+
+
 def _save(figure: Any, path: str | os.PathLike) -> None:
     buffer = io.BytesIO()
-    figure.savefig(buffer, format="png")
+    figure.savefig(buffer, format=plot_format(path) or "png")
     atomic_write_bytes(path, buffer.getvalue())
 
 

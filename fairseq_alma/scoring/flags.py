@@ -47,7 +47,8 @@ SCORE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--json", {"metavar": "FILE", "help": "write every number per arrival as JSON"}),
     ("--csv", {"metavar": "FILE", "help": "write the table as CSV (full precision)"}),
     ("--plot", {"metavar": "FILE.png",
-                "help": "Fig. 5: average perplexity vs cumulative compute and vs parameters"}),
+                "help": "Fig. 5: average perplexity vs cumulative compute and vs parameters "
+                        "(.png, .pdf or .svg: the format follows the extension)"}),
     ("--cpu", {"action": "store_true", "help": "score on CPU even if CUDA is available"}),
     ("--trust-checkpoint", {"action": "store_true",
                             "help": "unpickle checkpoints fully (a pickle can run code when it is "
