@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=_at_least(1), default=d.workers,
                    help=f"processes for encoding and binarization (default: {d.workers}); "
                    "outputs do not depend on it")
-    p.add_argument("--seed", type=int, default=d.seed,
+    p.add_argument("--seed", type=_at_least(0), default=d.seed,
                    help=f"seed of the document shuffle that decides the split (default: {d.seed})")
     p.add_argument("--num-megabatches", "-B", type=_at_least(1), default=d.num_megabatches,
                    metavar="B", help=f"training mega-batches (default: {d.num_megabatches})")

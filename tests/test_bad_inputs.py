@@ -465,6 +465,7 @@ TOOL_CASES = [
          r"--num-megabatches 1000000000000 needs at least 1,000,000,000,002 documents .* can hold at most 13; lower it", prog="alma-data-prep"),    Case("prep out under a file", lambda c: (prep(c, c.tmp / "x.txt" / "o"), [c.tmp]), r"--out .*x.txt/o: .*x.txt is a file", prog="alma-data-prep"),
     Case("prep eval-size negative", lambda c: (prep(c, c.tmp / "o", "--eval-size", "-1"), [c.tmp]), r"--eval-size", prog="alma-data-prep"),
     Case("prep vocab 0", lambda c: (prep(c, c.tmp / "o", "--vocab-size", "0"), [c.tmp]), r"--vocab-size", prog="alma-data-prep"),
+    Case("prep seed negative", lambda c: (prep(c, c.tmp / "o", "--seed", "-1"), [c.tmp]), r"--seed: must be >= 0, got -1", prog="alma-data-prep"),
     Case("prep workers 0", lambda c: (prep(c, c.tmp / "o", "--workers", "0"), [c.tmp]), r"--workers", prog="alma-data-prep"),
     Case("prep from-binarized missing", lambda c: ([tool("alma-data-prep"), "--from-binarized", str(c.tmp / "nowhere"), "--out", str(c.tmp / "o")], [c.tmp]),
          r"nowhere", prog="alma-data-prep"),
