@@ -299,6 +299,7 @@ LM_CASES = [
         (("--capacity-factor", "inf"), r"--capacity-factor inf: every number a run is given must be finite"),
         (("--lr", "-1"), r"--lr must be >= 0 \(got -1\)"),
         (("--optimizer", "lamb"), r"--optimizer lamb is NVIDIA apex's fused LAMB, and apex is not installed"),
+        (("--optimizer", "adafactor", "--moe-max-experts", "4", "--grow-experts", "2"), r"--grow-experts with --optimizer adafactor: Adafactor keeps factored second moments"),
         (("--train-subset", "valid"), r"--train-subset valid: an alma_stream run trains on its mega-batches .*drop it"),
         (("--num-shards", "2", "--shard-id", "1"), r"--num-shards 2: an alma_stream run shares each stage's batches out"),
         (("--curriculum", "1"), r"--curriculum 1: an alma_stream run orders each stage's data itself"),

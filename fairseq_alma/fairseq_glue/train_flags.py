@@ -317,12 +317,21 @@ def check_training_flags(cfg: Any, machine_checks: bool = True) -> None:
 
 def check_optimizer(cfg: Any) -> None:
     """A learning rate below 0 (fairseq would stop before the first update with exit 0: its
-    loop ends once the LR is at most ``--stop-min-lr``, -1 by default), and ``--optimizer lamb``
-    without NVIDIA apex (fairseq's LAMB is apex's fused kernel: an ImportError traceback)."""
+    loop ends once the LR is at most ``--stop-min-lr``, -1 by default); growth with an optimizer
+    whose state is not per element (``lm/growth.py`` copies each expert's moments with its
+    weights); ``--optimizer lamb`` without NVIDIA apex (fairseq's LAMB is apex's fused kernel:
+    an ImportError traceback)."""
     for value in given(cfg, "optimization", "lr") or []:
         if value < 0:
             raise UsageError(f"--lr must be >= 0 (got {value:g}): the peak learning rate, e.g. "
                              "--lr 0.0005")
+    task = cfg.get("task") if hasattr(cfg, "get") else None
+    growth = bool(task is not None and str(task.get("grow_experts") or "").strip())
+    if growth and component_name(cfg, "optimizer") == "adafactor":
+        raise UsageError("--grow-experts with --optimizer adafactor: Adafactor keeps factored second "
+                         "moments (a row and a column statistic per matrix; the router's mixes every "
+                         "expert), so a copied expert cannot take its source's moments as growth "
+                         "does; use --optimizer adam (or sgd, adagrad, adamax, adadelta)")
     if component_name(cfg, "optimizer") == "lamb":
         import importlib.util
 
