@@ -363,6 +363,10 @@ VISION_CASES = [
     Case("vision growth rate negative", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--vision-method", "ff", "--ff-growth-rate", "-0.5"), []), r"--ff-growth-rate must be > 0"),
     Case("vision threads 0", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--vision-threads", "0"), []), r"--vision-threads must be >= 1"),
     Case("vision lr negative", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--vision-lr", "-1"), []), r"--vision-lr must be >= 0"),
+    Case("vision fairseq lr", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--lr", "0.5"), []),
+         r"--lr is fairseq's trainer's; a vision stream's learner does not read it: use --vision-lr"),
+    Case("vision fairseq optimizer", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--optimizer", "adam"), []),
+         r"--optimizer adam: a vision stream's learner has its own optimizer .*use --vision-optimizer"),
     Case("vision replay-ratio", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--replay-ratio", "0.5"), []), r"--replay-ratio 0.5 is for language-model streams"),
     Case("vision save-dir is a file", lambda c: (vision(c, "digits", c.tmp / "x.txt", "--vision-dataset", "digits"), [c.tmp / "x.txt"]), r"--save-dir .*x.txt: exists and is not a directory"),
 ]

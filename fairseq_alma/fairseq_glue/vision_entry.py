@@ -28,7 +28,7 @@ from ..vision.devices import planned_device, resolve_device
 from ..vision.learners import LearnerSpec
 from ..vision.runner import VisionRun, run_vision_session
 from ..vision.stage_trainer import OptimizerSpec, StageTrainConfig
-from .config import given, refuse_flags
+from .config import component_name, given, refuse_flags
 
 logger = logging.getLogger(__name__)
 
@@ -75,15 +75,67 @@ def refuse_lm_only_stream_flags(task_cfg: Any) -> None:
             f"vision stream's optimizer keeps App. B.1's settings (--vision-optimizer, --vision-lr)")
 
 
+# fairseq-train's training flags that a vision stream's learner never reads (its optimizer, LR,
+# budget and checkpoints are its own, App. B.1's, set by the --vision-* flags): (section, key)
+# -> what sets that instead.  Given with a value other than fairseq's default, each is refused.
+FAIRSEQ_TRAINING_FLAGS = {
+    ("optimization", "lr"): "--vision-lr",
+    ("optimization", "max_update"): "--epochs-per-stage",
+    ("optimization", "update_freq"): "--batch-size",
+    ("optimization", "clip_norm"): "nothing: the learner does not clip gradients",
+    ("optimization", "stop_min_lr"): "--max-epoch N (stop after stage N)",
+    ("optimization", "stop_time_hours"): "--max-epoch N (stop after stage N)",
+    ("dataset", "max_tokens"): "--batch-size",
+    ("checkpoint", "patience"): "nothing: each stage keeps its best-validation epoch",
+    ("checkpoint", "no_save"): "nothing: the stream resumes from its own checkpoints",
+    ("checkpoint", "finetune_from_model"): "nothing: a vision stream starts from a fresh learner",
+    ("ema", "store_ema"): "nothing: the learner keeps no EMA copy",
+}
+
+
+def refuse_fairseq_training_flags(task_cfg: Any) -> None:
+    """fairseq's optimizer, LR scheduler, criterion and training flags given to a vision
+    stream: its learner would train without them, so a run with ``--lr 0.5`` silently trained
+    at App. B.1's rate.  Refused, never ignored."""
+    from fairseq.dataclass.configs import FairseqConfig
+
+    defaults = FairseqConfig()
+    for (section_name, key), instead in FAIRSEQ_TRAINING_FLAGS.items():
+        value = given(task_cfg, section_name, key)
+        part = getattr(defaults, section_name)
+        default = getattr(part() if isinstance(part, type) else part, key)  # a dataclass type or instance
+        if value is None or not _differs(value, default):
+            continue
+        what = f"--{key.replace('_', '-')} is fairseq's trainer's; a vision stream's learner does not read it"
+        if instead.startswith("nothing: "):
+            raise UsageError(f"{what} ({instead.removeprefix('nothing: ')}); drop it")
+        raise UsageError(f"{what}: use {instead}")
+    for section_name, default_name, why in (
+            ("optimizer", None, "has its own optimizer (App. B.1's); use --vision-optimizer and --vision-lr"),
+            ("lr_scheduler", "fixed", "trains each stage at a constant learning rate; use --vision-lr"),
+            ("criterion", "cross_entropy", "has its own loss (cross-entropy); drop --criterion")):
+        name = component_name(task_cfg, section_name)
+        if name is not None and name != default_name:
+            raise UsageError(f"--{section_name.replace('_', '-')} {name}: a vision stream's learner {why}")
+
+
+def _differs(value: Any, default: Any) -> bool:
+    """A config value other than fairseq's default (lists compared as lists)."""
+    if isinstance(default, list):
+        return list(value) != list(default)
+    return value != default
+
+
 def check_vision_stream_flags(task_cfg: Any, model_cfg: Any) -> None:
     """The flags of fairseq-train that a vision stream refuses before its ``VisionRun`` is made:
-    another --arch, fairseq's precision flags, the LM-only stream flags."""
+    another --arch, fairseq's precision flags and training flags, the LM-only stream flags."""
     name = getattr(model_cfg, "_name", None)
     require(name == "alma_vision", f"--arch {name} is not a vision learner; vision streams use "
             "--arch alma_vision (the learner is set by --vision-method, --vision-arch, --vision-width)")
     refuse_flags(task_cfg, "common", ("fp16", "bf16", "memory_efficient_fp16", "memory_efficient_bf16", "amp"),
                  "does not apply to vision streams (the learner has its own precision); use "
                  "--vision-amp fp16|bf16 instead")
+    refuse_fairseq_training_flags(task_cfg)
     refuse_lm_only_stream_flags(task_cfg)
 
 
