@@ -47,6 +47,9 @@ LAUNCHER_FLAGS = {
     "distributed-no-spawn": "slurm/launch_task.sh starts one process per task",
     "distributed-port": "slurm/launch_task.sh derives the port from the job id",
     "cpu": "the resource profile decides (a profile without GPUs adds --cpu)",
+    "restart-stream": "every requeue and every chained job of a run would move its progress "
+                      "aside and start it over; use a new --sweep-dir for a fresh sweep (or "
+                      "fairseq-train --restart-stream on one run by hand)",
 }
 
 # a flag named in a training check's message (``--wait 5 ...``), to find the file that sets it
