@@ -240,6 +240,11 @@ LM_CASES = [
     Case("eval-lm of a checkpoint that is not there", lambda c: ([tool("fairseq-eval-lm"), str(c.data), "--user-dir", USER_DIR, "--path",
                                                                  str(c.tmp / "nope.pt"), "--cpu", "--gen-subset", "eval"], []),
          r"Model file not found: .*nope\.pt; give the path of a checkpoint file \(--path\)"),
+    Case("eval-lm of blocks longer than the model", lambda c: ([tool("fairseq-eval-lm"), str(c.data), "--user-dir", USER_DIR, "--path",
+                                                               str(c.done / "checkpoint_stage1.pt"), "--cpu", "--gen-subset", "eval",
+                                                               "--tokens-per-sample", "64", "--batch-size", "8"], [c.done]),
+         r"of the \d+ blocks to score are longer than the model's 32 positions .*\(all of them: it would print perplexity 1.00\): "
+         r"pass --tokens-per-sample 32 or less"),
     Case("update-freq 0", lambda c: (lm(c, c.data, c.tmp / "r", "--update-freq", "0"), []), r"--update-freq must be >= 1 .*got 0"),
     Case("update-freq negative", lambda c: (lm(c, c.data, c.tmp / "r", "--update-freq", "-2"), []), r"--update-freq must be >= 1 .*got -2"),
     Case("required-batch-size-multiple 0", lambda c: (lm(c, c.data, c.tmp / "r", "--required-batch-size-multiple", "0"), []),

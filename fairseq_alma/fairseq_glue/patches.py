@@ -544,6 +544,48 @@ def install_command_patches() -> None:
     install_checkpoint_errors()
     install_training_flags()
     install_expert_parallel_trainer()
+    install_eval_lm_scores_every_block()
+
+
+def _running_eval_lm() -> bool:
+    """Whether this process is fairseq-eval-lm (or ``python -m fairseq_cli.eval_lm``)."""
+    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return os.path.basename(sys.argv[0] if sys.argv else "") == "fairseq-eval-lm" or (
+        main_spec is not None and main_spec.name == "fairseq_cli.eval_lm")
+
+
+def install_eval_lm_scores_every_block() -> None:
+    """fairseq-eval-lm: a block longer than the model's positions is refused in one line
+    instead of being left out of the score.
+
+    Why: fairseq-eval-lm asks for its batches with ``ignore_invalid_inputs=True``, so
+    ``FairseqTask.filter_indices_by_size`` drops such blocks with a warning and the perplexity
+    it prints is of what is left: with ``--tokens-per-sample`` above the model's positions that
+    is nothing, and it printed "Loss (base 2): 0.0000, Perplexity: 1.00".  Only in
+    fairseq-eval-lm: training's validation has its own flag for this
+    (``--skip-invalid-size-inputs-valid-test``), and alma-score refuses such a block length
+    itself."""
+    from fairseq.tasks import FairseqTask
+
+    original = FairseqTask.filter_indices_by_size
+    if _patched(original) or not _running_eval_lm():
+        return
+
+    def filter_indices_by_size(self: Any, indices: Any, dataset: Any, max_positions: Any = None,
+                               ignore_invalid_inputs: bool = False) -> Any:
+        kept, ignored = dataset.filter_indices_by_size(indices, max_positions)
+        if len(ignored) > 0:
+            from ..errors import UsageError
+
+            longest = max(int(dataset.size(i)) for i in ignored[:10000])
+            nothing = " (all of them: it would print perplexity 1.00)" if len(kept) == 0 else ""
+            raise UsageError(f"{len(ignored):,} of the {len(ignored) + len(kept):,} blocks to score are longer "
+                             f"than the model's {max_positions} positions (up to {longest:,} tokens); "
+                             f"fairseq-eval-lm would leave them out of the perplexity{nothing}: pass "
+                             f"--tokens-per-sample {max_positions} or less")
+        return kept
+
+    FairseqTask.filter_indices_by_size = _mark(filter_indices_by_size)
 
 
 def install_stream_training_patches() -> None:
