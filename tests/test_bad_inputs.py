@@ -76,7 +76,7 @@ class Case:
     env: dict[str, str] = field(default_factory=dict)
 
 
-def lm(ctx: Ctx, data: Path, save: Path, *extra: str) -> list[str]:
+def lm(ctx: Ctx, data: Path | str, save: Path, *extra: str) -> list[str]:
     return [tool("fairseq-train"), str(data), *LM_FLAGS, "--save-dir", str(save), *extra]
 
 
@@ -271,6 +271,8 @@ LM_CASES = [
          r"checkpoint_last.pt holds another model \(model.decoder_layers: 2 -> 4\); move it aside"),
     Case("checkpoint of another expert count", lambda c: (lm(c, c.data, _last_only(c), "--moe-experts", "4"), [c.tmp / "r"]),
          r"checkpoint_last.pt .*another model .*moe_experts: 2 -> 4.*move it aside"),
+    Case("DATA of two directories", lambda c: (lm(c, f"{c.data}:{c.other_data}", c.tmp / "r"), [c.data, c.other_data]),
+         r"DATA .*:.*: an alma_stream run reads one prepared stream; give one directory"),
     Case("DATA is a file", lambda c: (lm(c, c.tmp / "x.txt", c.tmp / "r"), [c.tmp / "x.txt"]), r"DATA .*x.txt: not a directory; give the --out directory of alma-data-prep"),
     Case("wait negative", lambda c: (lm(c, c.data, c.tmp / "r", "--wait", "-1"), []), r"--wait must be in \[1, 2\]"),
     Case("updates-per-stage negative", lambda c: (lm(c, c.data, c.tmp / "r", "--updates-per-stage", "-3"), []), r"--updates-per-stage must be >= 1"),

@@ -156,7 +156,12 @@ class AlmaStreamTask(LanguageModelingTask):
 
             return VisionStreamEntry.setup_task(cfg, **kwargs)
         require(cfg.data is not None, "the stream directory (DATA) is required")
-        data = cfg.data.split(os.pathsep)[0]
+        paths = [path for path in cfg.data.split(os.pathsep) if path]
+        # fairseq's DIR1:DIR2 reads one directory per epoch, and a stream's epochs are its
+        # stages: every directory but the first would be ignored
+        require(len(paths) == 1, f"DATA {cfg.data}: an alma_stream run reads one prepared stream; "
+                f"give one directory (the --out of alma-data-prep)")
+        data = paths[0]
         if os.path.exists(data) and not os.path.isdir(data):
             raise DataError(f"DATA {data}: not a directory; give the --out directory of alma-data-prep")
         manifest = _verify_stream_dir(data)
