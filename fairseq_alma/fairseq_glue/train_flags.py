@@ -111,9 +111,13 @@ def check_finite(cfg: Any) -> None:
 
     sections = cfg.items() if hasattr(cfg, "items") else []
     for _, part in sections:
-        items = vars(part).items() if isinstance(part, Namespace) else             part.items() if hasattr(part, "items") else []
+        if isinstance(part, Namespace):  # a pre-dataclass component (--optimizer sgd, ...)
+            items = vars(part).items()
+        else:
+            items = part.items() if hasattr(part, "items") else []
         for key, value in items:
-            values = value if isinstance(value, (list, tuple)) or type(value).__name__ == "ListConfig"                 else [value]
+            many = isinstance(value, (list, tuple)) or type(value).__name__ == "ListConfig"
+            values = value if many else [value]
             for item in values:
                 if isinstance(item, float) and not math.isfinite(item):
                     raise UsageError(f"--{str(key).replace('_', '-')} {item}: every number a run is "

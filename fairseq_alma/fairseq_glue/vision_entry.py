@@ -135,8 +135,8 @@ def check_vision_stream_flags(task_cfg: Any, model_cfg: Any) -> None:
     refuse_flags(task_cfg, "common", ("fp16", "bf16", "memory_efficient_fp16", "memory_efficient_bf16", "amp"),
                  "does not apply to vision streams (the learner has its own precision); use "
                  "--vision-amp fp16|bf16 instead")
+    refuse_lm_only_stream_flags(task_cfg)  # first: it names the stream flag, not the scheduler it needs
     refuse_fairseq_training_flags(task_cfg)
-    refuse_lm_only_stream_flags(task_cfg)
 
 
 def vision_run(task_cfg: Any, model_cfg: Any, machine_checks: bool = True) -> VisionRun:
