@@ -10,14 +10,35 @@ from .fairseq_glue.patches import install_quiet_startup, undo_debug_root_logging
 
 install_quiet_startup()  # before fairseq's own import, when we are first (our console tools)
 
+
+def _interrupted_while_importing() -> None:
+    """Ctrl-C in the seconds our console tools spend importing torch and fairseq: the same one
+    line and status as Ctrl-C later (``console.run_console``), not a traceback through the
+    import machinery.  Anything else that imports the package keeps the KeyboardInterrupt."""
+    import os
+    import sys
+
+    program = os.path.basename(sys.argv[0]) if sys.argv else ""
+    if program.startswith("alma-"):
+        print(f"{program}: interrupted", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None  # console.INTERRUPTED_EXIT_STATUS, before it can import
+
+
 try:
     with undo_debug_root_logging():
         import fairseq  # noqa: F401
 except ModuleNotFoundError as err:  # only the fairseq-free parts are usable
     if err.name != "fairseq":
         raise
+except KeyboardInterrupt:
+    _interrupted_while_importing()
+    raise
 else:
-    from . import criterions, models, optim, tasks  # noqa: F401  (registration side effects)
-    from .fairseq_glue.patches import install_command_patches
+    try:
+        from . import criterions, models, optim, tasks  # noqa: F401  (registration side effects)
+        from .fairseq_glue.patches import install_command_patches
+    except KeyboardInterrupt:
+        _interrupted_while_importing()
+        raise
 
     install_command_patches()
