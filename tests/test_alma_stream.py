@@ -237,3 +237,17 @@ def test_pre_dataclass_optimizer_trains_resumes_and_scores(stream_dir, tmp_path)
                      "--user-dir", USER_DIR, "--gen-subset", "eval", "--cpu", "--tokens-per-sample", "32",
                      "--batch-size", "8"])
     assert "Perplexity" in evaluated.stdout + evaluated.stderr
+
+
+@pytest.mark.slow
+def test_per_stage_update_freq_records_the_tokens_fairseq_trains(stream_dir, tmp_path):
+    """``--update-freq 1,2``: fairseq's per-epoch list, one entry per stage here.  Each stage's
+    recorded tokens (and so its FLOPs) are its counted updates times the words per update that
+    fairseq itself logs for that epoch; stage 1 was recorded at the last entry's rate before."""
+    save = tmp_path / "run"
+    proc = run(stream_cmd(stream_dir, save, "--update-freq", "1,2", "--log-format", "simple"))
+    records = [json.loads(line) for line in (save / "stream.jsonl").read_text().splitlines()]
+    tokens = [b["train_tokens_cum"] - a["train_tokens_cum"] for a, b in zip(records, records[1:])]
+    logged = [float(m) for m in re.findall(r"\| epoch 00\d \|.*?\| wpb ([0-9.]+) \|", proc.stdout + proc.stderr)]
+    assert len(logged) == 2 and logged[1] > 1.5 * logged[0], logged
+    assert tokens == [pytest.approx(6 * wpb, rel=0.01) for wpb in logged]

@@ -212,6 +212,8 @@ LM_CASES = [
          r"--wait auto with --scale-updates-by-wait: not supported \(every stage gets --updates-per-stage updates"),
     Case("wait auto with growth", lambda c: (lm(c, c.data, c.tmp / "r", "--wait", "auto", "--moe-max-experts", "4", "--grow-experts", "2"), []),
          r"--wait auto with --grow-experts: not supported"),
+    Case("wait auto with a per-stage update-freq", lambda c: (lm(c, c.data, c.tmp / "r", "--wait", "auto", "--update-freq", "1,2"), []),
+         r"--wait auto with --update-freq: not supported \(a per-stage list"),
     Case("wait auto with partial replay", lambda c: (lm(c, c.data, c.tmp / "r", "--wait", "auto", "--replay-ratio", "0.25"), []),
          r"--wait auto with --replay-ratio: not supported"),
     Case("wait auto on a drifting stream", lambda c: (lm(c, data_copy(c, "d", _drifting), c.tmp / "r", "--wait", "auto"), [c.tmp / "d"]),

@@ -196,6 +196,7 @@ class StreamTraining:
         sizes = [splits.get(f"megabatch{k}", {}).get("tokens") for k in range(self.task.plan.num_megabatches)]
         if per_batch is None or not all(sizes):
             return math.inf
+        # one --update-freq for every stage: --wait auto refuses a per-stage list (check_wait_auto)
         tokens = self.task.budget * cfg.update_freq[-1] * (cfg.distributed_world_size or 1) * per_batch
         return tokens / (sum(sizes) / len(sizes))
 

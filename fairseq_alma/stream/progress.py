@@ -62,6 +62,7 @@ AUTO_CONFLICTS = {
                              "arrivals it covers",
     "grow-experts": "growth is planned per stage in advance",
     "replay-ratio": "the replayed share of a stage of unknown size",
+    "update-freq": "a per-stage list: the policy weighs what one stage can read, the same for every stage",
 }
 
 

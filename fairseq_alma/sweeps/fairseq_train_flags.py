@@ -105,7 +105,8 @@ def argv_flag_problem(argv: list[str], flags: Mapping[str, object]) -> FlagProbl
     if extra:
         return FlagProblem(f"fairseq-train does not accept: {' '.join(extra)}")
     if str(flags.get("wait", "")).strip().lower() == AUTO:
-        conflict = auto_wait_conflict(flags)
+        freqs = {part.strip() for part in str(flags.get("update-freq", "1")).split(",")}
+        conflict = auto_wait_conflict({**flags, "update-freq": len(freqs) > 1})  # a per-stage list
         if conflict:
             return FlagProblem(conflict, "wait")
     return None

@@ -102,7 +102,8 @@ def check_wait_auto(cfg: AlmaStreamConfig, manifest: dict) -> None:
     drifting stream, whose validation set samples every period (a decision would see later
     periods)."""
     conflict = auto_wait_conflict({"scale-updates-by-wait": cfg.scale_updates_by_wait,
-                                   "grow-experts": cfg.grow_experts, "replay-ratio": cfg.replay_ratio})
+                                   "grow-experts": cfg.grow_experts, "replay-ratio": cfg.replay_ratio,
+                                   "update-freq": len(set(cfg.update_freq)) > 1})
     require(conflict is None, conflict or "")
     require(manifest.get("order", "shuffle") == "shuffle",
             "--wait auto on a stream prepared with --order given: not supported (its validation "
@@ -285,7 +286,7 @@ class AlmaStreamTask(LanguageModelingTask):
         updates (``stream/stage_clock.py``), wherever that falls in the list.  With
         --replay-ratio the replay slots (``stream/replay.py``) take their batches from the
         earlier mega-batches, which follow the new ones in ``dataset``."""
-        per_slot = self.cfg.update_freq[-1] * num_shards
+        per_slot = self.update_freq(stage) * num_shards
         needed = self.budget * per_slot
         new_examples = sum(len(self._megabatch(k)) for k in self.plan.stage(stage).train_megabatches)
 
@@ -306,6 +307,15 @@ class AlmaStreamTask(LanguageModelingTask):
         # compute of the counted updates only: steps fairseq skips (fp16 overflow) do not count
         self.stage_tokens[stage] = int(sum(dataset.sizes[b].sum() for b in batches[:needed]))
         return batches
+
+    def update_freq(self, stage: int) -> int:
+        """Batches per update in ``stage``: ``--update-freq`` may list one per fairseq epoch, which
+        is one per stage here, its last entry holding for every later one (as fairseq's trainer
+        reads it).  Why per stage: the stage's batch list and its recorded tokens (and so its
+        FLOPs) must be the ones fairseq trains; taking the last entry for every stage recorded
+        1.5x stage 1's compute under ``--update-freq 2,3``."""
+        freqs = list(self.cfg.update_freq)
+        return int(freqs[stage - 1] if stage <= len(freqs) else freqs[-1])
 
     def train_tokens(self, stage: int) -> int:
         """Tokens trained on in ``stage``: a function of the stage and the batching flags, so a
