@@ -112,21 +112,10 @@ def extract_documents(sources: list[SourceFile], out_path: str, drop_repeats: bo
     was written, which keys every later step: touching a source without changing its text
     rebuilds nothing else.
     """
-    digest = hashlib.sha256()
     digests = bytearray()
-    documents = lines = 0
-    progress = Progress("extract")
-    with atomic_output(out_path, "wb") as out:
-        for source in sources:
-            for doc in iter_documents(iter_lines(source.path)):
-                data = ("\n".join(doc) + "\n\n").encode("utf-8")
-                out.write(data)
-                digest.update(data)
-                digests += document_digest(data)
-                documents += 1
-                lines += len(doc)
-                progress.update(1, len(data))
-    progress.finish()
+    documents, lines, sha256 = _write_documents(
+        out_path, (doc for source in sources for doc in iter_documents(iter_lines(source.path))),
+        "extract", digests)
     if documents == 0:
         os.remove(out_path)
         raise DataError("the inputs contain no text (every line is blank); "
@@ -136,8 +125,6 @@ def extract_documents(sources: list[SourceFile], out_path: str, drop_repeats: bo
     log_repeats(found, documents, dropped=drop_repeats)
     if found and drop_repeats:
         documents, lines, sha256 = _rewrite_without(out_path, repeated)
-    else:
-        sha256 = digest.hexdigest()
     return {"documents": documents, "lines": lines, "bytes": os.path.getsize(out_path),
             "sha256": sha256, "repeated_documents": found,
             "repeats_dropped": bool(found and drop_repeats)}
@@ -147,18 +134,27 @@ def _rewrite_without(path: str, dropped: np.ndarray) -> tuple[int, int, str]:
     """Rewrite the extracted text at ``path`` without the documents ``dropped`` marks; return
     its documents, lines and sha256. Reads the old file while the new one is written beside it,
     so a kill leaves the old one whole (the step then runs again)."""
+    kept = (doc for index, doc in enumerate(iter_documents(iter_lines(path))) if not dropped[index])
+    return _write_documents(path, kept, "drop repeats")
+
+
+def _write_documents(path: str, documents: Iterable[list[str]], label: str,
+                     digests: bytearray | None = None) -> tuple[int, int, str]:
+    """Write ``documents`` to ``path`` atomically, lines then a blank line after each; return
+    their count, their lines and the file's sha256.  With ``digests``, each document's
+    ``document_digest`` is appended to it (``repeats.py``)."""
     digest = hashlib.sha256()
-    documents = lines = 0
-    progress = Progress("drop repeats")
+    count = lines = 0
+    progress = Progress(label)
     with atomic_output(path, "wb") as out:
-        for index, doc in enumerate(iter_documents(iter_lines(path))):
-            if dropped[index]:
-                continue
+        for doc in documents:
             data = ("\n".join(doc) + "\n\n").encode("utf-8")
             out.write(data)
             digest.update(data)
-            documents += 1
+            if digests is not None:
+                digests += document_digest(data)
+            count += 1
             lines += len(doc)
             progress.update(1, len(data))
     progress.finish()
-    return documents, lines, digest.hexdigest()
+    return count, lines, digest.hexdigest()
