@@ -309,6 +309,8 @@ LM_CASES = [
         (("--lr", "-1"), r"--lr must be >= 0 \(got -1\)"),
         (("--optimizer", "lamb"), r"--optimizer lamb is NVIDIA apex's fused LAMB, and apex is not installed"),
         (("--optimizer", "adafactor", "--moe-max-experts", "4", "--grow-experts", "2"), r"--grow-experts with --optimizer adafactor: Adafactor keeps factored second moments"),
+        (("--checkpoint-suffix=_x",), r"--checkpoint-suffix _x: an alma_stream run keeps each stage from checkpoint_last.pt"),
+        (("--no-save-optimizer-state",), r"--no-save-optimizer-state: an alma_stream run resumes its optimizer"),
         (("--train-subset", "valid"), r"--train-subset valid: an alma_stream run trains on its mega-batches .*drop it"),
         (("--num-shards", "2", "--shard-id", "1"), r"--num-shards 2: an alma_stream run shares each stage's batches out"),
         (("--curriculum", "1"), r"--curriculum 1: an alma_stream run orders each stage's data itself"),

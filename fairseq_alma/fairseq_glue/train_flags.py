@@ -383,7 +383,7 @@ def check_stream_run_flags(node: Any) -> None:
                          f"alma_stream run does not run: stream.jsonl records the split 'valid' and "
                          f"--eval-subset after every arrival; score {valid_subset} with --eval-subset "
                          f"{valid_subset}, or add --fairseq-validation")
-    check_stream_stopping(node)
+    check_stream_refused_flags(node)
     for key in RESET_FLAGS:
         if given(node, "checkpoint", key):
             flag = f"--{key.replace('_', '-')}"
@@ -421,8 +421,8 @@ def check_sharding(node: Any, growth: bool, machine_checks: bool = True) -> None
 
 # (section, key, refused when, the one line; {v} is the value): fairseq's flags that would end
 # an alma_stream run early with exit 0, leave it without the checkpoints every stage needs, or
-# that it would ignore (``check_stream_stopping``).
-STREAM_STOPPERS: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = (
+# that it would ignore (``check_stream_refused_flags``).
+STREAM_REFUSED_FLAGS: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = (
     ("checkpoint", "no_save", bool,
      "--no-save: an alma_stream run needs its checkpoints (checkpoint_last.pt to resume, "
      "checkpoint_stage{{s}}.pt to score); drop --no-save"),
@@ -445,6 +445,15 @@ STREAM_STOPPERS: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = (
     ("ema", "store_ema", bool,
      "--store-ema: an alma_stream run evaluates and keeps the trained weights at every arrival, "
      "not fairseq's EMA copy; drop --store-ema"),
+    ("checkpoint", "no_save_optimizer_state", bool,
+     "--no-save-optimizer-state: an alma_stream run resumes its optimizer, LR schedule and update "
+     "count from checkpoint_last.pt (without them it cannot continue); drop it"),
+    ("checkpoint", "checkpoint_suffix", bool,
+     "--checkpoint-suffix {v}: an alma_stream run keeps each stage from checkpoint_last.pt and "
+     "resumes from it (with a suffix it kept no stage checkpoint); drop it"),
+    ("checkpoint", "write_checkpoints_asynchronously", bool,
+     "--write-checkpoints-asynchronously: an alma_stream run copies each stage's checkpoint as "
+     "soon as fairseq has saved it, which an asynchronous write may not have finished; drop it"),
     ("dataset", "train_subset", lambda v: v != "train",
      "--train-subset {v}: an alma_stream run trains on its mega-batches (megabatch0, ...) in stream "
      "order; drop it"),
@@ -457,13 +466,16 @@ STREAM_STOPPERS: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = (
 )
 
 
-def check_stream_stopping(node: Any) -> None:
-    """``STREAM_STOPPERS``, each seen doing what its line says.
+def check_stream_refused_flags(node: Any) -> None:
+    """``STREAM_REFUSED_FLAGS``: what each did when it was accepted.
 
     Why: a stage checkpoint is the ``checkpoint_last.pt`` fairseq saves at the end of each
     epoch (one epoch per stage), so ``--no-last-checkpoints`` left a finished-looking
-    ``stream.jsonl`` with no stage checkpoint at all, and ``--save-interval 2`` kept every
-    second stage only.  ``--stop-time-hours``, ``--patience`` (with ``--fairseq-validation``)
+    ``stream.jsonl`` with no stage checkpoint at all, ``--checkpoint-suffix`` too, and
+    ``--save-interval 2`` kept every second stage only.  ``--no-save-optimizer-state`` left a
+    run that could not resume (its checkpoint had lost the update count).  An asynchronous
+    checkpoint write (fairseq's iopath) may still be running when the stage's copy is taken, and
+    without iopath it ended in a traceback.  ``--stop-time-hours``, ``--patience`` (with ``--fairseq-validation``)
     and ``--stop-min-lr`` stop fairseq's loop on time, stalled validation or a low LR: with exit
     0 and an unfinished stream (``--patience 1`` ended one after its first stage).  fairseq's
     EMA (``--store-ema``) is neither what the stream evaluates after every arrival nor what its
@@ -471,7 +483,7 @@ def check_stream_stopping(node: Any) -> None:
     ``--train-subset valid`` trained on the validation split, wrote no stream record and no
     stage checkpoint, and exited 0; the stream's own data order makes fairseq's ``--num-shards``
     and ``--curriculum`` no-ops, and a flag that does nothing is refused, not ignored."""
-    for section_name, key, refused, message in STREAM_STOPPERS:
+    for section_name, key, refused, message in STREAM_REFUSED_FLAGS:
         value = given(node, section_name, key)
         if value is not None and refused(value):
             raise UsageError(message.format(v=value))
