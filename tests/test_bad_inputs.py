@@ -310,6 +310,7 @@ LM_CASES = [
         (("--optimizer", "lamb"), r"--optimizer lamb is NVIDIA apex's fused LAMB, and apex is not installed"),
         (("--optimizer", "adafactor", "--moe-max-experts", "4", "--grow-experts", "2"), r"--grow-experts with --optimizer adafactor: Adafactor keeps factored second moments"),
         (("--checkpoint-suffix=_x",), r"--checkpoint-suffix _x: an alma_stream run keeps each stage from checkpoint_last.pt"),
+        (("--continue-once", "elsewhere/checkpoint_last.pt"), r"--continue-once elsewhere/checkpoint_last.pt: an alma_stream run starts from a fresh model"),
         (("--no-save-optimizer-state",), r"--no-save-optimizer-state: an alma_stream run resumes its optimizer"),
         (("--train-subset", "valid"), r"--train-subset valid: an alma_stream run trains on its mega-batches .*drop it"),
         (("--num-shards", "2", "--shard-id", "1"), r"--num-shards 2: an alma_stream run shares each stage's batches out"),

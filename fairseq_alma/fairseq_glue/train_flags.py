@@ -445,6 +445,10 @@ STREAM_REFUSED_FLAGS: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = 
     ("ema", "store_ema", bool,
      "--store-ema: an alma_stream run evaluates and keeps the trained weights at every arrival, "
      "not fairseq's EMA copy; drop --store-ema"),
+    ("checkpoint", "continue_once", bool,
+     "--continue-once {v}: an alma_stream run starts from a fresh model or resumes from its own "
+     "--save-dir (it loaded that checkpoint into a new run's records, then stopped); drop it, and "
+     "give that run's directory as --save-dir to continue it"),
     ("checkpoint", "no_save_optimizer_state", bool,
      "--no-save-optimizer-state: an alma_stream run resumes its optimizer, LR schedule and update "
      "count from checkpoint_last.pt (without them it cannot continue); drop it"),
