@@ -449,6 +449,13 @@ STREAM_REFUSED_FLAGS: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = 
      "--continue-once {v}: an alma_stream run starts from a fresh model or resumes from its own "
      "--save-dir (it loaded that checkpoint into a new run's records, then stopped); drop it, and "
      "give that run's directory as --save-dir to continue it"),
+    ("checkpoint", "optimizer_overrides", lambda v: str(v).strip() not in ("", "{}"),
+     "--optimizer-overrides {v}: an alma_stream run resumes its optimizer as checkpointed (the "
+     "overrides would change it from the resumed update on, unlike the uninterrupted run); drop it"),
+    ("optimization", "use_bmuf", bool,
+     "--use-bmuf: BMUF lets every process train its own copy between syncs, and an alma_stream run "
+     "keeps and evaluates the first process's model at each stage's end; drop it (data-parallel "
+     "training keeps one model)"),
     ("checkpoint", "no_save_optimizer_state", bool,
      "--no-save-optimizer-state: an alma_stream run resumes its optimizer, LR schedule and update "
      "count from checkpoint_last.pt (without them it cannot continue); drop it"),

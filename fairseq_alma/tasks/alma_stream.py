@@ -163,6 +163,10 @@ class AlmaStreamTask(LanguageModelingTask):
         require(len(paths) == 1, f"DATA {cfg.data}: an alma_stream run reads one prepared stream; "
                 f"give one directory (the --out of alma-data-prep)")
         data = paths[0]
+        impl = getattr(cfg, "dataset_impl", None)
+        require(impl is None or str(getattr(impl, "value", impl)) == "mmap",
+                f"--dataset-impl {getattr(impl, 'value', impl)}: a stream's splits are the mmap binaries "
+                f"alma-data-prep writes; drop --dataset-impl")
         if os.path.exists(data) and not os.path.isdir(data):
             raise DataError(f"DATA {data}: not a directory; give the --out directory of alma-data-prep")
         manifest = _verify_stream_dir(data)
