@@ -314,6 +314,8 @@ LM_CASES = [
         (("--use-bmuf",), r"--use-bmuf: BMUF lets every process train its own copy between syncs"),
         (("--optimizer-overrides", "{'adam_eps': 1e-6}"), r"--optimizer-overrides .*: an alma_stream run resumes its optimizer as checkpointed"),
         (("--dataset-impl", "lazy"), r"--dataset-impl lazy: a stream's splits are the mmap binaries alma-data-prep writes"),
+        (("--model-parallel-size", "2"), r"--model-parallel-size 2: Megatron model parallelism .*is not supported by alma_stream"),
+        (("--quantization-config-path", "q.yaml"), r"--quantization-config-path q.yaml: fairseq's iterative product quantization .*not supported"),
         (("--no-save-optimizer-state",), r"--no-save-optimizer-state: an alma_stream run resumes its optimizer"),
         (("--train-subset", "valid"), r"--train-subset valid: an alma_stream run trains on its mega-batches .*drop it"),
         (("--num-shards", "2", "--shard-id", "1"), r"--num-shards 2: an alma_stream run shares each stage's batches out"),

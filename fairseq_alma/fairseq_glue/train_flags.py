@@ -456,6 +456,16 @@ STREAM_REFUSED_FLAGS: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = 
      "--use-bmuf: BMUF lets every process train its own copy between syncs, and an alma_stream run "
      "keeps and evaluates the first process's model at each stage's end; drop it (data-parallel "
      "training keeps one model)"),
+    ("common", "quantization_config_path", bool,
+     "--quantization-config-path {v}: fairseq's iterative product quantization rewrites the model "
+     "between epochs, which are an alma_stream run's stages, outside what its records and "
+     "fingerprint describe; not supported: drop it"),
+    ("common", "model_parallel_size", lambda v: v > 1,
+     "--model-parallel-size {v}: Megatron model parallelism (fairseq's model_parallel models) is not "
+     "supported by alma_stream; drop it (--moe-expert-parallel-size shards the experts)"),
+    ("common", "use_plasma_view", bool,
+     "--use-plasma-view: an alma_stream run reads its mega-batches through its own views (pyarrow's "
+     "plasma store is not used); drop it"),
     ("checkpoint", "no_save_optimizer_state", bool,
      "--no-save-optimizer-state: an alma_stream run resumes its optimizer, LR schedule and update "
      "count from checkpoint_last.pt (without them it cannot continue); drop it"),
