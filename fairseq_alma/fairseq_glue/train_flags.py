@@ -500,7 +500,8 @@ def check_stream_refused_flags(node: Any) -> None:
     and ``--stop-min-lr`` stop fairseq's loop on time, stalled validation or a low LR: with exit
     0 and an unfinished stream (``--patience 1`` ended one after its first stage).  fairseq's
     EMA (``--store-ema``) is neither what the stream evaluates after every arrival nor what its
-    stage checkpoints keep, and its update fails on the model's integer buffers (a Switch layer's expert count).
+    stage checkpoints keep, and its update fails on the model's integer buffers (a Switch
+    layer's expert count).
     ``--train-subset valid`` trained on the validation split, wrote no stream record and no
     stage checkpoint, and exited 0; the stream's own data order makes fairseq's ``--num-shards``
     and ``--curriculum`` no-ops, and a flag that does nothing is refused, not ignored."""
