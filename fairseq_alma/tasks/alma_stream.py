@@ -150,7 +150,7 @@ class AlmaStreamTask(LanguageModelingTask):
 
     @classmethod
     def setup_task(cls, cfg: AlmaStreamConfig, **kwargs: Any) -> Any:
-        from ..fairseq_glue.config import model_name
+        from ..fairseq_glue.config import given, model_name
 
         if model_name(cfg) == "alma_vision":  # a vision stream (--arch alma_vision --vision-dataset)
             from ..fairseq_glue.vision_entry import VisionStreamEntry
@@ -163,7 +163,7 @@ class AlmaStreamTask(LanguageModelingTask):
         require(len(paths) == 1, f"DATA {cfg.data}: an alma_stream run reads one prepared stream; "
                 f"give one directory (the --out of alma-data-prep)")
         data = paths[0]
-        impl = getattr(cfg, "dataset_impl", None)
+        impl = given(cfg, "dataset", "dataset_impl")  # None for a task config standing alone
         require(impl is None or str(getattr(impl, "value", impl)) == "mmap",
                 f"--dataset-impl {getattr(impl, 'value', impl)}: a stream's splits are the mmap binaries "
                 f"alma-data-prep writes; drop --dataset-impl")
