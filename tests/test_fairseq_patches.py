@@ -193,28 +193,43 @@ def test_fairseqs_debug_basic_config_on_import_is_undone_only_when_it_set_it(mon
     assert root.level == logging.DEBUG
 
 
+# Test-only sitecustomize: holds the import of fairseq.tasks (inside fairseq_alma's own import of
+# fairseq) until a signal arrives, after leaving a mark, so the test's SIGINT lands there every time.
+PAUSE_IN_IMPORT = """
+import os, sys, time
+
+class _Pause:
+    def find_spec(self, name, path=None, target=None):
+        if name == "fairseq.tasks":
+            open(os.environ["ALMA_TEST_IMPORT_MARK"], "w").close()
+            time.sleep(120)
+        return None
+
+sys.meta_path.insert(0, _Pause())
+"""
+
+
 def test_ctrl_c_while_our_tool_imports_fairseq_is_one_line(tmp_path):
-    """SIGINT in the seconds alma-score spends importing torch and fairseq (sent once torch's
-    library is mapped, so Python's own handler is in place): one line and the shell's status
-    130, as Ctrl-C later gets, not a traceback through the import machinery."""
+    """A real SIGINT while alma-score is inside its import of fairseq (held there by a test-only
+    sitecustomize, so the signal cannot come too early or too late): one line and the shell's
+    status 130, as Ctrl-C later gets, not a traceback through the import machinery."""
     import signal
     import subprocess
     import time
-    from pathlib import Path
 
     from lm_fixtures import THREADS, tool
 
+    (tmp_path / "sitecustomize.py").write_text(PAUSE_IN_IMPORT)
+    mark = tmp_path / "importing"
+    env = {**os.environ, **THREADS, "ALMA_TEST_IMPORT_MARK": str(mark),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen([tool("alma-score"), "--help"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, **THREADS},
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and proc.poll() is None:
-        if "libtorch" in Path(f"/proc/{proc.pid}/maps").read_text():
-            break
+                            text=True, env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 120
+    while not mark.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
+    assert mark.exists(), proc.communicate(timeout=60)[1][-2000:]
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
-    if "usage: alma-score" in out:  # the import finished first (an idle machine): nothing to see
-        pytest.skip("alma-score finished importing before the signal")
     assert proc.returncode == 130, err[-2000:]
-    assert err == "alma-score: interrupted\n", err[-2000:]
+    assert err == "alma-score: interrupted\n" and out == "", err[-2000:]
