@@ -237,11 +237,17 @@ OTHER_PRECISION_FLAGS = ("--fp16", "--memory-efficient-fp16", "--amp")
 CONSOLE_PROGRAMS = ("fairseq-train", "fairseq-eval-lm", "fairseq-validate", "alma-train")
 
 
+def _running(programs: tuple[str, ...], modules: tuple[str, ...]) -> bool:
+    """Whether this process is one of ``programs`` (its console script's name) or runs one of
+    ``modules`` with ``python -m``."""
+    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return os.path.basename(sys.argv[0] if sys.argv else "") in programs or (
+        main_spec is not None and main_spec.name in modules)
+
+
 def _running_console_command() -> bool:
     """Whether this process is one of fairseq's commands (or alma-train) parsing its flags."""
-    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    return os.path.basename(sys.argv[0] if sys.argv else "") in CONSOLE_PROGRAMS or (
-        main_spec is not None and main_spec.name in CONSOLE_COMMANDS)
+    return _running(CONSOLE_PROGRAMS, tuple(CONSOLE_COMMANDS))
 
 
 def _flags_given(names: tuple[str, ...], argv: list[str] | None = None) -> list[str]:
@@ -257,9 +263,7 @@ HELP_FLAGS = ("-h", "--help")
 
 def _running_training_command() -> bool:
     """Whether this process is fairseq-train (or alma-train, or ``python -m fairseq_cli.train``)."""
-    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    return os.path.basename(sys.argv[0] if sys.argv else "") in TRAINING_PROGRAMS or (
-        main_spec is not None and main_spec.name == "fairseq_cli.train")
+    return _running(TRAINING_PROGRAMS, ("fairseq_cli.train",))
 
 
 def arch_missing(argv: list[str]) -> bool:
@@ -547,13 +551,6 @@ def install_command_patches() -> None:
     install_eval_lm_scores_every_block()
 
 
-def _running_eval_lm() -> bool:
-    """Whether this process is fairseq-eval-lm (or ``python -m fairseq_cli.eval_lm``)."""
-    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    return os.path.basename(sys.argv[0] if sys.argv else "") == "fairseq-eval-lm" or (
-        main_spec is not None and main_spec.name == "fairseq_cli.eval_lm")
-
-
 def install_eval_lm_scores_every_block() -> None:
     """fairseq-eval-lm: a block longer than the model's positions is refused in one line
     instead of being left out of the score.
@@ -568,7 +565,7 @@ def install_eval_lm_scores_every_block() -> None:
     from fairseq.tasks import FairseqTask
 
     original = FairseqTask.filter_indices_by_size
-    if _patched(original) or not _running_eval_lm():
+    if _patched(original) or not _running(("fairseq-eval-lm",), ("fairseq_cli.eval_lm",)):
         return
 
     def filter_indices_by_size(self: Any, indices: Any, dataset: Any, max_positions: Any = None,
