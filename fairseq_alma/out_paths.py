@@ -20,8 +20,9 @@ from .errors import AlmaError, UsageError
 def check_dir_path(path: str | os.PathLike, flag: str,
                    error: type[AlmaError] = UsageError) -> None:
     """Refuse ``path`` as the directory ``flag`` names unless it is a directory or can become
-    one: it must not be a file, nor lie under one."""
+    one: it must not be empty, a file, nor lie under one."""
     given = os.fspath(path)
+    _check_not_empty(given, flag, error)
     real = os.path.realpath(given)
     if os.path.exists(real) and not os.path.isdir(real):
         raise error(f"{flag} {given}: exists and is not a directory; give the path of a "
@@ -34,10 +35,18 @@ def check_dir_path(path: str | os.PathLike, flag: str,
                     "directory (a new one is created)")
 
 
+def _check_not_empty(given: str, flag: str, error: type[AlmaError]) -> None:
+    """An empty path (``--out ""``, an unset shell variable) would otherwise mean the current
+    directory, or no file at all."""
+    if not given.strip():
+        raise error(f"{flag} is an empty path (it would mean the current directory, or no file); give a path")
+
+
 def check_file_path(path: str | os.PathLike, flag: str) -> None:
     """Refuse ``path`` as the file ``flag`` writes if it is a directory or its folder cannot
     be one (the write would fail only after the work it records)."""
     given = os.fspath(path)
+    _check_not_empty(given, flag, UsageError)
     if os.path.isdir(given):
         raise UsageError(f"{flag} {given}: is a directory; give the path of a file to write")
     folder = os.path.dirname(os.path.abspath(given))
@@ -55,7 +64,7 @@ def check_output_files(outputs: Sequence[tuple[str, str | os.PathLike | None]],
     taken: dict[str, str] = {}
     roots = [os.path.realpath(path) for path in inputs]
     for flag, path in outputs:
-        if not path:
+        if path is None:
             continue
         given = os.fspath(path)
         check_file_path(given, flag)

@@ -12,6 +12,14 @@ from ..sweeps.score_submit import SCORE_OWN_FLAGS, OptionValue, ScoreArrayReques
 from ..sweeps.train_submit import SubmitRequest
 
 
+def _sweep_dir(text: str) -> str:
+    """A sweep directory argument: never empty (``Path("")`` would be the current directory)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path (it would mean the current directory); "
+                                         "give the sweep's directory")
+    return text
+
+
 def score_flags() -> list[tuple[str, dict]]:
     """alma-score's own flag table (imports torch: only ``alma-sweep score`` asks for it)."""
     from ..scoring.flags import SCORE_FLAGS
@@ -55,7 +63,7 @@ def _add_score_parser(commands: argparse._SubParsersAction, with_score_flags: bo
         "runs changed since.",
         epilog="alma-report SWEEP_DIR/scores/*/score.json --out DIR draws the tables and "
         "figures. More: slurm/README.md")
-    sub.add_argument("sweep_dir", help="a directory made by alma-sweep submit")
+    sub.add_argument("sweep_dir", type=_sweep_dir, help="a directory made by alma-sweep submit")
     sub.add_argument("--profile", help="resource profile for each task: a name in "
                      "slurm/profiles/ or a YAML path (default: the sweep's training profile); "
                      "more than one process per task scores data-parallel")
@@ -85,7 +93,7 @@ def build_parser(with_score_flags: bool = False) -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub = commands.add_parser("submit", help="expand a config into a job array and submit it")
     sub.add_argument("config", help="run config YAML (train_configs/...)")
-    sub.add_argument("--sweep-dir", required=True,
+    sub.add_argument("--sweep-dir", required=True, type=_sweep_dir,
                      help="directory for jobs.json, sweep.sbatch, logs/ and one dir per run")
     sub.add_argument("--grid", action="append", metavar="FLAG=V1,V2",
                      help="add or replace a grid dimension (repeatable)")
@@ -106,8 +114,8 @@ def build_parser(with_score_flags: bool = False) -> argparse.ArgumentParser:
                      help="print the job table, commands and sbatch script; submit nothing")
     _add_score_parser(commands, with_score_flags)
     sub = commands.add_parser("status", help="done/running/pending/failed per run, and scoring")
-    sub.add_argument("sweep_dir", help="a directory made by alma-sweep submit")
+    sub.add_argument("sweep_dir", type=_sweep_dir, help="a directory made by alma-sweep submit")
     sub.add_argument("--json", action="store_true", help="print one JSON object per run")
     sub = commands.add_parser("cancel", help="scancel every job of a sweep (scoring too)")
-    sub.add_argument("sweep_dir", help="a directory made by alma-sweep submit")
+    sub.add_argument("sweep_dir", type=_sweep_dir, help="a directory made by alma-sweep submit")
     return parser

@@ -54,6 +54,8 @@ def check_run_inputs(cfg: Any, machine_checks: bool = True) -> None:
     batch sizes and ``--update-freq`` are >= 1.  Without ``machine_checks`` the save dir is not probed: at
     submit it does not exist yet, and the probe would write."""
     save_dir = given(cfg, "checkpoint", "save_dir")
+    if save_dir is not None and not str(save_dir).strip():  # fairseq's makedirs("") traceback
+        raise UsageError("--save-dir: an empty path; give the run's directory")
     if save_dir and machine_checks:
         check_dir_path(save_dir, "--save-dir")
         check_writable(save_dir, f"--save-dir {save_dir}")  # fairseq's own probe is a traceback
