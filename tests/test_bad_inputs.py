@@ -85,6 +85,18 @@ def fresh_run_case(flags: tuple[str, ...], needle: str) -> Case:
     return Case(" ".join(flags), lambda c: (lm(c, c.data, c.tmp / "r", *flags), []), needle)
 
 
+def scorer(ctx: Ctx, prog: str, checkpoint: Path, *extra: str) -> list[str]:
+    """One of fairseq's scoring commands (``prog``) of ``checkpoint`` on the stream."""
+    return [tool(prog), str(ctx.data), "--user-dir", USER_DIR, "--path", str(checkpoint), "--cpu", *extra]
+
+
+def eval_lm(ctx: Ctx, *extra: str) -> list[str]:
+    """fairseq-eval-lm of the finished run's last checkpoint on the stream's eval split
+    (``extra`` last: fairseq's parser keeps a flag's last value)."""
+    return scorer(ctx, "fairseq-eval-lm", ctx.done / "checkpoint_last.pt", "--gen-subset", "eval",
+                  "--tokens-per-sample", "32", "--batch-size", "8", *extra)
+
+
 def vision(ctx: Ctx, data: str, save: Path, *extra: str) -> list[str]:
     return [tool("fairseq-train"), data, *VISION_FLAGS, "--save-dir", str(save), *extra]
 
@@ -233,20 +245,33 @@ LM_CASES = [
          r"--valid-subset eval sets fairseq's own validation, which an alma_stream run does not run: .*--eval-subset eval"),
     Case("valid-subset the stream lacks", lambda c: (lm(c, c.data, c.tmp / "r", "--fairseq-validation", "--valid-subset", "nope"), []),
          r"the stream has no split 'nope' .*it holds .*eval, valid and megabatch0\.\.1"),
-    Case("eval-lm of the test split a stream lacks", lambda c: ([tool("fairseq-eval-lm"), str(c.data), "--user-dir", USER_DIR, "--path",
-                                                               str(c.done / "checkpoint_last.pt"), "--cpu", "--tokens-per-sample", "32"], [c.done]),
+    Case("eval-lm of the test split a stream lacks", lambda c: (scorer(c, "fairseq-eval-lm", c.done / "checkpoint_last.pt", "--tokens-per-sample", "32"), [c.done]),
          r"Dataset not found: test .*an ALMA stream holds eval .*--gen-subset eval"),
     Case("world size with no launcher", lambda c: (lm(c, c.data, c.tmp / "r", "--distributed-world-size", "64"), []),
          r"--distributed-world-size 64: fairseq would start one process per GPU of this machine, which has \d+"),
     Case("dropout above 1", lambda c: (lm(c, c.data, c.tmp / "r", "--dropout", "1.5"), []), r"--dropout must be in \[0, 1\] .*got 1.5"),
-    Case("eval-lm of a checkpoint that is not there", lambda c: ([tool("fairseq-eval-lm"), str(c.data), "--user-dir", USER_DIR, "--path",
-                                                                 str(c.tmp / "nope.pt"), "--cpu", "--gen-subset", "eval"], []),
+    Case("eval-lm of a checkpoint that is not there", lambda c: (scorer(c, "fairseq-eval-lm", c.tmp / "nope.pt", "--gen-subset", "eval"), []),
          r"Model file not found: .*nope\.pt; give the path of a checkpoint file \(--path\)"),
-    Case("eval-lm of blocks longer than the model", lambda c: ([tool("fairseq-eval-lm"), str(c.data), "--user-dir", USER_DIR, "--path",
-                                                               str(c.done / "checkpoint_stage1.pt"), "--cpu", "--gen-subset", "eval",
-                                                               "--tokens-per-sample", "64", "--batch-size", "8"], [c.done]),
-         r"of the \d+ blocks to score are longer than the model's 32 positions .*\(all of them: it would print perplexity 1.00\): "
+    Case("eval-lm of blocks longer than the model", lambda c: (eval_lm(c, "--tokens-per-sample", "64"), [c.done]),
+         r"of the \d+ blocks to score are longer than the model's 32 positions .*\(all of them: nothing would be scored\): "
          r"pass --tokens-per-sample 32 or less"),
+    Case("eval-lm context window as long as the block", lambda c: (eval_lm(c, "--context-window", "32"), [c.done]),
+         r"--context-window 32 leaves no token to score in blocks of --tokens-per-sample 32: pass a window below 32"),
+    Case("eval-lm negative context window", lambda c: (eval_lm(c, "--context-window", "-4"), [c.done]), r"--context-window must be >= 0 \(got -4\)"),
+    Case("eval-lm max-tokens below a block", lambda c: (eval_lm(c, "--max-tokens", "10"), [c.done]),
+         r"--max-tokens 10 holds no block of --tokens-per-sample 32; use --max-tokens >= 32"),
+    Case("eval-lm post-process it cannot do", lambda c: (eval_lm(c, "--post-process", "sentencepiece"), [c.done]),
+         r"--post-process sentencepiece: fairseq-eval-lm merges sub-words into words only for subword_nmt"),
+    Case("eval-lm model overrides not a dict", lambda c: (eval_lm(c, "--model-overrides", "eval_capacity_factor=2"), [c.done]),
+         r"--model-overrides 'eval_capacity_factor=2' is not a Python dict of model options"),
+    Case("validate blocks longer than the model, skipping them", lambda c: (
+        scorer(c, "fairseq-validate", c.done / "checkpoint_stage1.pt", "--valid-subset", "eval", "--task", "alma_stream", "--tokens-per-sample", "48",
+               "--batch-size", "8", "--skip-invalid-size-inputs-valid-test"), [c.done]),
+         r"of the \d+ blocks to score are longer than the model's 32 positions .*they would be left out of the perplexity"),
+    Case("validate without a task", lambda c: (scorer(c, "fairseq-validate", c.done / "checkpoint_stage1.pt", "--valid-subset", "eval"), [c.done]),
+         r"--task is required: the task the checkpoint was trained with, e.g. --task alma_stream"),
+    Case("max-tokens-valid below a block", lambda c: (lm(c, c.data, c.tmp / "r", "--max-tokens-valid", "10"), []),
+         r"--max-tokens-valid 10 holds no block of --tokens-per-sample 32; use --max-tokens-valid >= 32 or --batch-size-valid"),
     Case("update-freq 0", lambda c: (lm(c, c.data, c.tmp / "r", "--update-freq", "0"), []), r"--update-freq must be >= 1 .*got 0"),
     Case("update-freq negative", lambda c: (lm(c, c.data, c.tmp / "r", "--update-freq", "-2"), []), r"--update-freq must be >= 1 .*got -2"),
     Case("required-batch-size-multiple 0", lambda c: (lm(c, c.data, c.tmp / "r", "--required-batch-size-multiple", "0"), []),
@@ -333,9 +358,17 @@ LM_CASES = [
          r"--replay has nothing to replay: with --wait 2 the stream of 2 mega-batches trains one stage"),
     Case("alma-train batch-size 0", lambda c: ([tool("alma-train"), str(c.data), *LM_FLAGS[4:], "--save-dir", str(c.tmp / "r"), "--batch-size", "0"], []),
          r"--batch-size must be >= 1"),
+    Case("training that diverges", lambda c: (lm(c, c.data, _existing_dir(c), "--lr", "1e20", "--clip-norm", "0"), []),
+         r"training diverged: gradients are Nan/Inf .*train in a new --save-dir with a lower --lr", status=1),
     Case("alma-train fp16 on CPU", lambda c: ([tool("alma-train"), str(c.data), *LM_FLAGS[4:], "--save-dir", str(c.tmp / "r"), "--fp16"], []),
          r"--fp16 trains on CUDA GPUs only"),
 ]
+
+
+def _existing_dir(ctx: Ctx) -> Path:
+    """An empty --save-dir made beforehand: a run that started and failed keeps its directory."""
+    (ctx.tmp / "r").mkdir()
+    return ctx.tmp / "r"
 
 
 def _last_only(ctx: Ctx) -> Path:
@@ -397,6 +430,8 @@ SCORE_CASES = [
          r"trained with another dictionary .*score it on the stream it was trained on", prog="alma-score"),
     Case("score ens of two streams", lambda c: ([tool("alma-score"), str(c.done), str(_other_stream_run(c)), "--mode", "ens"], [c.done]),
          r"--mode ens: .* was trained on another stream", prog="alma-score"),
+    Case("score stage checkpoint with a NaN weight", lambda c: ([tool("alma-score"), str(_nan_weight_stage(c))], [c.tmp / "r"]),
+         r"checkpoint_stage2.pt, scored on --subset eval: its loss is nan: 1 of its weights are NaN", prog="alma-score"),
     Case("score damaged stage checkpoint", lambda c: ([tool("alma-score"), str(_damaged_stage(c))], [c.tmp / "r"]), r"checkpoint_stage2.pt: not a readable checkpoint", prog="alma-score"),
     Case("score checkpoint of another run", lambda c: ([tool("alma-score"), str(other_run_checkpoint(c))], [c.tmp / "mixed"]),
          r"checkpoint_stage1.pt belongs to another run than .*run.json", prog="alma-score"),
@@ -430,6 +465,16 @@ def _unfinished(ctx: Ctx) -> Path:
 def _damaged_stage(ctx: Ctx) -> Path:
     save = ctx.copy(ctx.done, "r")
     (save / "checkpoint_stage2.pt").write_bytes(b"PK\x03\x04 not really a checkpoint")
+    return save
+
+
+def _nan_weight_stage(ctx: Ctx) -> Path:
+    """A copy of the finished run whose stage-2 checkpoint holds one NaN weight (a diverged
+    run, a bit flip in memory): alma-score would have printed perplexity nan."""
+    save = ctx.copy(ctx.done, "r")
+    state = torch.load(save / "checkpoint_stage2.pt", weights_only=False)
+    state["model"]["decoder.embed_tokens.weight"][5, 3] = float("nan")
+    torch.save(state, save / "checkpoint_stage2.pt")
     return save
 
 

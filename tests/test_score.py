@@ -434,3 +434,20 @@ def test_scoring_changes_nothing_in_the_run_dir(stream, tmp_path, capsys):
          str(run_dir / "checkpoint_stage1.pt"), "--gen-subset", "eval", "--tokens-per-sample", "32",
          "--batch-size", "8", "--cpu", "--num-workers", "0"])
     assert _snapshot(run_dir) == before
+
+
+def test_a_loss_that_is_not_a_number_is_explained_by_the_weights():
+    """The stage-end measurement and alma-score refuse a NaN/inf loss (a NaN perplexity in a
+    table) with its cause: NaN or infinite weights (counted), or finite weights whose
+    log-probabilities overflow; in half precision they say so."""
+    from fairseq_alma.lm.nll import non_finite_loss
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    assert non_finite_loss(12.5, model) is None
+    assert non_finite_loss(float("inf"), model) == (
+        "its loss is inf although its weights are finite: a log-probability overflows")
+    with torch.no_grad():
+        model[1].weight[0, :2] = float("nan")
+        model[0].bias[1] = float("-inf")
+    assert non_finite_loss(float("nan"), model) == "its loss is nan: 3 of its weights are NaN or infinite"
+    assert non_finite_loss(float("nan"), model.half()).endswith("NaN or infinite in half precision")

@@ -35,6 +35,8 @@ The patches:
 ``install_training_flags``   fairseq 0.12's option parser turns ``--bf16`` into TPU mode,
                              although its trainer and FP16Optimizer train bf16 on GPUs; flags a
                              training run cannot honour are refused before anything runs.
+``install_every_block_scored`` fairseq-eval-lm and fairseq-validate leave a block longer than
+                             the model's positions out of the perplexity they print.
 ``install_flat_bf16_master``  fairseq's FP16Optimizer keeps one fp32 master copy per parameter
                              under ``--bf16`` (a TPU choice), so its pure-Python Adam steps
                              every parameter tensor on its own; on GPUs one flat copy, as under
@@ -67,6 +69,8 @@ logger = logging.getLogger(__name__)
 CONSOLE_COMMANDS = {"fairseq_cli.train": "fairseq-train", "fairseq_cli.eval_lm": "fairseq-eval-lm",
                     "fairseq_cli.validate": "fairseq-validate"}
 ERROR_PROG = "fairseq-alma"
+# A run that diverged is no usage error (2) and no preemption (75, which Slurm requeues).
+DIVERGED_EXIT_STATUS = 1
 
 
 def _mark(function: Any) -> Any:
@@ -126,6 +130,15 @@ class _ConsoleMain:
             sys.stdout.flush()
             print(error_line(ERROR_PROG, err), file=sys.stderr, flush=True)
             raise SystemExit(err.exit_status) from None
+        except FloatingPointError as err:  # fairseq's Trainer: NaN/inf gradients, loss scale at its floor
+            if not self.module_name.endswith(".train"):
+                raise
+            sys.stdout.flush()
+            print(f"{ERROR_PROG}: error: training diverged: {str(err).splitlines()[0]} (fairseq's log "
+                  f"above names where); what was saved before is intact, and the same command would "
+                  f"diverge again: train in a new --save-dir with a lower --lr or with --clip-norm",
+                  file=sys.stderr, flush=True)
+            raise SystemExit(DIVERGED_EXIT_STATUS) from None
         except FileNotFoundError as err:
             if not str(err).startswith("Dataset not found:"):  # fairseq's load_dataset
                 raise
@@ -302,9 +315,11 @@ class _TrainingConfig:
       ``args.tpu = True`` whenever ``--bf16`` is given (fairseq 0.12 only ran bf16 on TPUs), but
       its ``Trainer`` and ``FP16Optimizer`` train bf16 on GPUs (model in bf16, fp32 master
       weights, no loss scaler).  An explicit ``--tpu`` is kept, and refused below.
-    * fairseq-train only: the flags a run cannot honour end in one line and exit 2 before
+    * fairseq-train: the flags a run cannot honour end in one line and exit 2 before
       anything starts (``train_flags.check_training_flags``), and ``--bf16`` keeps one flat
-      fp32 master copy (``install_flat_bf16_master``)."""
+      fp32 master copy (``install_flat_bf16_master``);
+    * fairseq-eval-lm and fairseq-validate: likewise for their own flags
+      (``scoring_command_flags.check_scoring_flags``)."""
 
     _alma_patch = True
 
@@ -317,24 +332,33 @@ class _TrainingConfig:
         if self.module_name.endswith(".train"):
             from .train_flags import check_training_flags
 
-            try:
-                check_training_flags(cfg)
-            except AlmaError as err:
-                from ..console import error_line
-
-                sys.stdout.flush()
-                print(error_line(ERROR_PROG, err), file=sys.stderr, flush=True)
-                raise SystemExit(err.exit_status) from None
+            self._refuse_in_one_line(check_training_flags, cfg)
             install_flat_bf16_master()
+        elif self.module_name.endswith((".eval_lm", ".validate")):
+            from .scoring_command_flags import check_scoring_flags
+
+            self._refuse_in_one_line(check_scoring_flags, cfg, self.module_name.rsplit(".", 1)[1])
         return cfg
+
+    @staticmethod
+    def _refuse_in_one_line(check: Any, *args: Any) -> None:
+        try:
+            check(*args)
+        except AlmaError as err:
+            from ..console import error_line
+
+            sys.stdout.flush()
+            print(error_line(ERROR_PROG, err), file=sys.stderr, flush=True)
+            raise SystemExit(err.exit_status) from None
 
 
 def install_training_flags() -> None:
     """``_TrainingConfig`` in the fairseq command this process runs; and two command lines end
     in one line and exit 2 while fairseq is still parsing, where fairseq itself would end in a
     traceback: ``--bf16`` or ``--memory-efficient-bf16`` with ``--fp16``,
-    ``--memory-efficient-fp16`` or ``--amp`` ("Cannot combine --fp16 and --tpu"), and a
-    training command without ``--arch`` (a bare ``RuntimeError``)."""
+    ``--memory-efficient-fp16`` or ``--amp`` ("Cannot combine --fp16 and --tpu"), a
+    training command without ``--arch`` (a bare ``RuntimeError``) and fairseq-validate without
+    ``--task`` (it has no default: ``KeyError: None``)."""
     if not _running_console_command():
         return
     conflict = precision_conflict(sys.argv[1:])
@@ -342,6 +366,9 @@ def install_training_flags() -> None:
             not _flags_given(HELP_FLAGS):
         conflict = ("--arch is required: the model to train, e.g. --arch switch_transformer_lm_base "
                     "(alma-train --arch NAME --help lists that model's options)")
+    if conflict is None and _running(("fairseq-validate",), ("fairseq_cli.validate",)) and \
+            not _flags_given(("--task",)) and not _flags_given(HELP_FLAGS):  # fairseq: KeyError: None
+        conflict = "--task is required: the task the checkpoint was trained with, e.g. --task alma_stream"
     if conflict is not None:
         sys.stdout.flush()
         print(f"{ERROR_PROG}: error: {conflict}", file=sys.stderr, flush=True)
@@ -548,24 +575,25 @@ def install_command_patches() -> None:
     install_checkpoint_errors()
     install_training_flags()
     install_expert_parallel_trainer()
-    install_eval_lm_scores_every_block()
+    install_every_block_scored()
 
 
-def install_eval_lm_scores_every_block() -> None:
-    """fairseq-eval-lm: a block longer than the model's positions is refused in one line
-    instead of being left out of the score.
+def install_every_block_scored() -> None:
+    """fairseq-eval-lm and fairseq-validate: a block longer than the model's positions is
+    refused in one line instead of being left out of the score.
 
     Why: fairseq-eval-lm asks for its batches with ``ignore_invalid_inputs=True``, so
     ``FairseqTask.filter_indices_by_size`` drops such blocks with a warning and the perplexity
     it prints is of what is left: with ``--tokens-per-sample`` above the model's positions that
-    is nothing, and it printed "Loss (base 2): 0.0000, Perplexity: 1.00".  Only in
-    fairseq-eval-lm: training's validation has its own flag for this
-    (``--skip-invalid-size-inputs-valid-test``), and alma-score refuses such a block length
-    itself."""
+    is nothing, and it printed "Loss (base 2): 0.0000, Perplexity: 1.00".  fairseq-validate
+    does the same under ``--skip-invalid-size-inputs-valid-test`` (an IndexError when nothing
+    is left) and raises a bare Exception without it.  Only in these two commands: training's
+    validation keeps fairseq's flag, and alma-score refuses such a block length itself."""
     from fairseq.tasks import FairseqTask
 
     original = FairseqTask.filter_indices_by_size
-    if _patched(original) or not _running(("fairseq-eval-lm",), ("fairseq_cli.eval_lm",)):
+    if _patched(original) or not _running(("fairseq-eval-lm", "fairseq-validate"),
+                                          ("fairseq_cli.eval_lm", "fairseq_cli.validate")):
         return
 
     def filter_indices_by_size(self: Any, indices: Any, dataset: Any, max_positions: Any = None,
@@ -575,10 +603,10 @@ def install_eval_lm_scores_every_block() -> None:
             from ..errors import UsageError
 
             longest = max(int(dataset.size(i)) for i in ignored[:10000])
-            nothing = " (all of them: it would print perplexity 1.00)" if len(kept) == 0 else ""
+            nothing = " (all of them: nothing would be scored)" if len(kept) == 0 else ""
             raise UsageError(f"{len(ignored):,} of the {len(ignored) + len(kept):,} blocks to score are longer "
                              f"than the model's {max_positions} positions (up to {longest:,} tokens); "
-                             f"fairseq-eval-lm would leave them out of the perplexity{nothing}: pass "
+                             f"they would be left out of the perplexity{nothing}: pass "
                              f"--tokens-per-sample {max_positions} or less")
         return kept
 

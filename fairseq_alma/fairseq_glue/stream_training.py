@@ -22,9 +22,9 @@ import os
 import time
 from typing import Any, Dict, List
 
-from ..errors import StreamFinished
+from ..errors import AlmaError, StreamFinished
 from ..lm.model_flops import model_flops
-from ..lm.nll import Batching, total_nll
+from ..lm.nll import Batching, non_finite_loss, total_nll
 from ..lm.stage_checkpoints import keep_initial_checkpoint, keep_stage_checkpoint
 from ..optim.stage_lr_schedules import describe_schedule, stage_peak
 from ..ranks import any_rank, raise_unless_all_ok, world
@@ -263,6 +263,10 @@ class StreamTraining:
         batching = Batching(self.cfg.batch_size_valid or self.cfg.batch_size or 8, self.cfg.max_tokens_valid)
         for name, key in ((self.cfg.eval_subset, "eval"), ("valid", "valid")):
             nll, ntok = total_nll(self.task.model, self.task, self.task.dataset_split(name), batching)
+            why = non_finite_loss(nll, self.task.model)
+            if why is not None:
+                raise AlmaError(f"the model after {self.measure_key} stage(s), scored on split {name}: {why}; no "
+                                f"record was written for it (a run that diverged: lower --lr, or fp32)")
             out[f"{key}_nll"] = nll / max(ntok, 1)
             out[f"{key}_tokens"] = ntok
             out[f"{key}_ppl"] = math.exp(min(out[f"{key}_nll"], 700.0))

@@ -165,10 +165,12 @@ def check_lm_training(cfg: Any, machine_checks: bool = True) -> None:
             raise UsageError(f"--tokens-per-sample {tokens} is longer than the model takes "
                              f"(--max-target-positions {positions}); lower it or raise "
                              "--max-target-positions")
-        max_tokens = given(cfg, "dataset", "max_tokens")
-        if max_tokens is not None and max_tokens < tokens:
-            raise UsageError(f"--max-tokens {max_tokens} holds no block of --tokens-per-sample "
-                             f"{tokens}; use --max-tokens >= {tokens} or --batch-size")
+        for key, sentences in (("max_tokens", "--batch-size"), ("max_tokens_valid", "--batch-size-valid")):
+            max_tokens = given(cfg, "dataset", key)  # the valid one: the stage-end evaluation
+            if max_tokens is not None and max_tokens < tokens:
+                flag = f"--{key.replace('_', '-')}"
+                raise UsageError(f"{flag} {max_tokens} holds no block of --tokens-per-sample "
+                                 f"{tokens}; use {flag} >= {tokens} or {sentences}")
     flag = next((f"--{key.replace('_', '-')}" for key in FP16_FLAGS if given(cfg, "common", key)), None)
     if flag is not None and not on_cuda(cfg, machine_checks):
         raise UsageError(f"{flag} trains on CUDA GPUs only (half precision with loss scaling); "

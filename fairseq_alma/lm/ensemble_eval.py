@@ -31,7 +31,7 @@ from fairseq import checkpoint_utils, utils
 from ..errors import AlmaError, CheckpointError, MissingSplit, UsageError
 from ..ranks import world
 from .eval_slice import EvalSlice, slice_dataset
-from .nll import Batching, eval_batches, target_log_probs
+from .nll import Batching, eval_batches, non_finite_loss, target_log_probs
 from .score_distributed import all_reduce_sums
 
 logger = logging.getLogger(__name__)
@@ -203,6 +203,11 @@ class CheckpointScorer:
         batches = eval_batches(models, task, dataset, batching, num_shards=size, shard_id=rank,
                                prefetch=10)
         scored = all_ranks_joint(score_jointly(models, batches, task.target_dictionary.pad()))
+        for path, model, nll in zip(paths, models, scored.member_nll):
+            why = non_finite_loss(nll, model)
+            if why is not None:
+                fix = "score it without --fp16" if self.fp16 else "leave this run out of the scoring"
+                raise CheckpointError(f"{path}, scored on --subset {settings.subset}: {why}; {fix}")
         del models, loaded  # free the members before the next predictor is loaded
         self.tokens += scored.ntokens * len(paths)
         self.seconds += scored.seconds

@@ -11,6 +11,7 @@ how the tokens were batched beyond float32 rounding of each token's log-probabil
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -116,3 +117,21 @@ def total_nll(model: Any, task: Any, dataset: Any, batching: Batching) -> tuple[
     if size > 1:
         dist.all_reduce(totals)
     return float(totals[0]), int(totals[1])
+
+
+def non_finite_loss(nll_sum: float, model: Any) -> str | None:
+    """Why a summed loss is not a number (None when it is), said about ``model``'s weights.
+
+    Why: a NaN or infinite loss becomes a NaN perplexity in a table, and the stream's averages
+    spread it to every number they touch; refusing it with its cause says what to do.  The
+    weights tell the causes apart: NaN or infinite ones (a damaged file, a run that diverged, or
+    values beyond half precision's range once halved) or finite ones whose log-probabilities
+    overflow (half precision)."""
+    if math.isfinite(nll_sum):
+        return None
+    bad = sum(int((~torch.isfinite(p)).sum()) for p in model.parameters())
+    half = next(model.parameters()).dtype in (torch.float16, torch.bfloat16)
+    where = " in half precision" if half else ""
+    if bad:
+        return f"its loss is {nll_sum}: {bad:,} of its weights are NaN or infinite{where}"
+    return f"its loss is {nll_sum} although its weights are finite: a log-probability overflows{where}"

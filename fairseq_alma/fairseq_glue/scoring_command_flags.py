@@ -1,0 +1,61 @@
+"""The flags of fairseq's scoring commands (fairseq-eval-lm, fairseq-validate) that they would
+take and then fail on, or score wrongly with.
+
+Why a check before they run: they read these flags deep inside their loop, so a value they
+cannot use ends in a traceback after the checkpoint was loaded (``--tokens-per-sample 0`` or a
+``--context-window`` as long as the block: ZeroDivisionError; ``--max-tokens`` below one block:
+an AssertionError in the batch sampler; ``--post-process sentencepiece``: NotImplementedError;
+``--model-overrides`` that is not a dict: a NameError from its ``eval``), and a negative
+``--context-window`` was silently taken as none.  Called from ``patches._TrainingConfig``,
+right after the command's flags are parsed.
+"""
+
+from __future__ import annotations
+
+import ast
+from typing import Any
+
+from ..errors import UsageError
+from .config import given
+
+# fairseq-eval-lm merges sub-words into words only for subword-nmt's "@@ " continuation marker
+# (``fairseq_cli/eval_lm.py``); any other value raises NotImplementedError mid-run.
+POST_PROCESS_MERGED = ("subword_nmt", "@@ ")
+
+
+def check_scoring_flags(cfg: Any, command: str) -> None:
+    """Refuse, in one line, the flags ``command`` (``eval_lm`` or ``validate``: the module of
+    ``fairseq_cli``) cannot score with."""
+    tokens = given(cfg, "task", "tokens_per_sample")
+    if tokens is not None and tokens < 1:
+        raise UsageError(f"--tokens-per-sample must be >= 1 (got {tokens}): the length of the "
+                         "blocks scored, at most the model's positions")
+    max_tokens = given(cfg, "dataset", "max_tokens")
+    if tokens is not None and max_tokens is not None and max_tokens < tokens:
+        raise UsageError(f"--max-tokens {max_tokens} holds no block of --tokens-per-sample {tokens}; "
+                         f"use --max-tokens >= {tokens} or --batch-size")
+    overrides = given(cfg, "common_eval", "model_overrides")
+    if overrides is not None:
+        try:
+            value = ast.literal_eval(str(overrides))
+        except (ValueError, SyntaxError):
+            value = None
+        if not isinstance(value, dict):
+            raise UsageError(f"--model-overrides {overrides!r} is not a Python dict of model "
+                             "options, e.g. \"{'eval_capacity_factor': 2.0}\"")
+    if command == "eval_lm":
+        _check_eval_lm_flags(cfg, tokens)
+
+
+def _check_eval_lm_flags(cfg: Any, tokens: int | None) -> None:
+    window = int(given(cfg, "eval_lm", "context_window") or 0)
+    if window < 0:
+        raise UsageError(f"--context-window must be >= 0 (got {window}): the tokens of context "
+                         "each block is given before its scored tokens")
+    if tokens is not None and window >= tokens:
+        raise UsageError(f"--context-window {window} leaves no token to score in blocks of "
+                         f"--tokens-per-sample {tokens}: pass a window below {tokens}")
+    post_process = given(cfg, "common_eval", "post_process")
+    if post_process is not None and post_process not in POST_PROCESS_MERGED:
+        raise UsageError(f"--post-process {post_process}: fairseq-eval-lm merges sub-words into "
+                         "words only for subword_nmt ('@@ '); drop it to score per token")
