@@ -460,6 +460,13 @@ STREAM_REFUSED_FLAGS: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = 
      "--use-bmuf: BMUF lets every process train its own copy between syncs, and an alma_stream run "
      "keeps and evaluates the first process's model at each stage's end; drop it (data-parallel "
      "training keeps one model)"),
+    ("distributed_training", "ddp_backend", lambda v: str(v) == "slowmo",
+     "--ddp-backend slowmo: SlowMo lets every process take its own steps between syncs (as BMUF), "
+     "and an alma_stream run keeps and evaluates the first process's model at each stage's end; "
+     "use --ddp-backend pytorch_ddp, legacy_ddp or no_c10d"),
+    ("distributed_training", "pipeline_model_parallel", bool,
+     "--pipeline-model-parallel: fairseq's pipeline parallelism (its pipeline_parallel_transformer "
+     "models) is not supported by alma_stream; drop it (--moe-expert-parallel-size shards the experts)"),
     ("common", "quantization_config_path", bool,
      "--quantization-config-path {v}: fairseq's iterative product quantization rewrites the model "
      "between epochs, which are an alma_stream run's stages, outside what its records and "
@@ -485,6 +492,13 @@ STREAM_REFUSED_FLAGS: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = 
     ("dataset", "num_shards", lambda v: v > 1,
      "--num-shards {v}: an alma_stream run shares each stage's batches out over its processes "
      "itself (--distributed-world-size); drop --num-shards and --shard-id"),
+    ("task", "output_dictionary_size", lambda v: v >= 0,
+     "--output-dictionary-size {v}: an alma_stream model predicts every symbol of the stream's "
+     "dictionary (the flag would be ignored); drop it"),
+    ("task", "self_target", bool,
+     "--self-target: an alma_stream model predicts the next token only (the flag would be ignored); drop it"),
+    ("task", "past_target", bool,
+     "--past-target: an alma_stream model predicts the next token only (the flag would be ignored); drop it"),
     ("dataset", "curriculum", lambda v: v > 0,
      "--curriculum {v}: an alma_stream run orders each stage's data itself (passes over it "
      "shuffled with --seed); drop it"),
