@@ -270,6 +270,10 @@ LM_CASES = [
          r"of the \d+ blocks to score are longer than the model's 32 positions .*they would be left out of the perplexity"),
     Case("validate without a task", lambda c: (scorer(c, "fairseq-validate", c.done / "checkpoint_stage1.pt", "--valid-subset", "eval"), [c.done]),
          r"--task is required: the task the checkpoint was trained with, e.g. --task alma_stream"),
+    Case("eval-lm of a vision run's checkpoint", lambda c: (scorer(c, "fairseq-eval-lm", _vision_run(c) / "checkpoint_last.pt", "--gen-subset", "eval"), [c.tmp / "v"]),
+         r"checkpoint_last.pt: a vision stream's checkpoint \(--arch alma_vision\), not a language model's"),
+    Case("language model into a vision run's directory", lambda c: (lm(c, c.data, _vision_run(c)), [c.tmp / "v"]),
+         r"holds another run \(a vision stream's; this command trains a language-model stream\)"),
     Case("max-tokens-valid below a block", lambda c: (lm(c, c.data, c.tmp / "r", "--max-tokens-valid", "10"), []),
          r"--max-tokens-valid 10 holds no block of --tokens-per-sample 32; use --max-tokens-valid >= 32 or --batch-size-valid"),
     Case("update-freq 0", lambda c: (lm(c, c.data, c.tmp / "r", "--update-freq", "0"), []), r"--update-freq must be >= 1 .*got 0"),
@@ -348,6 +352,7 @@ LM_CASES = [
         (("--train-subset", "valid"), r"--train-subset valid: an alma_stream run trains on its mega-batches .*drop it"),
         (("--num-shards", "2", "--shard-id", "1"), r"--num-shards 2: an alma_stream run shares each stage's batches out"),
         (("--curriculum", "1"), r"--curriculum 1: an alma_stream run orders each stage's data itself"),
+        (("--grouped-shuffling",), r"--grouped-shuffling: an alma_stream run orders each stage's batches itself"),
         (("--output-dictionary-size", "50"), r"--output-dictionary-size 50: an alma_stream model predicts every symbol of the stream's dictionary"),
         (("--decoder-layers", "0"), r"--decoder-layers must be an integer >= 1 \(got 0\)"),
     )),
@@ -366,6 +371,14 @@ LM_CASES = [
     Case("alma-train fp16 on CPU", lambda c: ([tool("alma-train"), str(c.data), *LM_FLAGS[4:], "--save-dir", str(c.tmp / "r"), "--fp16"], []),
          r"--fp16 trains on CUDA GPUs only"),
 ]
+
+
+def _vision_run(ctx: Ctx) -> Path:
+    """A finished two-stage vision run (digits), made for the case."""
+    save = ctx.tmp / "v"
+    subprocess.run(vision(ctx, "digits", save, "--vision-dataset", "digits"), check=True, capture_output=True,
+                   env=ENV, timeout=600)
+    return save
 
 
 def _existing_dir(ctx: Ctx) -> Path:

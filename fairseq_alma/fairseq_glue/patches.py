@@ -135,7 +135,7 @@ class _ConsoleMain:
                 raise
             sys.stdout.flush()
             print(f"{ERROR_PROG}: error: training diverged: {str(err).splitlines()[0]} (fairseq's log "
-                  f"above names where); what was saved before is intact, and the same command would "
+                  f"above has the details); what was saved before is intact, and the same command would "
                   f"diverge again: train in a new --save-dir with a lower --lr or with --clip-norm",
                   file=sys.stderr, flush=True)
             raise SystemExit(DIVERGED_EXIT_STATUS) from None
@@ -697,9 +697,26 @@ def install_checkpoint_errors() -> None:
                                       f"({TRUST_FLAG})") from None
             raise unreadable(path, err) from None
         except _UNREADABLE as err:
+            if isinstance(err, KeyError) and _vision_checkpoint(path):  # fairseq looked for its keys
+                raise CheckpointError(f"{path}: a vision stream's checkpoint (--arch alma_vision), not a "
+                                      f"language model's; its test errors are in its run's stream.jsonl "
+                                      f"(alma-score --from-log, alma-report)") from None
             raise unreadable(path, err) from None
 
     checkpoint_utils.load_checkpoint_to_cpu = _mark(load_checkpoint_to_cpu)
+
+
+def _vision_checkpoint(path: str) -> bool:
+    """Whether ``path`` is a vision learner's checkpoint, which fairseq's loader would call
+    unreadable (it holds no fairseq training state) although nothing is wrong with it."""
+    from ..checkpoint_load import load_checkpoint
+    from ..vision.runner import CHECKPOINT_FORMAT
+
+    try:
+        state = load_checkpoint(path)
+    except Exception:  # noqa: BLE001 - unreadable after all: fairseq's error stands
+        return False
+    return isinstance(state, dict) and state.get("format") == CHECKPOINT_FORMAT
 
 
 # ---- quiet start-up ---------------------------------------------------------------------------

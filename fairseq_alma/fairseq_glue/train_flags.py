@@ -499,6 +499,9 @@ STREAM_REFUSED_FLAGS: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = 
      "--self-target: an alma_stream model predicts the next token only (the flag would be ignored); drop it"),
     ("task", "past_target", bool,
      "--past-target: an alma_stream model predicts the next token only (the flag would be ignored); drop it"),
+    ("dataset", "grouped_shuffling", bool,
+     "--grouped-shuffling: an alma_stream run orders each stage's batches itself (passes over "
+     "the stage's data shuffled with --seed); drop it"),
     ("dataset", "curriculum", lambda v: v > 0,
      "--curriculum {v}: an alma_stream run orders each stage's data itself (passes over it "
      "shuffled with --seed); drop it"),

@@ -148,6 +148,8 @@ class RunDirectory:
             return
         changed = fingerprint_differences(old, fingerprint)
         shown = "; ".join(changed[:4]) + (f"; and {len(changed) - 4} more" if len(changed) > 4 else "")
+        if _stream_kind(old) != _stream_kind(fingerprint):
+            shown = f"a {_stream_kind(old)} stream's; this command trains a {_stream_kind(fingerprint)} stream"
         raise RunDirError(f"{self.path} holds another run ({shown}); use another --save-dir, or add "
                           f"--restart-stream to move the old run aside (nothing is deleted)")
 
@@ -271,20 +273,33 @@ def without_execution_settings(fingerprint: dict[str, Any]) -> dict[str, Any]:
     return {**fingerprint, "config": {**config, "model": model}}
 
 
+def _stream_kind(fingerprint: dict[str, Any]) -> str:
+    """A vision run's fingerprint holds its learner ``settings``; a language model's its fairseq
+    ``config``."""
+    return "vision" if "settings" in fingerprint else "language-model"
+
+
 def same_run(old: dict[str, Any], new: dict[str, Any]) -> bool:
     """``new`` continues the run ``old`` describes: equal but for ``EXECUTION_SETTINGS``."""
     return old == new or without_execution_settings(old) == without_execution_settings(new)
 
 
 def fingerprint_differences(old: Any, new: Any, prefix: str = "") -> list[str]:
-    """``key: old -> new`` for every leaf that differs (nested dicts flattened with dots)."""
+    """``key: old -> new`` for every leaf that differs (nested dicts flattened with dots).
+
+    A whole section on one side only (a vision run's ``settings`` against a language model's
+    ``config``) is shown by its size, not its contents: it would fill the one-line error."""
     if isinstance(old, dict) and isinstance(new, dict):
         out: list[str] = []
         for key in sorted(set(old) | set(new), key=str):
             name = f"{prefix}.{key}" if prefix else str(key)
             out += fingerprint_differences(old.get(key, "(unset)"), new.get(key, "(unset)"), name)
         return out
-    return [] if old == new else [f"{prefix}: {old!r} -> {new!r}"]
+    return [] if old == new else [f"{prefix}: {_leaf(old)} -> {_leaf(new)}"]
+
+
+def _leaf(value: Any) -> str:
+    return f"({len(value)} settings)" if isinstance(value, dict) else repr(value)
 
 
 def damaged_record(path: str | os.PathLike) -> str | None:
