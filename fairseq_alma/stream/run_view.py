@@ -193,11 +193,39 @@ def checked_checkpoint(path: str | os.PathLike) -> Path:
     (torch does not check them: a flipped byte would load as a wrong weight).  One line naming
     the file and the way back otherwise."""
     path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"{path}: a directory, not a checkpoint file; give a checkpoint in it "
+                              f"(e.g. {path / 'checkpoint_last.pt'})")
+    foreign = _not_torch_format(path)
+    if foreign is not None:
+        way = recovery_hint(path) if path.name.startswith("checkpoint") else \
+            "give a checkpoint file (checkpoint_last.pt, checkpoint_stage<s>.pt)"
+        raise CheckpointError(f"{path}: not a torch checkpoint ({foreign}); {way}")
     bad = damaged_record(path)
     if bad is not None:
         raise CheckpointError(f"{path}: damaged (record {bad} fails its CRC check); "
                               f"{recovery_hint(path)}")
     return path
+
+
+# How a torch checkpoint begins: its zip archive (torch >= 1.6) or a legacy pickle's protocol byte.
+TORCH_FILE_STARTS = (b"PK\x03\x04", b"\x80")
+
+
+def _not_torch_format(path: Path) -> str | None:
+    """What ``path`` is when it is neither of torch's formats (a JSON or text file given by
+    mistake, which torch's weights-only loader would report as a forbidden type); None for a
+    torch file, or an empty or unreadable one, which the loader reports."""
+    try:
+        with open(path, "rb") as handle:
+            start = handle.read(64)
+    except OSError:
+        return None
+    if not start or start.startswith(TORCH_FILE_STARTS):
+        return None
+    if not all(byte in (9, 10, 13) or byte >= 32 for byte in start):
+        return f"it begins with bytes {start[:4].hex()}"
+    return "a JSON file" if start.lstrip()[:1] in (b"{", b"[") else "a text file"
 
 
 def recovery_hint(path: str | os.PathLike) -> str:
