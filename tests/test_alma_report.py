@@ -127,7 +127,9 @@ def test_lm_report_groups_seeds_and_draws_figures_2_to_5(lm_runs, tmp_path):
 def test_no_seed_groups_gives_a_row_per_run(lm_runs, tmp_path):
     proc = _report(lm_runs / "runs", "--out", tmp_path, "--no-seed-groups")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert len(json.loads((tmp_path / "table2.json").read_text())["series"]) == 4
+    settings = [series["setting"] for series in json.loads((tmp_path / "table2.json").read_text())["series"]]
+    assert len(settings) == 4 and len(set(settings)) == 4, settings  # seeds of one setting told apart
+    assert any(setting.endswith("[seed=2]") for setting in settings), settings
     assert "seeds" not in proc.stdout.splitlines()[0]
 
 
@@ -225,6 +227,9 @@ def test_numbers_obtained_differently_are_never_one_row(lm_runs, tmp_path):
     proc, _ = _report_ok(runs / "sm_s1", tmp_path / "valid.json", out=tmp_path / "split")
     rows = {s["setting"] for s in json.loads((tmp_path / "split" / "table2.json").read_text())["series"]}
     assert rows == {"SM_w1 [split=eval]", "SM_w1 [split=valid]"}, rows
+    proc, _ = _report_ok(tmp_path / "valid.json", out=tmp_path / "valid_only")
+    note = "perplexity on split 'valid' (the validation set), not on the evaluation mega-batch 'eval'"
+    assert note in proc.stdout and note in (tmp_path / "valid_only" / "table2.md").read_text()
     run([tool("alma-score"), str(runs / "sm_s1"), "--cpu", "--json", str(tmp_path / "own.json")])
     proc = _report(runs / "sm_s1", tmp_path / "own.json", "--out", tmp_path / "twice")
     assert proc.returncode == 2 and "is given twice" in proc.stderr and "own.json" in proc.stderr

@@ -63,14 +63,14 @@ def _file_tag(label: str) -> str:
 def write_report(args: argparse.Namespace) -> list[str]:
     """Read, group, render; returns what was written, in order.  Bad input: ``UsageError``."""
     from ..report import figures, matrix_table, result_tables
-    from ..report.inputs import common_eval_slice, read_inputs
-    from ..report.seeds import SeedGroup, group_by_seed, replay_pairs
+    from ..report.inputs import common_eval_slice, common_split, read_inputs
+    from ..report.seeds import group_by_seed, replay_pairs
 
     check_dir_path(args.out, "--out")
     runs = read_inputs(args.inputs)
-    sliced = common_eval_slice(runs)
+    notes = [note for note in (common_split(runs), common_eval_slice(runs)) if note]
     try:
-        groups = [SeedGroup([run]) for run in runs] if args.no_seed_groups else group_by_seed(runs)
+        groups = group_by_seed(runs, by_seed=not args.no_seed_groups)
         metric, _ = result_tables.same_shape(groups)
     except ValueError as err:
         raise UsageError(str(err)) from None
@@ -89,7 +89,7 @@ def write_report(args: argparse.Namespace) -> list[str]:
             raise UsageError(f"{out / name}: cannot write ({err.strerror or err})") from None
         written.append(str(out / name))
 
-    note = f"{sliced}\n" if sliced else ""  # under the table, and in the Markdown copy
+    note = "".join(f"{line}\n" for line in notes)  # under the table, and in the Markdown copy
     print(result_tables.format_series_table(groups) + note, end="", flush=True)
     emit(f"{stem}.md", lambda path: path.write_text(
         result_tables.format_markdown(groups) + (f"\n{note}" if note else ""), "utf-8"))

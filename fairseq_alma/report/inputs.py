@@ -215,6 +215,19 @@ def common_eval_slice(runs: list[ReportedRun]) -> str | None:
             f"(alma-score --max-eval-tokens)")
 
 
+def common_split(runs: list[ReportedRun]) -> str | None:
+    """The line that labels a table whose perplexities were all measured on one split other
+    than the evaluation mega-batch (None otherwise: rows measured on different splits say so
+    in their names, ``seeds.label_collisions``), so a table scored on training text never
+    reads as Table 2."""
+    from ..stream.manifest import split_note
+
+    splits = {(run.scoring or {}).get("split") for run in runs}
+    if len(splits) != 1 or None in splits or "test" in splits:
+        return None
+    return split_note(str(splits.pop()))
+
+
 def read_inputs(paths: list[str]) -> list[ReportedRun]:
     """Every run or scored series the command line names (module doc), in order."""
     expanded = expand_run_dirs(paths)

@@ -208,12 +208,13 @@ class SeedGroup:
         return [stat([v[t] for v in lists]) for t in range(len(lists[0]))]
 
 
-def group_by_seed(runs: Sequence[ReportedRun]) -> list[SeedGroup]:
+def group_by_seed(runs: Sequence[ReportedRun], by_seed: bool = True) -> list[SeedGroup]:
     """Groups in order of first appearance; members ordered by seed; groups that would share a
-    name get the keys they differ by in it (``label_collisions``)."""
+    name get the keys they differ by in it (``label_collisions``).  ``by_seed`` False
+    (``--no-seed-groups``): a group per run, still labelled."""
     groups: dict[str, list[ReportedRun]] = {}
     for index, run in enumerate(runs):
-        key = run.group_key or f"alone:{index}"
+        key = (run.group_key if by_seed else None) or f"alone:{index}"
         groups.setdefault(key, []).append(run)
     out = []
     for members in groups.values():
@@ -238,32 +239,54 @@ def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def label_collisions(groups: Sequence[SeedGroup]) -> None:
-    """Groups with the same name (setting and size) whose runs differ in something that
-    changes their numbers are told apart in the name: each gets ``[key=value, ...]`` with the
-    keys that differ between them (at most three; ``+N`` more), e.g. ``SM_w1
-    [config.task.updates_per_stage=200]``.  Groups that cannot be compared (no fingerprint)
-    are named by their source."""
+    """Groups with the same name (setting and size) are told apart in the name: each gets
+    ``[key=value, ...]`` with the keys that differ between them (at most three; ``+N`` more),
+    e.g. ``SM_w1 [config.task.updates_per_stage=200]``.  How the numbers were measured
+    (``scoring``: split, block length, slice, precision) comes first, so a row scored on another
+    split never hides it behind ``+N``; runs that differ only by seed (``--no-seed-groups``) are
+    told apart by it; groups without a fingerprint are named by their source and the scoring
+    keys that differ."""
     by_name: dict[tuple[str, str], list[SeedGroup]] = {}
     for group in groups:
         by_name.setdefault((group.first.setting, group.first.num_experts), []).append(group)
     for colliding in by_name.values():
         if len(colliding) < 2:
             continue
-        flat = [flatten(g.runs[0].comparable) if g.runs[0].comparable is not None else None
+        known = all(g.runs[0].comparable is not None for g in colliding)
+        flat = [flatten(g.runs[0].comparable if known else {"scoring": g.runs[0].scoring or {}})
                 for g in colliding]
-        keys = sorted({k for f in flat if f is not None for k in f})
-        differing = [k for k in keys if len({canonical(f.get(k)) if f is not None else None
-                                             for f in flat}) > 1]
+        keys = sorted({k for f in flat for k in f}, key=lambda k: (not k.startswith("scoring."), k))
+        differing = [k for k in keys if len({canonical(f.get(k)) for f in flat}) > 1]
+        named = _telling_keys(differing, flat)
         for group, values in zip(colliding, flat, strict=True):
-            if values is None:
-                tag = f"[{group.runs[0].source}]"
-            else:
-                shown = [f"{k.replace('scoring.', '').replace('run.', '')}={values.get(k)}"
-                         for k in differing[:3]]
-                more = f", +{len(differing) - 3}" if len(differing) > 3 else ""
-                tag = f"[{', '.join(shown)}{more}]"
+            shown = [f"{k.replace('scoring.', '').replace('run.', '')}={values.get(k)}" for k in named]
+            more = [f"+{len(differing) - len(named)}"] if len(differing) > len(named) else []
+            if group.runs[0].comparable is None:
+                shown.insert(0, group.runs[0].source)
+            elif not differing and len(group.runs) == 1 and group.runs[0].seed is not None:
+                shown = [f"seed={','.join(map(str, group.runs[0].seed))}"]
+            tag = f"[{', '.join(shown + more)}]"
             for member in group.members:
                 member.setting = f"{member.setting} {tag}"
+
+
+def _telling_keys(differing: list[str], flat: list[dict[str, Any]], most: int = 3) -> list[str]:
+    """The keys a label shows: every differing scoring key (how the numbers were measured), then
+    the first run keys that tell apart rows the keys so far do not (so two rows never get the
+    same label while a key could part them), then the next differing keys, ``most`` in all
+    unless scoring needs more; in ``differing``'s order."""
+    chosen = [k for k in differing if k.startswith("scoring.")]
+
+    def distinct(keys: list[str]) -> int:
+        return len({tuple(canonical(f.get(k)) for k in keys) for f in flat})
+
+    for key in differing:
+        if distinct(chosen) == len(flat) or len(chosen) >= most:
+            break
+        if key not in chosen and distinct(chosen + [key]) > distinct(chosen):
+            chosen.append(key)
+    chosen += [k for k in differing if k not in chosen][:max(0, most - len(chosen))]
+    return sorted(chosen, key=differing.index)
 
 
 REPLAY_KEYS = frozenset({"replay", "--replay"})

@@ -22,8 +22,8 @@ def results_text(results: list[ScoredSeries]) -> str:
 
     try:
         text = result_tables.format_series_table([series for series, _ in results])
-        notes = dict.fromkeys(extra["eval_slice_note"] for _, extra in results
-                              if "eval_slice_note" in extra)
+        notes = dict.fromkeys(extra[key] for key in ("split_note", "eval_slice_note")
+                              for _, extra in results if key in extra)
         text += "".join(f"{note}\n" for note in notes)
         for one, extra in results:
             if "eval_matrix" in extra:

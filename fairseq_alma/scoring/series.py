@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import UsageError
+from ..stream.manifest import split_note
 from ..stream.metrics import perplexity_from_nll
 from ..stream.series import ReportSeries, flops_convention
 from .old_runs import untrained_arrivals_before_0_3
@@ -65,6 +66,8 @@ def build_series(runs: list[StreamRun], request: ScoreRequest, scorer: Any) -> l
             extra |= {"source": "evaluated", "settings": vars(settings),
                       "precision": "fp16" if scorer.fp16 else "fp32", **scored.as_json(),
                       "nll_tokens_by_stage": {str(s): list(v) for s, v in nll.items()}}
+            if split_note(settings.subset):
+                extra["split_note"] = split_note(settings.subset)
             if request.max_eval_tokens:
                 extra["eval_slice_note"] = scored.describe(settings.subset)
             if first.waits:

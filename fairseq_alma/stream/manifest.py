@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 
 from ..errors import DataError
 
@@ -71,6 +72,23 @@ def expected_splits(num_megabatches: int, per_megabatch_eval: bool = False) -> l
     ``eval_per_megabatch`` set) also the held-out ``evalmb{k}`` of every mega-batch."""
     periods = [f"evalmb{k}" for k in range(num_megabatches)] if per_megabatch_eval else []
     return [*(f"megabatch{k}" for k in range(num_megabatches)), *periods, "eval", "valid"]
+
+
+def split_note(split: str) -> str | None:
+    """The line under a table of perplexities measured on ``split``: None for the evaluation
+    mega-batch (``eval``, Table 2's), else what the split is, so a table scored on training text
+    (``megabatch{k}``) never reads as Table 2."""
+    if split == "eval":
+        return None
+    if re.fullmatch(r"megabatch\d+", split):
+        what = "a training mega-batch: text the models are trained on"
+    elif re.fullmatch(r"evalmb\d+", split):
+        what = f"the held-out part of mega-batch {split[len('evalmb'):]}"
+    elif split == "valid":
+        what = "the validation set"
+    else:
+        what = "not a split of an alma-data-prep stream"
+    return f"perplexity on split '{split}' ({what}), not on the evaluation mega-batch 'eval'"
 
 
 def verify_stream_dir(data_dir: str, hashes: bool = False) -> dict:
