@@ -408,6 +408,12 @@ def _with(ctx: Ctx, name: str, text: str) -> Path:
 VISION_CASES = [
     Case("vision wait auto on one mega-batch", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--num-megabatches", "1", "--wait", "auto"), []),
          r"--wait auto: a stream of one mega-batch leaves nothing to decide; use --wait 1"),
+    Case("vision stage-init scratch", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--stage-init", "scratch"), []),
+         r"--stage-init is for language-model streams; a vision stream uses --vision-method gens"),
+    Case("vision token blocks", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--tokens-per-sample", "64"), []),
+         r"--tokens-per-sample is for language-model streams \(a vision stream's inputs are images, not token blocks\); drop it"),
+    Case("vision grouped shuffling", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--grouped-shuffling"), []),
+         r"--grouped-shuffling is fairseq's trainer's; a vision stream's learner does not read it"),
     Case("vision without dataset", lambda c: (vision(c, "digits", c.tmp / "r"), []), r"--arch alma_vision needs --vision-dataset"),
     Case("vision unknown dataset", lambda c: (vision(c, "x", c.tmp / "r", "--vision-dataset", "imagenet"), []), r"--vision-dataset 'imagenet' is unknown"),
     Case("vision mnist dir missing", lambda c: (vision(c, str(c.tmp / "nowhere"), c.tmp / "r", "--vision-dataset", "mnist"), []), r"nowhere"),

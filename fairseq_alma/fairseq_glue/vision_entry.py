@@ -62,10 +62,42 @@ def _optimizer(dataset: str, name: str, lr: float) -> OptimizerSpec:
     return paper if lr == 0 else OptimizerSpec(name, float(lr), paper.momentum, paper.weight_decay)
 
 
+# alma_stream's language-model flags, which a vision stream's learner never reads (a stage
+# trains --epochs-per-stage epochs of images): flag -> what a vision stream has instead.
+LM_TASK_FLAGS = {
+    "updates_per_stage": "--epochs-per-stage",
+    "scale_updates_by_wait": "--epochs-per-stage",
+    "stage_init": "--vision-method gens (a new learner per stage)",
+    "reset_optimizer_each_stage": "nothing: the learner's optimizer is App. B.1's, kept across stages",
+    "grow_experts": "--vision-method gmoe or ff (learners that grow)",
+    "grow_at_stages": "--vision-method gmoe or ff (learners that grow)",
+    "eval_subset": "nothing: a vision stream is scored on its dataset's test set",
+    "flops_convention": "nothing: a vision learner's FLOPs are counted per image",
+    "fairseq_validation": "nothing: each stage validates on its mega-batches' held-out share",
+    **{key: "nothing: a vision stream's inputs are images, not token blocks" for key in (
+        "tokens_per_sample", "sample_break_mode", "output_dictionary_size", "self_target",
+        "future_target", "past_target", "add_bos_token", "max_target_positions", "shorten_method",
+        "shorten_data_split_list", "pad_to_fixed_length", "pad_to_fixed_bsz")},
+}
+
+
 def refuse_lm_only_stream_flags(task_cfg: Any) -> None:
     """Partial replay and LR meta-schedules are LM-stream features: a vision stage trains whole
     epochs with best-validation selection (no update budget to take a replayed fraction of) and
-    its optimizer's LR never passes through fairseq's LR scheduler.  Refused, never ignored."""
+    its optimizer's LR never passes through fairseq's LR scheduler.  Likewise every flag of
+    ``LM_TASK_FLAGS``: ``--stage-init scratch`` was silently ignored (the learner continued).
+    Refused, never ignored."""
+    from ..tasks.alma_stream import AlmaStreamConfig
+
+    defaults = AlmaStreamConfig()
+    for key, instead in LM_TASK_FLAGS.items():
+        value, default = task_cfg.get(key), getattr(defaults, key)
+        if _text(value) == _text(default):
+            continue
+        flag = f"--{key.replace('_', '-')}"
+        if instead.startswith("nothing: "):
+            raise UsageError(f"{flag} is for language-model streams ({instead.removeprefix('nothing: ')}); drop it")
+        raise UsageError(f"{flag} is for language-model streams; a vision stream uses {instead}")
     ratio = task_cfg.get("replay_ratio") or 0.0
     require(ratio == 0.0, f"--replay-ratio {ratio:g} is for language-model streams; a vision stream "
             f"trains on its new mega-batches, or on everything seen with --replay")
@@ -86,6 +118,10 @@ FAIRSEQ_TRAINING_FLAGS = {
     ("optimization", "stop_min_lr"): "--max-epoch N (stop after stage N)",
     ("optimization", "stop_time_hours"): "--max-epoch N (stop after stage N)",
     ("dataset", "max_tokens"): "--batch-size",
+    ("dataset", "required_batch_size_multiple"): "--batch-size",
+    ("optimization", "skip_remainder_batch"): "nothing: every stage trains on all of its examples",
+    ("dataset", "grouped_shuffling"): "nothing: the learner shuffles its mega-batches itself, with --seed",
+    ("dataset", "curriculum"): "nothing: the learner shuffles its mega-batches itself, with --seed",
     ("checkpoint", "patience"): "nothing: each stage keeps its best-validation epoch",
     ("checkpoint", "no_save"): "nothing: the stream resumes from its own checkpoints",
     ("checkpoint", "finetune_from_model"): "nothing: a vision stream starts from a fresh learner",
