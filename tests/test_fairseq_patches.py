@@ -233,3 +233,45 @@ def test_ctrl_c_while_our_tool_imports_fairseq_is_one_line(tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-2000:]
     assert err == "alma-score: interrupted\n" and out == "", err[-2000:]
+
+
+def test_a_diverged_run_is_one_line_with_its_own_status(capsys):
+    """fairseq's Trainer raises FloatingPointError for NaN/inf gradients and for a loss scale at
+    its floor; fairseq-train's wrapper turns it into one line and exit 1 (not 2: no usage error;
+    not 75: Slurm must not requeue a run that would diverge again)."""
+    import fairseq.optim.dynamic_loss_scaler as scaler
+    import fairseq.trainer as trainer
+
+    assert 'raise FloatingPointError("gradients are Nan/Inf")' in inspect.getsource(trainer.Trainer.train_step)
+    assert "raise FloatingPointError(" in inspect.getsource(scaler)
+
+    def diverging(cfg: object) -> None:
+        raise FloatingPointError("gradients are Nan/Inf")
+
+    with pytest.raises(SystemExit) as caught:
+        fairseq_patches._ConsoleMain("fairseq_cli.train", diverging)(None)
+    assert caught.value.code == fairseq_patches.DIVERGED_EXIT_STATUS == 1
+    assert capsys.readouterr().err.startswith("fairseq-alma: error: training diverged: gradients are Nan/Inf (")
+    with pytest.raises(FloatingPointError):  # elsewhere a bug keeps its traceback
+        fairseq_patches._ConsoleMain("fairseq_cli.eval_lm", diverging)(None)
+
+
+def test_scoring_commands_filter_blocks_through_the_patched_task_method():
+    """fairseq-eval-lm and fairseq-validate get their batches from ``task.get_batch_iterator``,
+    which drops blocks longer than the model in ``filter_indices_by_size`` (looked up on the
+    task at call time), and parse their flags through ``convert_namespace_to_omegaconf`` looked
+    up in their module (where ``_TrainingConfig`` checks them)."""
+    import fairseq_cli.eval_lm as eval_cli
+    import fairseq_cli.validate as validate_cli
+    from fairseq.tasks import FairseqTask
+    from fairseq.tasks.language_modeling import LanguageModelingTask
+
+    assert "self.filter_indices_by_size(" in inspect.getsource(FairseqTask.get_batch_iterator)
+    assert "ignore_invalid_inputs=True" in inspect.getsource(LanguageModelingTask.eval_lm_dataloader)
+    def source(main: object) -> str:  # an earlier test may have wrapped it (_ConsoleMain)
+        return inspect.getsource(getattr(main, "original", main))
+
+    assert "task.eval_lm_dataloader(" in source(eval_cli.main)
+    assert "task.get_batch_iterator(" in source(validate_cli.main)
+    for module in (eval_cli, validate_cli):
+        assert "convert_namespace_to_omegaconf(" in inspect.getsource(module.cli_main)
