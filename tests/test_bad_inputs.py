@@ -571,6 +571,8 @@ TOOL_CASES = [
          r"nowhere", prog="alma-data-prep"),
     Case("sweep restart-stream", lambda c: (sweep(c, "--grid", "restart-stream=true"), [c.tmp]),
          r"'restart-stream' cannot be set here: every requeue and every chained job of a run would move its progress aside", prog="alma-sweep"),
+    Case("sweep grid value twice", lambda c: (sweep(c, "--grid", "lr=0.1,0.10"), [c.tmp]),
+         r"grid 'lr' lists the value 0.1 twice; list each value once", prog="alma-sweep"),
     Case("sweep max-parallel 0", lambda c: (sweep(c, "--max-parallel", "0"), [c.tmp]), r"--max-parallel must be >= 1 \(got 0\)", prog="alma-sweep"),
     Case("sweep max-parallel negative", lambda c: (sweep(c, "--max-parallel", "-2"), [c.tmp]), r"--max-parallel must be >= 1 \(got -2\)", prog="alma-sweep"),
     Case("sweep profile missing fields", lambda c: (sweep(c, "--profile", str(_file(c, "p.yaml", "description: half a profile\nnodes: 1\n"))), [c.tmp]),

@@ -154,10 +154,19 @@ def _check_scalar(flag: str, value: Any, where: str) -> None:
 def _check_grid_values(flag: str, values: Any, where: str) -> None:
     if not isinstance(values, list) or not values:
         raise UsageError(f"{where}: grid '{flag}' must be a non-empty list of values")
+    seen: set[tuple[str, Any]] = set()
     for value in values:
         _check_scalar(flag, value, where)
         if value is None:
             raise UsageError(f"{where}: grid '{flag}' has an empty (null) value; remove it")
+        # 0.1 and 0.10, or 4 and 4.0, are one value to fairseq: two points would train one run
+        # twice (two tasks on one run directory, or two directories of the same run)
+        key = ("bool", value) if isinstance(value, bool) else \
+            ("number", float(value)) if isinstance(value, (int, float)) else ("text", value)
+        if key in seen:
+            raise UsageError(f"{where}: grid '{flag}' lists the value {value!r} twice; list each "
+                             f"value once")
+        seen.add(key)
 
 
 def _check_seeds(seeds: Any, where: str) -> tuple[int, ...]:
