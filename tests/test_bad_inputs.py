@@ -356,6 +356,8 @@ LM_CASES = [
         (("--train-subset", "valid"), r"--train-subset valid: an alma_stream run trains on its mega-batches .*drop it"),
         (("--num-shards", "2", "--shard-id", "1"), r"--num-shards 2: an alma_stream run shares each stage's batches out"),
         (("--curriculum", "1"), r"--curriculum 1: an alma_stream run orders each stage's data itself"),
+        (("--stage-init", "scratch", "--moe-max-experts", "4", "--grow-experts", "2"),
+         r"--grow-experts 2 with --stage-init scratch: every stage starts from a fresh model"),
         (("--grouped-shuffling",), r"--grouped-shuffling: an alma_stream run orders each stage's batches itself"),
         (("--output-dictionary-size", "50"), r"--output-dictionary-size 50: an alma_stream model predicts every symbol of the stream's dictionary"),
         (("--decoder-layers", "0"), r"--decoder-layers must be an integer >= 1 \(got 0\)"),

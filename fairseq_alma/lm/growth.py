@@ -159,7 +159,8 @@ def parse_growth_plan(grow_experts: str, grow_at_stages: str, num_stages: int) -
     return dict(zip(stages, counts))
 
 
-def check_growth_schedule(grow_experts: str, grow_at_stages: str, num_stages: int, experts: int) -> None:
+def check_growth_schedule(grow_experts: str, grow_at_stages: str, num_stages: int, experts: int,
+                          stage_init: str = "continue") -> None:
     """Growth requests that ``parse_growth_plan`` would shrink or drop, refused before a training
     run takes its run directory (not in ``parse_growth_plan``: a run already trained is still
     scored with its own flags).
@@ -171,9 +172,16 @@ def check_growth_schedule(grow_experts: str, grow_at_stages: str, num_stages: in
       loss (the paper's LM setup: "copy the expert weights and gating network weights
       corresponding to the top-k experts incurring the largest loss"), so k experts
       need k to choose from; ``grow_experts`` would copy fewer.
+    * ``--stage-init scratch``: each stage starts from a freshly initialised model, so the
+      experts a growth step copies (and the validation losses that chose them, which its record
+      reports) would be thrown away at once.
     ``experts``: experts per MoE block before the first growth."""
     if not grow_experts.strip():
         return
+    if str(getattr(stage_init, "value", stage_init)) == "scratch":
+        raise UsageError(f"--grow-experts {grow_experts} with --stage-init scratch: every stage starts "
+                         f"from a fresh model, so the experts a growth step copies would be discarded; "
+                         f"drop one of them (a larger fresh model is another run: raise --moe-experts)")
     plan = parse_growth_plan(grow_experts, grow_at_stages, num_stages)
     if not plan:
         raise UsageError(f"--grow-experts {grow_experts} has no stage to grow at: the stream trains "

@@ -103,7 +103,7 @@ def check_stream_start_values(task: Any, moe: tuple[int | None, int] | None) -> 
         experts, slots = moe
         task.check_growth_room(experts, slots)
         check_growth_schedule(task.cfg.grow_experts, task.cfg.grow_at_stages, task.plan.max_stages,
-                              experts or 0)
+                              experts or 0, task.cfg.stage_init)
     limit = stage_limit(task.plan.max_stages, task.cfg.max_epoch or None, env={})
     check_stream_start(task, limit, None, bool(task.cfg.restart_stream))
 

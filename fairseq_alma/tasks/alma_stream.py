@@ -194,7 +194,7 @@ class AlmaStreamTask(LanguageModelingTask):
 
             # training only: a run already trained with such flags is still scored
             check_growth_schedule(self.cfg.grow_experts, self.cfg.grow_at_stages, self.plan.max_stages,
-                                  layers[0].num_experts if layers else 0)
+                                  layers[0].num_experts if layers else 0, self.cfg.stage_init)
 
             self.training = StreamTraining(self)
         return model
