@@ -89,6 +89,14 @@ def refuse_lm_only_stream_flags(task_cfg: Any) -> None:
     Refused, never ignored."""
     from ..tasks.alma_stream import AlmaStreamConfig
 
+    ratio = task_cfg.get("replay_ratio") or 0.0
+    require(ratio == 0.0, f"--replay-ratio {ratio:g} is for language-model streams; a vision stream "
+            f"trains on its new mega-batches, or on everything seen with --replay")
+    schedule = given(task_cfg, "lr_scheduler", "stage_lr_schedule")
+    schedule = str(getattr(schedule, "value", schedule)) if schedule is not None else "restart"
+    require(schedule == "restart", f"--stage-lr-schedule {schedule} is for language-model streams; a "
+            f"vision stream's optimizer keeps App. B.1's settings (--vision-optimizer, --vision-lr)")
+    # after these two: a meta-schedule needs --updates-per-stage, and the schedule is what to name
     defaults = AlmaStreamConfig()
     for key, instead in LM_TASK_FLAGS.items():
         value, default = task_cfg.get(key), getattr(defaults, key)
@@ -98,13 +106,6 @@ def refuse_lm_only_stream_flags(task_cfg: Any) -> None:
         if instead.startswith("nothing: "):
             raise UsageError(f"{flag} is for language-model streams ({instead.removeprefix('nothing: ')}); drop it")
         raise UsageError(f"{flag} is for language-model streams; a vision stream uses {instead}")
-    ratio = task_cfg.get("replay_ratio") or 0.0
-    require(ratio == 0.0, f"--replay-ratio {ratio:g} is for language-model streams; a vision stream "
-            f"trains on its new mega-batches, or on everything seen with --replay")
-    schedule = given(task_cfg, "lr_scheduler", "stage_lr_schedule")
-    schedule = str(getattr(schedule, "value", schedule)) if schedule is not None else "restart"
-    require(schedule == "restart", f"--stage-lr-schedule {schedule} is for language-model streams; a "
-            f"vision stream's optimizer keeps App. B.1's settings (--vision-optimizer, --vision-lr)")
 
 
 # fairseq-train's training flags that a vision stream's learner never reads (its optimizer, LR,
