@@ -115,3 +115,13 @@ def test_numbers_measured_on_different_streams_never_share_a_table():
     assert format_series_table(group_by_seed([scored(1, here), scored(2, here), scored(3, "/gone")]))
     with pytest.raises(ValueError, match="run1 and run2 were evaluated on different streams"):
         format_series_table(group_by_seed([scored(1, here), scored(2, other)]))
+
+
+def test_copies_are_refused_and_seeds_named_without_seed_groups():
+    """--no-seed-groups (a group per run) still refuses two copies of one run, and names the
+    rows of one setting by their seeds rather than printing the same name twice."""
+    with pytest.raises(ValueError, match="same fingerprint and seed"):
+        group_by_seed([_run(1, [900.0, 30.0, 20.0]), _run(1, [900.0, 30.0, 20.0])], by_seed=False)
+    rows = group_by_seed([_run(1, [900.0, 30.0, 20.0]), _run(2, [900.0, 34.0, 22.0])], by_seed=False)
+    assert [g.n for g in rows] == [1, 1]
+    assert [g.first.setting.split(" ", 1)[1] for g in rows] == ["[seed=1]", "[seed=2]"]

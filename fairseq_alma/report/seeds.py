@@ -213,17 +213,17 @@ def group_by_seed(runs: Sequence[ReportedRun], by_seed: bool = True) -> list[See
     name get the keys they differ by in it (``label_collisions``).  ``by_seed`` False
     (``--no-seed-groups``): a group per run, still labelled."""
     groups: dict[str, list[ReportedRun]] = {}
+    same: dict[tuple[str, Any], str] = {}  # (group key, seed) -> the first source: copies, either way
     for index, run in enumerate(runs):
+        if run.group_key is not None:
+            if (run.group_key, run.seed) in same:
+                raise ValueError(f"{same[run.group_key, run.seed]}, {run.source} have the same fingerprint "
+                                 f"and seed: the same run given twice, or copies; pass each run once")
+            same[run.group_key, run.seed] = run.source
         key = (run.group_key if by_seed else None) or f"alone:{index}"
         groups.setdefault(key, []).append(run)
-    out = []
-    for members in groups.values():
-        seeds = [run.seed for run in members]
-        if len(members) > 1 and len(set(seeds)) != len(seeds):
-            sources = ", ".join(run.source for run in members)
-            raise ValueError(f"{sources} have the same fingerprint and seed: the same run given "
-                             f"twice, or copies; pass each run once")
-        out.append(SeedGroup(sorted(members, key=lambda r: (r.seed is None, r.seed or ()))))
+    out = [SeedGroup(sorted(members, key=lambda r: (r.seed is None, r.seed or ())))
+           for members in groups.values()]
     label_collisions(out)
     return out
 
