@@ -173,8 +173,15 @@ def test_runs_without_an_initial_checkpoint(stream, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_from_log_equals_evaluation(stream, tmp_path, capsys):
+    """Also: two seeds of one setting are told apart in the table and the CSV by their run
+    directories, while the JSON keeps the setting's name (alma-report groups seeds by it)."""
     runs = [stream / "ens1", stream / "ens2", stream / "scratch"]
-    assert _score(capsys, *runs, "--json", tmp_path / "eval.json")[0] == 0
+    code, out, _ = _score(capsys, *runs, "--json", tmp_path / "eval.json", "--csv", tmp_path / "eval.csv")
+    assert code == 0
+    shown = [line.split("  ")[0] for line in out.splitlines()[2:4]]
+    assert shown == [f"SM_w2 [{runs[0]}]", f"SM_w2 [{runs[1]}]"], out
+    assert [line.split(",")[0] for line in (tmp_path / "eval.csv").read_text().splitlines()[1:3]] == shown
+    assert [s["setting"] for s in json.loads((tmp_path / "eval.json").read_text())["series"][:2]] == ["SM_w2"] * 2
     assert _score(capsys, *runs, "--from-log", "--json", tmp_path / "log.json")[0] == 0
     for i, run_dir in enumerate(runs):
         evaluated, logged = _ppls(tmp_path / "eval.json", i), _ppls(tmp_path / "log.json", i)

@@ -7,10 +7,13 @@ write exactly what ``alma-score --json`` writes.
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 from ..errors import UsageError
 from ..stream.period_matrix import PeriodMatrix, format_matrix
+from ..stream.series import ReportSeries
 from .series import ScoredSeries
 
 
@@ -21,7 +24,7 @@ def results_text(results: list[ScoredSeries]) -> str:
     from ..report import result_tables
 
     try:
-        text = result_tables.format_series_table([series for series, _ in results])
+        text = result_tables.format_series_table(displayed(results))
         notes = dict.fromkeys(extra[key] for key in ("split_note", "eval_slice_note")
                               for _, extra in results if key in extra)
         text += "".join(f"{note}\n" for note in notes)
@@ -32,6 +35,17 @@ def results_text(results: list[ScoredSeries]) -> str:
     except ValueError as err:
         raise UsageError(str(err)) from None
     return text
+
+
+def displayed(results: list[ScoredSeries]) -> list[ReportSeries]:
+    """The series as the table, CSV and figure show them: rows that would share a name and size
+    (two runs whose flags give one setting name, seeds of one setting, or one --setting for
+    several runs) get their run directory in the name, since a table of two 'SM_w1' rows does
+    not say which is which.  The JSON keeps the names (alma-report groups seeds by them and
+    names the settings they differ by)."""
+    names = Counter((series.setting, series.num_experts) for series, _ in results)
+    return [replace(series, setting=f"{series.setting} [{extra['runs'][0]}]")
+            if names[series.setting, series.num_experts] > 1 else series for series, extra in results]
 
 
 def results_json(results: list[ScoredSeries]) -> dict[str, Any]:
@@ -56,9 +70,9 @@ def write_results(results: list[ScoredSeries], json_path: str | None = None,
     from ..report import figures, result_tables
     from ..stream.atomic import atomic_write_json
 
-    series = [s for s, _ in results]
+    series = displayed(results)
     try:
-        if json_path:
+        if json_path:  # the series' own names: alma-report groups seeds by them
             atomic_write_json(json_path, results_json(results))
         if csv_path:
             result_tables.write_csv(series, csv_path)
