@@ -243,9 +243,9 @@ def label_collisions(groups: Sequence[SeedGroup]) -> None:
     ``[key=value, ...]`` with the keys that differ between them (at most three; ``+N`` more),
     e.g. ``SM_w1 [config.task.updates_per_stage=200]``.  How the numbers were measured
     (``scoring``: split, block length, slice, precision) comes first, so a row scored on another
-    split never hides it behind ``+N``; runs that differ only by seed (``--no-seed-groups``) are
-    told apart by it; groups without a fingerprint are named by their source and the scoring
-    keys that differ."""
+    split never hides it behind ``+N``; the seeds tell apart the rows of ``--no-seed-groups``
+    that nothing else does; groups without a fingerprint are named by their source and the
+    scoring keys that differ."""
     by_name: dict[tuple[str, str], list[SeedGroup]] = {}
     for group in groups:
         by_name.setdefault((group.first.setting, group.first.num_experts), []).append(group)
@@ -254,20 +254,29 @@ def label_collisions(groups: Sequence[SeedGroup]) -> None:
             continue
         known = all(g.runs[0].comparable is not None for g in colliding)
         flat = [flatten(g.runs[0].comparable if known else {"scoring": g.runs[0].scoring or {}})
-                for g in colliding]
-        keys = sorted({k for f in flat for k in f}, key=lambda k: (not k.startswith("scoring."), k))
+                | {"seed": _seeds_text(g)} for g in colliding]
+        keys = sorted({k for f in flat for k in f}, key=_label_order)
         differing = [k for k in keys if len({canonical(f.get(k)) for f in flat}) > 1]
         named = _telling_keys(differing, flat)
         for group, values in zip(colliding, flat, strict=True):
             shown = [f"{k.replace('scoring.', '').replace('run.', '')}={values.get(k)}" for k in named]
-            more = [f"+{len(differing) - len(named)}"] if len(differing) > len(named) else []
+            hidden = len([k for k in differing if k not in named and k != "seed"])
+            more = [f"+{hidden}"] if hidden else []
             if group.runs[0].comparable is None:
                 shown.insert(0, group.runs[0].source)
-            elif not differing and len(group.runs) == 1 and group.runs[0].seed is not None:
-                shown = [f"seed={','.join(map(str, group.runs[0].seed))}"]
             tag = f"[{', '.join(shown + more)}]"
             for member in group.members:
                 member.setting = f"{member.setting} {tag}"
+
+
+def _label_order(key: str) -> tuple[int, str]:
+    """How the numbers were measured first, then the run's settings, then its seeds (which tell
+    apart only the rows of ``--no-seed-groups``)."""
+    return (0 if key.startswith("scoring.") else 2 if key == "seed" else 1, key)
+
+
+def _seeds_text(group: SeedGroup) -> str:
+    return ",".join("?" if run.seed is None else ",".join(map(str, run.seed)) for run in group.runs)
 
 
 def _telling_keys(differing: list[str], flat: list[dict[str, Any]], most: int = 3) -> list[str]:
@@ -285,7 +294,8 @@ def _telling_keys(differing: list[str], flat: list[dict[str, Any]], most: int = 
             break
         if key not in chosen and distinct(chosen + [key]) > distinct(chosen):
             chosen.append(key)
-    chosen += [k for k in differing if k not in chosen][:max(0, most - len(chosen))]
+    fill = [k for k in differing if k not in chosen and k != "seed"]  # seeds only where they part rows
+    chosen += fill[:max(0, most - len(chosen))]
     return sorted(chosen, key=differing.index)
 
 
