@@ -87,7 +87,9 @@ def refuse_lm_only_stream_flags(task_cfg: Any) -> None:
     its optimizer's LR never passes through fairseq's LR scheduler.  Likewise every flag of
     ``LM_TASK_FLAGS``: ``--stage-init scratch`` was silently ignored (the learner continued).
     Refused, never ignored."""
-    from ..tasks.alma_stream import AlmaStreamConfig
+    # the task's config through fairseq's registry: importing tasks/alma_stream.py here would
+    # close an import circle (it hands vision streams to this module)
+    from fairseq.tasks import TASK_DATACLASS_REGISTRY
 
     ratio = task_cfg.get("replay_ratio") or 0.0
     require(ratio == 0.0, f"--replay-ratio {ratio:g} is for language-model streams; a vision stream "
@@ -97,7 +99,7 @@ def refuse_lm_only_stream_flags(task_cfg: Any) -> None:
     require(schedule == "restart", f"--stage-lr-schedule {schedule} is for language-model streams; a "
             f"vision stream's optimizer keeps App. B.1's settings (--vision-optimizer, --vision-lr)")
     # after these two: a meta-schedule needs --updates-per-stage, and the schedule is what to name
-    defaults = AlmaStreamConfig()
+    defaults = TASK_DATACLASS_REGISTRY["alma_stream"]()
     for key, instead in LM_TASK_FLAGS.items():
         value, default = task_cfg.get(key), getattr(defaults, key)
         if _text(value) == _text(default):
