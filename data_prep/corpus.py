@@ -70,12 +70,19 @@ def is_gzip(path: str) -> bool:
 
 
 def iter_lines(path: str) -> Iterator[str]:
-    """Lines of one UTF-8 file (plain or .gz); bad bytes or a broken .gz name the file."""
+    """Lines of one UTF-8 file (plain or .gz); bad bytes or a broken .gz name the file.
+
+    A NUL character is refused although it is valid UTF-8: text never holds one, while binary
+    files of small integers do and decode without error (a fairseq ``.bin`` shard of token ids
+    below 128 is pure ASCII), and would become a stream of control characters that trains.
+    """
     lineno = 0
     try:
         opener = gzip.open if is_gzip(path) else open
         with opener(path, "rt", encoding="utf-8-sig") as f:
             for lineno, line in enumerate(f, start=1):
+                if "\0" in line:
+                    raise DataError(_binary_input(path, lineno))
                 yield line
     except UnicodeDecodeError as exc:
         raise DataError(
@@ -86,6 +93,13 @@ def iter_lines(path: str) -> Iterator[str]:
                             "re-create it or leave it out") from None
     except OSError as exc:
         raise DataError(f"input {path}: cannot read ({exc.strerror or exc})") from None
+
+
+def _binary_input(path: str, lineno: int) -> str:
+    shard = (" (a fairseq-preprocess output goes in --from-binarized DATA_BIN)"
+             if path.endswith((".bin", ".idx")) else "")
+    return (f"input {path}: holds a NUL byte on line {lineno}, so it is a binary file, not "
+            f"text{shard}; leave it out, or strip NUL bytes (tr -d '\\000') if it is text")
 
 
 def iter_documents(lines: Iterable[str]) -> Iterator[list[str]]:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 
 from fairseq_alma.errors import DataError
@@ -286,6 +287,11 @@ def test_bad_inputs_fail_with_one_line_naming_the_file(forked_prep, corpus, tmp_
     latin1.write_bytes("caf\u00e9 cr\u00e8me\n".encode("latin-1"))
     _assert_one_line_error(forked_prep(*corpus, str(latin1), "--out", str(tmp_path / "o")),
                            str(latin1), "UTF-8")
+
+    shard = tmp_path / "train.bin"  # token ids below 128 as uint16: valid UTF-8, yet binary
+    shard.write_bytes(np.array([5, 17, 2, 9, 2], dtype=np.uint16).tobytes())
+    _assert_one_line_error(forked_prep(*corpus, str(shard), "--out", str(tmp_path / "o")),
+                           str(shard), "binary", "--from-binarized")
 
     blank = tmp_path / "blank.txt"
     blank.write_text("\n  \n\n")
