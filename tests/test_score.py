@@ -443,6 +443,27 @@ def test_scoring_changes_nothing_in_the_run_dir(stream, tmp_path, capsys):
     assert _snapshot(run_dir) == before
 
 
+def test_blocks_the_model_cannot_take_are_refused_not_left_out(stream):
+    """fairseq's batches for scoring leave blocks longer than the model's positions out with a
+    warning; every scorer (stage-end evaluation, alma-score, growth) refuses them instead, naming
+    the split. A real checkpoint told it has 8 positions, on the eval split's 32-token blocks."""
+    from fairseq import checkpoint_utils
+
+    from fairseq_alma.errors import UsageError
+    from fairseq_alma.lm.nll import Batching, total_nll
+
+    checkpoint = str(stream / "ens1" / "checkpoint_stage1.pt")
+    models, _, task = checkpoint_utils.load_model_ensemble_and_task(
+        [checkpoint], arg_overrides={"data": str(stream / "data"), "max_target_positions": 8})
+    task.load_dataset("eval")
+    dataset = task.dataset("eval")
+    too_long = int((dataset.sizes > 8).sum())
+    assert too_long > 0
+    with pytest.raises(UsageError, match=rf"^{too_long:,} of the {len(dataset):,} blocks of eval are "
+                                         r"longer than the model's 8 positions \(up to 32 tokens\)"):
+        total_nll(models[0], task, dataset, Batching(8))
+
+
 def test_a_loss_that_is_not_a_number_is_explained_by_the_weights():
     """The stage-end measurement and alma-score refuse a NaN/inf loss (a NaN perplexity in a
     table) with its cause: NaN or infinite weights (counted), or finite weights whose

@@ -195,7 +195,8 @@ def check_stream_start(task: Any, stages: int, save_dir: str | None, restart: bo
     earlier stage to replay (a one-stage run would be labelled replay yet train as without it;
     checked here, on the LM training path, not in ``StreamPlan``, which scoring and vision sweeps
     also build), ``--max-update`` leaves
-    the stream's updates, the evaluation split exists, and a ``checkpoint_last.pt`` left without
+    the stream's updates, the evaluation split exists, every split's blocks fit the model
+    (``lm/block_lengths``), and a ``checkpoint_last.pt`` left without
     ``run.json`` is of this model (fairseq would fail to load it after run.json was written);
     ``save_dir`` None: no run directory yet (``alma-sweep submit``), nothing left in it."""
     plan = task.plan
@@ -217,8 +218,25 @@ def check_stream_start(task: Any, stages: int, save_dir: str | None, restart: bo
                         if name.endswith(".idx") and not name.startswith("megabatch"))
         raise UsageError(f"--eval-subset {subset}: {' and '.join(missing)} missing in {data}; use "
                          f"one of its splits ({', '.join(splits)})")
+    from ..lm.block_lengths import check_stream_blocks
+    from ..stream.manifest import expected_splits
+
+    splits = expected_splits(int(task.manifest["num_megabatches"]),
+                             task.manifest.get("eval_per_megabatch") is not None)
+    check_stream_blocks(task.cfg, data, splits, _model_positions(task),
+                        bool(given(task.cfg, "model", "decoder_learned_pos")))
     if save_dir is not None and not restart:
         check_leftover_checkpoint(save_dir, task.cfg)
+
+
+def _model_positions(task: Any) -> int:
+    """The longest sequence the model takes: its ``max_positions()`` once built, else
+    ``--max-target-positions`` (default ``--tokens-per-sample``); and the task's own limit."""
+    cfg = task.cfg
+    positions = task.model.max_positions() if task.model is not None else \
+        given(cfg, "model", "max_target_positions") or cfg.tokens_per_sample
+    limit = getattr(cfg, "max_target_positions", None)
+    return int(min(positions, limit) if limit else positions)
 
 
 def check_leftover_checkpoint(save_dir: str, node: Any) -> None:

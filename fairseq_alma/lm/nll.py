@@ -22,6 +22,7 @@ from fairseq import utils
 from torch import Tensor
 
 from ..ranks import world
+from .block_lengths import check_blocks_fit
 
 
 @dataclass(frozen=True)
@@ -62,10 +63,13 @@ def scored_batches(model: Any, task: Any, dataset: Any, batching: Batching, num_
 
 def eval_batches(models: list[Any], task: Any, dataset: Any, batching: Batching,
                  num_shards: int = 1, shard_id: int = 0, prefetch: int = 0) -> Iterator[dict]:
-    """The evaluation samples of ``dataset`` in their fixed order (no shuffling, seed 1), for
-    blocks every one of ``models`` can take: the same batches whichever model scores them."""
+    """The evaluation samples of ``dataset`` in their fixed order (no shuffling, seed 1): the same
+    batches whichever model scores them. Every block must fit every one of ``models``
+    (``block_lengths``): one that does not is refused, not left out of the score."""
     positions = utils.resolve_max_positions(task.max_positions(),
                                             *(model.max_positions() for model in models))
+    split = next((name for name, held in task.datasets.items() if held is dataset), "the split scored")
+    check_blocks_fit(dataset, positions, split)  # ignore_invalid_inputs below then drops nothing
     return task.get_batch_iterator(
         dataset=dataset, max_tokens=batching.max_tokens, max_sentences=batching.batch_size,
         max_positions=positions, ignore_invalid_inputs=True, num_shards=num_shards,

@@ -1,0 +1,99 @@
+"""Blocks longer than the model takes: refused, never left out of a perplexity.
+
+Why: with ``--sample-break-mode eos``, ``complete`` or ``complete_doc`` fairseq's
+``TokenBlockDataset`` makes a line a block of its own (``eos``), or packs whole lines and gives
+a line longer than ``--tokens-per-sample`` a block of its own (``complete*``): one long line is
+one block longer than the model's positions. fairseq then
+
+- leaves such blocks out of every evaluation, with a warning (``ignore_invalid_inputs``): the
+  perplexity printed is of the short lines only, a number that looks right and is not;
+- trains on them as they are: the stream's batches are not filtered by size, sinusoidal
+  positions stretch, and learned positions end in an ``IndexError`` at the first long batch.
+
+``--add-bos-token`` makes every sequence one token longer than its block, which learned
+positions cannot take either. ``--shorten-method truncate`` or ``random_crop`` cuts the lines
+of the splits it covers to ``--tokens-per-sample`` first; ``--sample-break-mode none`` (the
+default) cuts the text into blocks of exactly that length, so none is longer.
+
+``check_stream_blocks`` reads each split's line lengths from its ``.idx`` (no dataset is
+built) before a stream trains; ``check_blocks_fit`` is the same rule for a split already
+loaded, where everything is scored (``nll.eval_batches``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from ..errors import UsageError
+
+# the shortening of fairseq's maybe_shorten_dataset: every line cut to --tokens-per-sample
+SHORTENING_METHODS = ("truncate", "random_crop")
+
+
+def _value(option: Any) -> str:
+    return str(getattr(option, "value", option))
+
+
+def line_lengths_matter(cfg: Any, split: str) -> bool:
+    """Whether a line of ``split`` can become a block longer than ``--tokens-per-sample``: not
+    with ``--sample-break-mode none``, nor on a split ``--shorten-method`` cuts."""
+    if _value(getattr(cfg, "sample_break_mode", "none") or "none") == "none":
+        return False
+    if _value(getattr(cfg, "shorten_method", "none") or "none") in SHORTENING_METHODS:
+        listed = str(getattr(cfg, "shorten_data_split_list", "") or "")
+        return bool(listed) and split not in listed.split(",")  # "" cuts every split
+    return True
+
+
+def check_stream_blocks(cfg: Any, data: str, splits: list[str], positions: int,
+                        learned_positions: bool) -> None:
+    """Refuse a stream run whose blocks would not fit the model's ``positions`` (module doc),
+    naming the first split that holds one; reads only the ``.idx`` of each split (task config
+    ``cfg``), and only when lines matter."""
+    from fairseq.data.indexed_dataset import MMapIndexedDataset, index_file_path
+
+    bos = bool(getattr(cfg, "add_bos_token", False)) and learned_positions
+    mode = _value(cfg.sample_break_mode)
+    for split in splits:
+        if not line_lengths_matter(cfg, split):  # blocks of at most --tokens-per-sample
+            if bos and int(cfg.tokens_per_sample) + 1 > positions:
+                raise UsageError(f"--add-bos-token makes every block of --tokens-per-sample "
+                                 f"{cfg.tokens_per_sample} one token longer, more than the model's "
+                                 f"{positions:,} learned positions (an IndexError in training); add "
+                                 f"--max-target-positions {int(cfg.tokens_per_sample) + 1}, or drop "
+                                 "--add-bos-token")
+            continue
+        limit = positions - 1 if bos else positions
+        # the index must outlive every use of its sizes: its __del__ unmaps them
+        index = MMapIndexedDataset.Index(index_file_path(os.path.join(data, split)))
+        longest = int(index.sizes.max()) if len(index.sizes) else 0
+        count = int(np.count_nonzero(index.sizes > limit)) if longest > limit else 0
+        del index
+        if count == 0:
+            continue
+        with_bos = ", with the token --add-bos-token puts in front," if bos else ""
+        raise UsageError(
+            f"split {split} of {data}: {count:,} of its lines{with_bos} are longer than the "
+            f"model's {positions:,} positions (up to {longest + int(bos):,} tokens), and "
+            f"--sample-break-mode {mode} makes each such line a block of its own, which fairseq "
+            f"would leave out of every perplexity (or fail on, with learned positions); raise "
+            f"--tokens-per-sample (or --max-target-positions) to {longest + int(bos):,}, cut lines "
+            f"with --shorten-method truncate, or use --sample-break-mode none")
+
+
+def check_blocks_fit(dataset: Any, positions: Any, split: str) -> None:
+    """Every block of a loaded ``dataset`` fits ``positions``, or one line naming ``split``:
+    what fairseq's ``ignore_invalid_inputs`` would silently leave out of the score."""
+    kept, ignored = dataset.filter_indices_by_size(np.arange(len(dataset), dtype=np.int64), positions)
+    if len(ignored) == 0:
+        return
+    longest = max(int(dataset.size(i)) for i in ignored[:10000])
+    nothing = " (all of them: nothing would be scored)" if len(kept) == 0 else ""
+    raise UsageError(f"{len(ignored):,} of the {len(ignored) + len(kept):,} blocks of {split} are "
+                     f"longer than the model's {positions} positions (up to {longest:,} tokens); "
+                     f"fairseq would leave them out of the perplexity{nothing}: score text whose "
+                     f"blocks fit (with a --sample-break-mode other than none, a line longer than "
+                     f"the model's positions is a block of its own)")
