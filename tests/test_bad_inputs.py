@@ -426,6 +426,8 @@ VISION_CASES = [
     Case("npz stray label", lambda c: (vision(c, npz(c, "d", y_train=np.where(np.arange(40) == 5, 255, np.arange(40) % 3)), c.tmp / "r", "--vision-dataset", "npz"), []),
          r"labels go up to 255 but classes 3, 4, 5, 6, 7 \.\.\. never occur"),
     Case("npz NaN", lambda c: (vision(c, npz(c, "d", x_test=np.full((9, 6), np.nan)), c.tmp / "r", "--vision-dataset", "npz"), []), r"x_test holds NaN or inf in 9 example"),
+    Case("npz uint8 train, float test", lambda c: (vision(c, npz(c, "d", x_train=np.zeros((40, 6), np.uint8)), c.tmp / "r", "--vision-dataset", "npz"), []),
+         r"x_train is uint8 but x_test float\d+; uint8 pixels are scaled to \[0, 1\] and other inputs are not"),
     Case("npz counts differ", lambda c: (vision(c, npz(c, "d", y_train=np.arange(39) % 3), c.tmp / "r", "--vision-dataset", "npz"), []), r"x_train has 40 examples but y_train 39 labels"),
     Case("npz strings", lambda c: (vision(c, npz(c, "d", x_train=np.array([["a"] * 6] * 40)), c.tmp / "r", "--vision-dataset", "npz"), []), r"x_train has dtype <U1"),
     Case("vision B too large", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--num-megabatches", "5000"), []), r"--num-megabatches 5000 is larger than the training set"),

@@ -56,7 +56,7 @@ def from_arrays(
     NaN/inf, labels that are not integers in [0, C), and class ids with gaps (a stray label 255
     among 0..9 would widen the output layer to 256 classes).  ``num_classes`` (C) may be given
     when some classes really never occur; otherwise C = the largest label + 1 and every class
-    must occur.  ``uint8`` pixels are scaled to [0, 1].
+    must occur.  ``uint8`` pixels are scaled to [0, 1], so both splits must be uint8 or neither.
     """
     arrays = {"x_train": x_train, "y_train": y_train, "x_test": x_test, "y_test": y_test}
     for key in ("x_train", "x_test"):
@@ -88,6 +88,10 @@ def from_arrays(
             f"{name}: x_train has shape {x_train.shape[1:]} per example but x_test "
             f"{x_test.shape[1:]}; both splits must have the same example shape"
         )
+    if (x_train.dtype == np.uint8) != (x_test.dtype == np.uint8):  # only uint8 is scaled
+        raise DataError(f"{name}: x_train is {x_train.dtype} but x_test {x_test.dtype}; uint8 pixels "
+                        f"are scaled to [0, 1] and other inputs are not, so the splits would differ "
+                        f"in scale: store both in one dtype")
     top = int(max(y_train.max(), y_test.max()))
     if num_classes is not None:
         if top >= num_classes:
