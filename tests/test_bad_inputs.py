@@ -345,6 +345,7 @@ LM_CASES = [
         (("--capacity-factor", "inf"), r"--capacity-factor inf: every number a run is given must be finite"),
         (("--lr", "-1"), r"--lr must be >= 0 \(got -1\)"),
         (("--optimizer", "lamb"), r"--optimizer lamb is NVIDIA apex's fused LAMB, and apex is not installed"),
+        (("--azureml-logging",), r"--azureml-logging: azureml.core is not installed in this Python, so fairseq would log nothing there; pip install azureml-core"),
         (("--optimizer", "adafactor", "--moe-max-experts", "4", "--grow-experts", "2"), r"--grow-experts with --optimizer adafactor: Adafactor keeps factored second moments"),
         (("--checkpoint-suffix=_x",), r"--checkpoint-suffix _x: an alma_stream run keeps each stage from checkpoint_last.pt"),
         (("--continue-once", "elsewhere/checkpoint_last.pt"), r"--continue-once elsewhere/checkpoint_last.pt: an alma_stream run starts from a fresh model"),

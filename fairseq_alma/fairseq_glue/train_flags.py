@@ -315,6 +315,8 @@ def check_training_flags(cfg: Any, machine_checks: bool = True) -> None:
         return
     check_precision(cfg, machine_checks)
     check_optimizer(cfg)
+    if machine_checks:
+        check_logging_backends(cfg)
     task = cfg.get("task")
     if task is not None and task.get("_name") == "alma_stream":
         check_stream_run_flags(cfg)
@@ -339,6 +341,33 @@ def check_training_flags(cfg: Any, machine_checks: bool = True) -> None:
             raise UsageError(f"--moe-expert-kernel compiled: {missing}; install it, or use "
                              f"--moe-expert-kernel batched (the same results, uncompiled)")
     check_lm_training(cfg, machine_checks)
+
+
+# fairseq's logging flags, the module each needs and the package that installs it
+LOGGING_BACKENDS = (("tensorboard_logdir", "tensorboardX", "tensorboardX"), ("wandb_project", "wandb", "wandb"),
+                    ("aim_repo", "aim", "aim"), ("azureml_logging", "azureml.core", "azureml-core"))
+
+
+def check_logging_backends(cfg: Any) -> None:
+    """A logging flag whose package this Python lacks, refused before the run starts.
+
+    Why: fairseq's progress bar then warns (once per stage) and logs nothing there, so a run of
+    days ends without the curves its user asked for; the per-arrival tensorboard scalars
+    (``lm/tensorboard.py``) need tensorboardX. Asked on the machine that trains only."""
+    import importlib.util
+
+    for key, module, package in LOGGING_BACKENDS:
+        value = given(cfg, "common", key)
+        if not value:
+            continue
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # the parent package (azureml) is missing
+            found = False
+        if not found:
+            flag = f"--{key.replace('_', '-')}"
+            raise UsageError(f"{flag}: {module} is not installed in this Python, so fairseq would log "
+                             f"nothing there; pip install {package}, or drop {flag}")
 
 
 def check_optimizer(cfg: Any) -> None:

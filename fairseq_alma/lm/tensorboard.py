@@ -14,7 +14,7 @@ def log_arrivals(logdir: Optional[str], records: Sequence[ArrivalRecord]) -> Non
         return
     try:
         from tensorboardX import SummaryWriter
-    except ImportError:  # tensorboardX is in requirements.txt; stay usable without it
+    except ImportError:  # a run without it is refused at its start (train_flags.check_logging_backends)
         return
     path = os.path.join(logdir, "stream")
     os.makedirs(path, exist_ok=True)
