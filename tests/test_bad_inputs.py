@@ -332,7 +332,7 @@ LM_CASES = [
     Case("reset-meters", lambda c: (lm(c, c.data, c.tmp / "r", "--reset-meters"), []), r"--reset-meters: .*drop --reset-meters$"),
     *(fresh_run_case(flags, needle) for flags, needle in (
         (("--sample-break-mode", "eos", "--tokens-per-sample", "4"),
-         r"split megabatch0 of .*: [\d,]+ of its lines are longer than the model's 4 positions \(up to \d+ tokens\), and --sample-break-mode eos makes each such line a block of its own"),
+         r"split megabatch0 of .*: [\d,]+ of its lines are longer than --tokens-per-sample 4 \(up to \d+ tokens\), and --sample-break-mode eos makes each such line a block of its own"),
         (("--add-bos-token", "--decoder-learned-pos"),
          r"--add-bos-token makes every block of --tokens-per-sample 32 one token longer, more than the model's 32 learned positions .*--max-target-positions 33"),
         (("--no-last-checkpoints",), r"--no-last-checkpoints: an alma_stream run keeps each stage's model from the checkpoint_last.pt .*drop it"),

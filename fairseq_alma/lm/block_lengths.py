@@ -1,4 +1,4 @@
-"""Blocks longer than the model takes: refused, never left out of a perplexity.
+"""Blocks longer than the run says (or the model takes): refused, never left out of a perplexity.
 
 Why: with ``--sample-break-mode eos``, ``complete`` or ``complete_doc`` fairseq's
 ``TokenBlockDataset`` makes a line a block of its own (``eos``), or packs whole lines and gives
@@ -8,7 +8,9 @@ one block longer than the model's positions. fairseq then
 - leaves such blocks out of every evaluation, with a warning (``ignore_invalid_inputs``): the
   perplexity printed is of the short lines only, a number that looks right and is not;
 - trains on them as they are: the stream's batches are not filtered by size, sinusoidal
-  positions stretch, and learned positions end in an ``IndexError`` at the first long batch.
+  positions stretch, and learned positions end in an ``IndexError`` at the first long batch;
+- and the FLOPs count, which takes each token's attention over ``--tokens-per-sample``
+  positions at most, under-counts a block longer than that even where the model takes it.
 
 ``--add-bos-token`` makes every sequence one token longer than its block, which learned
 positions cannot take either. ``--shorten-method truncate`` or ``random_crop`` cuts the lines
@@ -50,38 +52,40 @@ def line_lengths_matter(cfg: Any, split: str) -> bool:
 
 def check_stream_blocks(cfg: Any, data: str, splits: list[str], positions: int,
                         learned_positions: bool) -> None:
-    """Refuse a stream run whose blocks would not fit the model's ``positions`` (module doc),
-    naming the first split that holds one; reads only the ``.idx`` of each split (task config
-    ``cfg``), and only when lines matter."""
+    """Refuse a stream run (task config ``cfg``, a model of ``positions``) whose blocks would be
+    longer than ``--tokens-per-sample``, naming the first split that holds one (module doc).
+
+    Longer than ``--tokens-per-sample``, not only than the model's positions: the FLOPs count
+    takes every block's attention over at most that many positions (``stream/transformer_flops``),
+    so a longer block would be trained on and under-counted even where the model takes it.
+    Reads only each split's ``.idx``, and only when lines matter."""
     from fairseq.data.indexed_dataset import MMapIndexedDataset, index_file_path
 
+    tokens = int(cfg.tokens_per_sample)
     bos = bool(getattr(cfg, "add_bos_token", False)) and learned_positions
+    if bos and tokens + 1 > positions:
+        raise UsageError(f"--add-bos-token makes every block of --tokens-per-sample {tokens} one token "
+                         f"longer, more than the model's {positions:,} learned positions (an IndexError "
+                         f"in training); add --max-target-positions {tokens + 1}, or drop --add-bos-token")
     mode = _value(cfg.sample_break_mode)
     for split in splits:
         if not line_lengths_matter(cfg, split):  # blocks of at most --tokens-per-sample
-            if bos and int(cfg.tokens_per_sample) + 1 > positions:
-                raise UsageError(f"--add-bos-token makes every block of --tokens-per-sample "
-                                 f"{cfg.tokens_per_sample} one token longer, more than the model's "
-                                 f"{positions:,} learned positions (an IndexError in training); add "
-                                 f"--max-target-positions {int(cfg.tokens_per_sample) + 1}, or drop "
-                                 "--add-bos-token")
             continue
-        limit = positions - 1 if bos else positions
         # the index must outlive every use of its sizes: its __del__ unmaps them
         index = MMapIndexedDataset.Index(index_file_path(os.path.join(data, split)))
         longest = int(index.sizes.max()) if len(index.sizes) else 0
-        count = int(np.count_nonzero(index.sizes > limit)) if longest > limit else 0
+        count = int(np.count_nonzero(index.sizes > tokens)) if longest > tokens else 0
         del index
-        if count == 0:
-            continue
-        with_bos = ", with the token --add-bos-token puts in front," if bos else ""
-        raise UsageError(
-            f"split {split} of {data}: {count:,} of its lines{with_bos} are longer than the "
-            f"model's {positions:,} positions (up to {longest + int(bos):,} tokens), and "
-            f"--sample-break-mode {mode} makes each such line a block of its own, which fairseq "
-            f"would leave out of every perplexity (or fail on, with learned positions); raise "
-            f"--tokens-per-sample (or --max-target-positions) to {longest + int(bos):,}, cut lines "
-            f"with --shorten-method truncate, or use --sample-break-mode none")
+        if count:
+            dropped = (f"fairseq would leave those longer than the model's {positions:,} positions out "
+                       f"of every perplexity (and fail on them with learned positions), and ") \
+                if longest > positions else ""
+            raise UsageError(
+                f"split {split} of {data}: {count:,} of its lines are longer than --tokens-per-sample "
+                f"{tokens} (up to {longest:,} tokens), and --sample-break-mode {mode} makes each such "
+                f"line a block of its own: {dropped}the FLOPs count takes blocks of at most {tokens}; "
+                f"raise --tokens-per-sample to {longest:,}, cut lines with --shorten-method truncate, or "
+                f"use --sample-break-mode none")
 
 
 def check_blocks_fit(dataset: Any, positions: Any, split: str) -> None:
