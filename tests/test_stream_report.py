@@ -192,6 +192,25 @@ def test_plots_are_written_and_non_trivial(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["fig2.png", "fig3.png", "fig5.png"]
 
 
+def test_a_series_drawn_over_another_says_so_in_the_legend(tmp_path, monkeypatch):
+    """--wait auto that chose every arrival gives SM_w1's points exactly: drawn last, it hides
+    SM_w1, so its legend entry names the series under it."""
+    from dataclasses import replace
+
+    from fairseq_alma.report import figures
+
+    drawn = []
+    monkeypatch.setattr(figures, "_save", lambda figure, path: drawn.append(figure))
+    sm_w1, sm_w3 = lm_series()
+    plot_tradeoffs([sm_w1, sm_w3, replace(sm_w1, setting="SM_wauto")], tmp_path / "fig5.png")
+    plot_error_curves([sm_w1, sm_w3, replace(sm_w1, setting="SM_wauto")], tmp_path / "fig3.png")
+    legends = [[text.get_text() for text in axis.get_legend().get_texts()]
+               for figure in drawn for axis in figure.axes if axis.get_legend() is not None]
+    assert legends == [["SM_w1 (4)", "SM_w3 (8)", "SM_wauto (4) = SM_w1 (4)"],
+                       ["SM_w1", "SM_w3", "SM_wauto = SM_w1"]] * 2 + \
+        [["SM_w1 (4)", "SM_w3 (8)", "SM_wauto (4) = SM_w1 (4)"]]
+
+
 def test_series_from_records():
     def record(arrival, ppl, trained):
         return ArrivalRecord(

@@ -93,6 +93,23 @@ def _name(group: SeedGroup) -> str:
     return f"{group.first.setting} ({group.first.num_experts}{seeds})"
 
 
+class _Twins:
+    """Legend labels that name a series drawn exactly on top of an earlier one.
+
+    Why: two settings that made the same decisions (``--wait auto`` choosing every arrival, as
+    ``--wait 1`` does) give the same points, and the one drawn last hides the other: the legend
+    lists a series the plot does not show. Its label then says ``= <the hidden one>``."""
+
+    def __init__(self) -> None:
+        self._first: dict[tuple, str] = {}
+
+    def label(self, name: str, points: Sequence[Sequence[float]]) -> str:
+        """``name``, or ``name = <earlier>`` when an earlier series had the same ``points``."""
+        key = tuple(tuple(float(f"{value:.6g}") for value in point) for point in points)
+        earlier = self._first.setdefault(key, name)
+        return name if earlier == name else f"{name} = {earlier}"
+
+
 def _errorbar(axis: Any, xs: Sequence[float], stats: Sequence[Stat], **style: Any) -> Any:
     """Means with one standard deviation as error bars (none for single seeds)."""
     ys = [s.mean for s in stats]
@@ -172,6 +189,7 @@ def plot_tradeoffs(rows: Rows, path: str | os.PathLike) -> None:
     for row, (ylabel, running, drawn) in enumerate(averages):
         by_compute, by_params, by_experts = axes[row]
         lines: dict[str, list[tuple[int, _Spread]]] = {}
+        twins = _Twins()
         for i, group in enumerate(groups):
             points = [(f, p, drawn(stat)) for f, p, stat in _trajectory(group, running)]
             if not points:
@@ -179,7 +197,8 @@ def plot_tradeoffs(rows: Rows, path: str | os.PathLike) -> None:
             flops, params, values = zip(*points, strict=True)
             all_flops += flops
             all_params += params
-            style = {"marker": _MARKERS[i % len(_MARKERS)], "label": _name(group)}
+            label = twins.label(_name(group), [(f, p, v.mean) for f, p, v in points])
+            style = {"marker": _MARKERS[i % len(_MARKERS)], "label": label}
             for axis, xs in ((by_compute, flops), (by_params, params)):
                 line = _spreadbar(axis, xs, values, **style)
                 _label(axis, group.first.num_experts, xs[-1], values[-1].mean, line.get_color())
@@ -187,10 +206,12 @@ def plot_tradeoffs(rows: Rows, path: str | os.PathLike) -> None:
             if experts is not None:
                 lines.setdefault(group.first.setting, []).append((experts, values[-1]))
                 all_experts.append(experts)
+        twins = _Twins()
         for i, (setting, points) in enumerate(lines.items()):
             points.sort(key=lambda point: point[0])
             _spreadbar(by_experts, [x for x, _ in points], [v for _, v in points],
-                       marker=_MARKERS[i % len(_MARKERS)], label=setting)
+                       marker=_MARKERS[i % len(_MARKERS)],
+                       label=twins.label(setting, [(x, v.mean) for x, v in points]))
         _style_axis(by_compute, "cumulative training compute (TFLOPs)", ylabel, all_flops)
         _style_axis(by_params, "parameters |θ| (millions)", ylabel, all_params)
         _style_axis(by_experts, "experts in total (E × members)", ylabel, all_experts)
@@ -212,6 +233,7 @@ def plot_error_curves(rows: Rows, path: str | os.PathLike) -> None:
 
     metric, b = same_shape(rows)
     figure, ((axis,),) = _figure(1, 1)
+    twins = _Twins()
     for i, group in enumerate(as_groups(rows)):
         stats = group.by_arrival(lambda s: s.metric_by_arrival)
         points = [(t, s) for t, s in enumerate(stats) if s is not None]
@@ -220,7 +242,8 @@ def plot_error_curves(rows: Rows, path: str | os.PathLike) -> None:
         ts = [t for t, _ in points]
         means = [s.mean for _, s in points]
         marker = _MARKERS[i % len(_MARKERS)] if b <= 30 else None
-        line = axis.plot(ts, means, marker=marker, markersize=4, label=_name(group))[0]
+        label = twins.label(_name(group), list(zip(ts, means, strict=True)))
+        line = axis.plot(ts, means, marker=marker, markersize=4, label=label)[0]
         if group.n > 1:
             spread = [s.std or 0.0 for _, s in points]
             axis.fill_between(ts, [m - e for m, e in zip(means, spread, strict=True)],
@@ -257,13 +280,14 @@ def plot_cer_tradeoffs(rows: Rows, path: str | os.PathLike) -> None:
         by_setting.setdefault(group.first.setting, []).append(group)
     for axis, key, xlabel, scale in _cost_panels([by_compute, by_memory]):
         xs_all = []
+        twins = _Twins()
         for i, (setting, groups) in enumerate(by_setting.items()):
             points = sorted(((g.summary()[key].mean * scale, g.summary()["cer"], g.first.num_experts)
                              for g in groups), key=lambda point: point[0])
             xs = [x for x, _, _ in points]
             xs_all += xs
-            line = _errorbar(axis, xs, [c for _, c, _ in points],
-                             marker=_MARKERS[i % len(_MARKERS)], label=setting)
+            line = _errorbar(axis, xs, [c for _, c, _ in points], marker=_MARKERS[i % len(_MARKERS)],
+                             label=twins.label(setting, [(x, c.mean) for x, c, _ in points]))
             for x, cer, label in points:
                 _label(axis, label, x, cer.mean, line.get_color())
         _style_axis(axis, xlabel, "cumulative error rate (CER)", xs_all)
