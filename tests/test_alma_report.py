@@ -131,6 +131,13 @@ def test_no_seed_groups_gives_a_row_per_run(lm_runs, tmp_path):
     assert len(settings) == 4 and len(set(settings)) == 4, settings  # seeds of one setting told apart
     assert any(setting.endswith("[seed=2]") for setting in settings), settings
     assert "seeds" not in proc.stdout.splitlines()[0]
+    # a report's own table read again (alma-report report/*.json): its rows are means without
+    # their runs, so beside the runs they came from every row would be there twice
+    again = _report(lm_runs / "runs", tmp_path / "table2.json", "--out", tmp_path / "again")
+    assert again.returncode == 2 and not (tmp_path / "again").exists()
+    assert again.stderr.strip().splitlines() == [
+        f"alma-report: error: {tmp_path / 'table2.json'}: a table alma-report (or alma-demo) wrote, not an "
+        "alma-score --json file; pass the run directories or alma-score --json files it was made from"]
 
 
 @pytest.mark.slow

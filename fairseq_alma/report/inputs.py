@@ -29,7 +29,7 @@ from ..stream.records import ArrivalRecord
 from ..stream.run_dir import STREAM_LOG
 from ..stream.run_view import RunView
 from ..stream.series import series_from_records
-from .result_tables import series_from_entry
+from .result_tables import REPORT_WRITER, series_from_entry
 from .seeds import SEED_KEYS, ReportedRun, find_key
 
 
@@ -154,14 +154,26 @@ def _data_identity(data: Any) -> Any:
 
 
 def read_score_json(path: Path) -> list[ReportedRun]:
-    """The series of an ``alma-score --json`` (or ``alma-report``) file, each with the
-    fingerprints of the run directories it was scored from, where they still exist."""
+    """The series of an ``alma-score --json`` file, each with the fingerprints of the run
+    directories it was scored from, where they still exist.
+
+    A table an ``alma-report`` (or ``alma-demo``) wrote is refused: its rows are means over
+    seeds that carry neither the runs nor how they were scored, so read again beside the files
+    it came from (``alma-report report/*.json``) each series appeared twice under labels made
+    of every data setting, and its seed groups would be averaged a second time."""
     try:
         data = json.loads(path.read_text("utf-8"))
         metric, entries = data["metric"], data["series"]
+        if data.get("written_by") == REPORT_WRITER or any("summary_std" in entry for entry in entries):
+            sources = sorted({run for entry in entries for run in entry.get("runs") or []})
+            named = f" ({', '.join(sources[:3])}{', ...' if len(sources) > 3 else ''})" if sources else ""
+            raise UsageError(f"{path}: a table alma-report (or alma-demo) wrote, not an alma-score --json file; pass "
+                             f"the run directories or alma-score --json files it was made from{named}")
         series = [series_from_entry(entry, metric) for entry in entries]
     except (OSError, UnicodeDecodeError) as err:
         raise UsageError(f"{path}: cannot read ({err})") from None
+    except UsageError:
+        raise
     except (ValueError, KeyError, TypeError) as err:
         raise UsageError(f"{path}: not an alma-score --json file ({type(err).__name__}: {err}); "
                          f"pass run directories or alma-score's --json output") from None

@@ -246,10 +246,15 @@ def _group_entry(group: SeedGroup) -> dict[str, Any]:
     return entry
 
 
+# marks a report's JSON: its rows are means over seeds without the runs behind them, so a
+# report is never an input of another (``report/inputs.read_score_json``)
+REPORT_WRITER = "alma-report"
+
+
 def report_dict(rows: Rows) -> dict:
     """Everything the table and figures show, per arrival, as plain JSON-able data."""
     metric, b = same_shape(rows)
-    return {"metric": metric, "num_megabatches": b,
+    return {"written_by": REPORT_WRITER, "metric": metric, "num_megabatches": b,
             "series": [_group_entry(g) for g in as_groups(rows)]}
 
 

@@ -53,6 +53,7 @@ def results_json(results: list[ScoredSeries]) -> dict[str, Any]:
     from ..report import result_tables
 
     payload = result_tables.report_dict([series for series, _ in results])
+    payload["written_by"] = "alma-score"  # an input of alma-report, which a report's table is not
     for entry, (_, extra) in zip(payload["series"], results, strict=True):
         extra = dict(extra)
         members = extra.pop("members_by_arrival")
