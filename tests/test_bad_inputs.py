@@ -345,6 +345,7 @@ LM_CASES = [
         (("--capacity-factor", "inf"), r"--capacity-factor inf: every number a run is given must be finite"),
         (("--lr", "-1"), r"--lr must be >= 0 \(got -1\)"),
         (("--optimizer", "lamb"), r"--optimizer lamb is NVIDIA apex's fused LAMB, and apex is not installed"),
+        (("--max-valid-steps", "2"), r"--max-valid-steps 2 belongs to fairseq's own validation, which an alma_stream run does not run .*drop it, or add --fairseq-validation$"),
         (("--azureml-logging",), r"--azureml-logging: azureml.core is not installed in this Python, so fairseq would log nothing there; pip install azureml-core"),
         (("--optimizer", "adafactor", "--moe-max-experts", "4", "--grow-experts", "2"), r"--grow-experts with --optimizer adafactor: Adafactor keeps factored second moments"),
         (("--checkpoint-suffix=_x",), r"--checkpoint-suffix _x: an alma_stream run keeps each stage from checkpoint_last.pt"),

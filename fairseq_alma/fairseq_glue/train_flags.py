@@ -434,6 +434,15 @@ def check_stream_run_flags(node: Any) -> None:
                          f"alma_stream run does not run: stream.jsonl records the split 'valid' and "
                          f"--eval-subset after every arrival; score {valid_subset} with --eval-subset "
                          f"{valid_subset}, or add --fairseq-validation")
+    if not given(node, "task", "fairseq_validation"):
+        for section_name, key, set_ in FAIRSEQ_VALIDATION_FLAGS:
+            value = given(node, section_name, key)
+            if value is not None and set_(value):
+                flag = f"--{key.replace('_', '-')}" + ("" if isinstance(value, bool) else f" {value}")
+                raise UsageError(f"{flag} belongs to fairseq's own validation, which an alma_stream run "
+                                 f"does not run (stream.jsonl records 'valid' and --eval-subset, every "
+                                 f"block, after every arrival): it would do nothing; drop it, or add "
+                                 f"--fairseq-validation")
     check_stream_refused_flags(node)
     for key in RESET_FLAGS:
         if given(node, "checkpoint", key):
@@ -552,6 +561,23 @@ STREAM_REFUSED_FLAGS: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = 
     ("dataset", "curriculum", lambda v: v > 0,
      "--curriculum {v}: an alma_stream run orders each stage's data itself (passes over it "
      "shuffled with --seed); drop it"),
+)
+
+
+# fairseq's validation settings (section, key, set when): without --fairseq-validation a
+# stream turns that validation off (``config.stream_training_settings``), so each would be a
+# no-op; --valid-subset has its own message above
+FAIRSEQ_VALIDATION_FLAGS = (
+    ("dataset", "max_valid_steps", lambda v: True),
+    ("dataset", "validate_interval", lambda v: v != 1),
+    ("dataset", "validate_interval_updates", lambda v: v > 0),
+    ("dataset", "validate_after_updates", lambda v: v > 0),
+    ("dataset", "fixed_validation_seed", lambda v: True),
+    ("dataset", "combine_valid_subsets", bool),
+    ("dataset", "ignore_unused_valid_subsets", bool),
+    ("checkpoint", "best_checkpoint_metric", lambda v: v != "loss"),
+    ("checkpoint", "maximize_best_checkpoint_metric", bool),
+    ("checkpoint", "keep_best_checkpoints", lambda v: v > 0),
 )
 
 
