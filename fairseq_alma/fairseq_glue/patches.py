@@ -598,16 +598,13 @@ def install_every_block_scored() -> None:
 
     def filter_indices_by_size(self: Any, indices: Any, dataset: Any, max_positions: Any = None,
                                ignore_invalid_inputs: bool = False) -> Any:
-        kept, ignored = dataset.filter_indices_by_size(indices, max_positions)
-        if len(ignored) > 0:
+        from ..lm.block_lengths import blocks_too_long
+
+        kept, too_long = blocks_too_long(dataset, indices, max_positions, "to score")
+        if too_long is not None:
             from ..errors import UsageError
 
-            longest = max(int(dataset.size(i)) for i in ignored[:10000])
-            nothing = " (all of them: nothing would be scored)" if len(kept) == 0 else ""
-            raise UsageError(f"{len(ignored):,} of the {len(ignored) + len(kept):,} blocks to score are longer "
-                             f"than the model's {max_positions} positions (up to {longest:,} tokens); "
-                             f"they would be left out of the perplexity{nothing}: pass "
-                             f"--tokens-per-sample {max_positions} or less")
+            raise UsageError(f"{too_long}: pass --tokens-per-sample {max_positions} or less")
         return kept
 
     FairseqTask.filter_indices_by_size = _mark(filter_indices_by_size)

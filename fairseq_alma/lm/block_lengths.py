@@ -88,16 +88,25 @@ def check_stream_blocks(cfg: Any, data: str, splits: list[str], positions: int,
                 f"use --sample-break-mode none")
 
 
+def blocks_too_long(dataset: Any, indices: Any, positions: Any, what: str) -> tuple[Any, str | None]:
+    """(the ``indices`` of ``dataset`` whose blocks fit ``positions``, None), or with a block
+    that does not, what fairseq would leave out: "N of the M blocks ``what`` are longer than the
+    model's P positions (up to L tokens)" (``what``: "of eval", "to score"). Shared by every scorer (``check_blocks_fit``) and
+    fairseq's own scoring commands (``fairseq_glue/patches.install_every_block_scored``)."""
+    kept, ignored = dataset.filter_indices_by_size(indices, positions)
+    if len(ignored) == 0:
+        return kept, None
+    longest = max(int(dataset.size(i)) for i in ignored[:10000])
+    nothing = " (all of them: nothing would be scored)" if len(kept) == 0 else ""
+    return kept, (f"{len(ignored):,} of the {len(ignored) + len(kept):,} blocks {what} are longer "
+                  f"than the model's {positions} positions (up to {longest:,} tokens); they would be "
+                  f"left out of the perplexity{nothing}")
+
+
 def check_blocks_fit(dataset: Any, positions: Any, split: str) -> None:
     """Every block of a loaded ``dataset`` fits ``positions``, or one line naming ``split``:
     what fairseq's ``ignore_invalid_inputs`` would silently leave out of the score."""
-    kept, ignored = dataset.filter_indices_by_size(np.arange(len(dataset), dtype=np.int64), positions)
-    if len(ignored) == 0:
-        return
-    longest = max(int(dataset.size(i)) for i in ignored[:10000])
-    nothing = " (all of them: nothing would be scored)" if len(kept) == 0 else ""
-    raise UsageError(f"{len(ignored):,} of the {len(ignored) + len(kept):,} blocks of {split} are "
-                     f"longer than the model's {positions} positions (up to {longest:,} tokens); "
-                     f"fairseq would leave them out of the perplexity{nothing}: score text whose "
-                     f"blocks fit (with a --sample-break-mode other than none, a line longer than "
-                     f"the model's positions is a block of its own)")
+    _, too_long = blocks_too_long(dataset, np.arange(len(dataset), dtype=np.int64), positions, f"of {split}")
+    if too_long is not None:
+        raise UsageError(f"{too_long}: score text whose blocks fit (with a --sample-break-mode other "
+                         f"than none, a line longer than the model's positions is a block of its own)")
