@@ -328,6 +328,10 @@ class _TrainingConfig:
 
     def __call__(self, args: Any) -> Any:
         undo_bf16_tpu(args)
+        if self.module_name.endswith(".train"):
+            from .train_flags import check_training_namespace
+
+            self._refuse_in_one_line(check_training_namespace, args)
         cfg = self.original(args)
         if self.module_name.endswith(".train"):
             from .train_flags import check_training_flags

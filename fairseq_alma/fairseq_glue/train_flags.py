@@ -210,6 +210,7 @@ def check_stream_start(task: Any, stages: int, save_dir: str | None, restart: bo
         raise UsageError(f"--max-update {max_update} stops the stream before its end ({stages} "
                          f"stages x {task.budget} updates = {needed}); leave --max-update out "
                          "(--updates-per-stage sets the budget; --max-epoch N stops after stage N)")
+    check_whole_run_schedule(task.cfg, stages, task.budget)
     data = str(task.cfg.data).split(os.pathsep)[0]
     subset = task.cfg.eval_subset
     missing = [f"{subset}{ext}" for ext in (".bin", ".idx") if not os.path.exists(os.path.join(data, subset + ext))]
@@ -227,6 +228,55 @@ def check_stream_start(task: Any, stages: int, save_dir: str | None, restart: bo
                         bool(given(task.cfg, "model", "decoder_learned_pos")))
     if save_dir is not None and not restart:
         check_leftover_checkpoint(save_dir, task.cfg)
+
+
+# fairseq's LR schedulers that span the whole run, and what they take its length from
+WHOLE_RUN_SCHEDULERS = {"cosine": "lr_period_updates", "tri_stage": "phase_ratio",
+                        "polynomial_decay": "total_num_update"}
+
+
+def check_whole_run_schedule(node: Any, stages: int, budget: int) -> None:
+    """One of fairseq's schedules over the whole run (``--lr-scheduler cosine``, ``tri_stage``
+    with ``--phase-ratio``, ``polynomial_decay``) spans the stream's updates.
+
+    Why: they take the run's length from ``--max-update``, which a stream leaves at 0 (each
+    stage stops after its budget): ``cosine`` and ``tri_stage`` ended in an AssertionError
+    traceback after the run directory was taken; ``polynomial_decay`` with a
+    ``--total-num-update`` shorter than the stream trained every later update at
+    ``--end-learning-rate`` (0 by default: stages that change nothing, recorded as trained)."""
+    name = component_name(node, "lr_scheduler")
+    if name not in WHOLE_RUN_SCHEDULERS:
+        return
+    needed = stages * budget
+    length = f"the stream's {stages} stages x {budget} updates = {needed}"
+    if name == "polynomial_decay":
+        total = float(given(node, "lr_scheduler", "total_num_update") or 0)
+        end = float(given(node, "lr_scheduler", "end_learning_rate") or 0)
+        if total < needed and end == 0:
+            raise UsageError(f"--total-num-update {total:g} ends --lr-scheduler polynomial_decay before "
+                             f"the stream does ({length}): the later updates would train at "
+                             f"--end-learning-rate 0; use --total-num-update {needed}")
+        return
+    if name == "cosine" and float(given(node, "lr_scheduler", "lr_period_updates") or -1) > 0:
+        return
+    if name == "tri_stage" and given(node, "lr_scheduler", "phase_ratio") is None:
+        return  # --warmup-steps, --hold-steps and --decay-steps: its length is given
+    if not (given(node, "optimization", "max_update") or 0):
+        raise UsageError(f"--lr-scheduler {name} spans the run's --max-update, which an alma_stream "
+                         f"run leaves unset (every stage stops after its --updates-per-stage): add "
+                         f"--max-update {needed} ({length}), or use --lr-scheduler alma_stage_linear "
+                         f"(the paper's schedule, restarted in every stage)")
+
+
+def check_training_namespace(args: Any) -> None:
+    """What fairseq-train's parsed flags cannot become a config for: ``--lr-scheduler
+    polynomial_decay`` without ``--total-num-update`` (fairseq 0.12 takes its default from
+    ``--max-update`` as a null float and fails in hydra with a page of overrides)."""
+    if getattr(args, "lr_scheduler", None) == "polynomial_decay" and \
+            getattr(args, "total_num_update", None) is None:
+        raise UsageError("--lr-scheduler polynomial_decay needs --total-num-update N, the updates its "
+                         "decay spans (fairseq 0.12 cannot take it from --max-update); for an "
+                         "alma_stream run: its stages x --updates-per-stage")
 
 
 def _model_positions(task: Any) -> int:
@@ -380,6 +430,15 @@ def check_optimizer(cfg: Any) -> None:
         if value < 0:
             raise UsageError(f"--lr must be >= 0 (got {value:g}): the peak learning rate, e.g. "
                              "--lr 0.0005")
+    clip = given(cfg, "optimization", "clip_norm")
+    if clip is not None and clip < 0:  # fairseq clips only above 0: a negative norm was no clipping
+        raise UsageError(f"--clip-norm must be >= 0 (got {clip:g}): the largest gradient norm, "
+                         "0 for no clipping, e.g. --clip-norm 1.0")
+    check_optimizer_values(cfg)
+    init = given(cfg, "lr_scheduler", "warmup_init_lr")
+    if component_name(cfg, "lr_scheduler") == "alma_stage_linear" and init is not None and init < 0:
+        raise UsageError(f"--warmup-init-lr must be >= 0 (got {init:g}): every stage's warmup starts "
+                         f"there, and a negative learning rate climbs the loss; e.g. --warmup-init-lr 0")
     task = cfg.get("task") if hasattr(cfg, "get") else None
     growth = bool(task is not None and str(task.get("grow_experts") or "").strip())
     if growth and component_name(cfg, "optimizer") == "adafactor":
@@ -393,6 +452,44 @@ def check_optimizer(cfg: Any) -> None:
         if importlib.util.find_spec("apex") is None:
             raise UsageError("--optimizer lamb is NVIDIA apex's fused LAMB, and apex is not installed; "
                              "install apex, or use --optimizer adam")
+
+
+def _optimizer_settings(cfg: Any) -> dict[str, Any]:
+    """``--optimizer``'s settings by name: a config node, or fairseq's older argparse options."""
+    import argparse
+
+    part = section(cfg, "optimizer")
+    if isinstance(part, argparse.Namespace):
+        return dict(vars(part))
+    return {str(key): part.get(key) for key in part.keys()} if part is not None and hasattr(part, "keys") else {}
+
+
+def check_optimizer_values(cfg: Any) -> None:
+    """The optimizer's settings that fairseq takes without a check, refused before the first
+    update: a negative ``--weight-decay`` or momentum (fairseq's Adam grows the weights instead
+    of shrinking them, and trains on), an ``--adam-eps`` (``--adamax-eps``, ...) of 0 (Adam's
+    update is 0/0 for a parameter whose gradient is 0, such as an unused token's embedding: NaN
+    at the first update, reported as divergence), ``--adam-betas`` outside [0, 1) (a math domain
+    error traceback, or moments that grow without bound)."""
+    import ast
+
+    for key, value in _optimizer_settings(cfg).items():
+        flag = f"--{key.replace('_', '-')}"
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)  # --anneal-eps is a switch
+        if key in ("weight_decay", "momentum") and number and value < 0:
+            raise UsageError(f"{flag} must be >= 0 (got {value:g}); e.g. {flag} "
+                             f"{'0.9' if key == 'momentum' else '0.01'}")
+        if key.endswith("_eps") and number and not value > 0:
+            raise UsageError(f"{flag} must be > 0 (got {value:g}): it keeps the update finite where a "
+                             f"gradient is 0; e.g. {flag} 1e-8")
+        if key.endswith("_betas") and value is not None:
+            try:
+                betas = [float(beta) for beta in (ast.literal_eval(value) if isinstance(value, str) else value)]
+            except (ValueError, TypeError, SyntaxError):
+                betas = []
+            if len(betas) != 2 or not all(0 <= beta < 1 for beta in betas):
+                raise UsageError(f"{flag} {value}: two decay rates in [0, 1) are needed, e.g. "
+                                 f"{flag} '(0.9, 0.98)'")
 
 
 # fairseq's resume-time resets: an alma_stream run resumes its optimizer, LR schedule, data

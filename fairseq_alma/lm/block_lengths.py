@@ -50,6 +50,27 @@ def line_lengths_matter(cfg: Any, split: str) -> bool:
     return True
 
 
+def check_shortening(cfg: Any, splits: list[str]) -> None:
+    """``--shorten-data-split-list`` names splits of this stream, and only with a
+    ``--shorten-method``: fairseq cuts a split only when its name is listed, so a list of
+    fairseq's usual names (``train``, ``test``) cut nothing here (the stream's splits are
+    ``megabatch{k}``, ``eval``, ``valid``) and the run trained on uncut lines without a word."""
+    listed = [name for name in str(getattr(cfg, "shorten_data_split_list", "") or "").split(",") if name]
+    if not listed:
+        return
+    flag = f"--shorten-data-split-list {cfg.shorten_data_split_list}"
+    if _value(getattr(cfg, "shorten_method", "none") or "none") not in SHORTENING_METHODS:
+        raise UsageError(f"{flag} does nothing without --shorten-method (truncate or random_crop); "
+                         f"add one, or drop {flag}")
+    unknown = [name for name in listed if name not in splits]
+    if unknown:
+        trained = [name for name in splits if name.startswith("megabatch")]
+        held_out = [name for name in splits if not name.startswith("megabatch")]
+        raise UsageError(f"{flag}: this stream has no split {', '.join(repr(n) for n in unknown)}, so "
+                         f"fairseq would cut nothing there; name its splits ({', '.join(held_out)}, "
+                         f"{trained[0]}..{trained[-1]}), or give no list to cut every split")
+
+
 def check_stream_blocks(cfg: Any, data: str, splits: list[str], positions: int,
                         learned_positions: bool) -> None:
     """Refuse a stream run (task config ``cfg``, a model of ``positions``) whose blocks would be
@@ -67,6 +88,7 @@ def check_stream_blocks(cfg: Any, data: str, splits: list[str], positions: int,
         raise UsageError(f"--add-bos-token makes every block of --tokens-per-sample {tokens} one token "
                          f"longer, more than the model's {positions:,} learned positions (an IndexError "
                          f"in training); add --max-target-positions {tokens + 1}, or drop --add-bos-token")
+    check_shortening(cfg, splits)
     mode = _value(cfg.sample_break_mode)
     for split in splits:
         if not line_lengths_matter(cfg, split):  # blocks of at most --tokens-per-sample
@@ -77,6 +99,9 @@ def check_stream_blocks(cfg: Any, data: str, splits: list[str], positions: int,
         count = int(np.count_nonzero(index.sizes > tokens)) if longest > tokens else 0
         del index
         if count:
+            cut = f"add {split} to --shorten-data-split-list" if \
+                _value(getattr(cfg, "shorten_method", "none") or "none") in SHORTENING_METHODS \
+                else "cut lines with --shorten-method truncate"
             dropped = (f"fairseq would leave those longer than the model's {positions:,} positions out "
                        f"of every perplexity (and fail on them with learned positions), and ") \
                 if longest > positions else ""
@@ -84,7 +109,7 @@ def check_stream_blocks(cfg: Any, data: str, splits: list[str], positions: int,
                 f"split {split} of {data}: {count:,} of its lines are longer than --tokens-per-sample "
                 f"{tokens} (up to {longest:,} tokens), and --sample-break-mode {mode} makes each such "
                 f"line a block of its own: {dropped}the FLOPs count takes blocks of at most {tokens}; "
-                f"raise --tokens-per-sample to {longest:,}, cut lines with --shorten-method truncate, or "
+                f"raise --tokens-per-sample to {longest:,}, {cut}, or "
                 f"use --sample-break-mode none")
 
 

@@ -130,12 +130,13 @@ def check_run_values(argv: list[str], profile: ResourceProfile) -> None:
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
     from ..fairseq_glue.patches import undo_bf16_tpu
-    from ..fairseq_glue.train_flags import check_training_flags
+    from ..fairseq_glue.train_flags import check_training_flags, check_training_namespace
     from .fairseq_train_flags import parse_training_argv
 
     argv = argv + launcher_flags(profile)
     _, args, _ = parse_training_argv(argv)
     undo_bf16_tpu(args, argv)
+    check_training_namespace(args)
     with _quiet_logger("hydra"):
         cfg = convert_namespace_to_omegaconf(args)
     check_training_flags(cfg, machine_checks=False)
