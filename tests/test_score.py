@@ -464,6 +464,30 @@ def test_blocks_the_model_cannot_take_are_refused_not_left_out(stream):
         total_nll(models[0], task, dataset, Batching(8))
 
 
+def test_fairseq_eval_lm_refuses_a_token_scored_minus_infinity(stream, tmp_path):
+    """fairseq-eval-lm leaves tokens scored ±inf out of its perplexity ("skipping tokens with inf
+    scores"); with the plugin it refuses them. A real checkpoint whose output logit for the eval
+    split's most frequent token is below float32's range (-1e39): its final layer norm is made to
+    output 1e21 along one axis, on which that token's embedding is -1e18 and every other's small."""
+    import numpy as np
+    from fairseq.data.indexed_dataset import MMapIndexedDataset
+
+    eval_tokens = np.asarray(MMapIndexedDataset(str(stream / "data" / "eval"))[0])
+    token = int(np.bincount(eval_tokens).argmax())
+    state = torch.load(stream / "ens1" / "checkpoint_stage1.pt", weights_only=False)
+    weights = state["model"]
+    weights["decoder.layer_norm.weight"].zero_()
+    weights["decoder.layer_norm.bias"].zero_()[0] = 1e21
+    weights["decoder.embed_tokens.weight"][:, 0].clamp_(-0.2, 0.2)[token] = -1e18
+    torch.save(state, tmp_path / "inf.pt")
+    result = subprocess.run(_eval_lm(stream, tmp_path / "inf.pt"), capture_output=True, text=True,
+                            env=ENV, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert re.search(r"fairseq-alma: error: [\d,]+ tokens? of a batch score an infinite log-probability "
+                     r".*fairseq-eval-lm would leave them out of the perplexity", result.stderr), result.stderr[-3000:]
+    assert "Perplexity" not in result.stdout + result.stderr
+
+
 def test_a_loss_that_is_not_a_number_is_explained_by_the_weights():
     """The stage-end measurement and alma-score refuse a NaN/inf loss (a NaN perplexity in a
     table) with its cause: NaN or infinite weights (counted), or finite weights whose

@@ -37,6 +37,8 @@ The patches:
                              training run cannot honour are refused before anything runs.
 ``install_every_block_scored`` fairseq-eval-lm and fairseq-validate leave a block longer than
                              the model's positions out of the perplexity they print.
+``install_every_token_scored`` fairseq-eval-lm leaves a token whose log-probability is
+                             infinite out of the perplexity it prints.
 ``install_flat_bf16_master``  fairseq's FP16Optimizer keeps one fp32 master copy per parameter
                              under ``--bf16`` (a TPU choice), so its pure-Python Adam steps
                              every parameter tensor on its own; on GPUs one flat copy, as under
@@ -580,6 +582,7 @@ def install_command_patches() -> None:
     install_training_flags()
     install_expert_parallel_trainer()
     install_every_block_scored()
+    install_every_token_scored()
 
 
 def install_every_block_scored() -> None:
@@ -612,6 +615,39 @@ def install_every_block_scored() -> None:
         return kept
 
     FairseqTask.filter_indices_by_size = _mark(filter_indices_by_size)
+
+
+def install_every_token_scored() -> None:
+    """fairseq-eval-lm: a token scored with an infinite log-probability is refused in one line
+    instead of being left out of the perplexity.
+
+    Why: fairseq-eval-lm drops every ±inf token score from its sums ("skipping tokens with inf
+    scores", a log call that itself fails to format), so the perplexity it prints is of the
+    tokens the model did not rule out: lower than the truth, by as much as the worst tokens
+    weigh.  A logit beyond the float range does it, most easily under ``--fp16`` (half
+    precision ends at 65,504).  alma-score refuses a non-finite loss (``lm/nll.non_finite_loss``)."""
+    from fairseq.sequence_scorer import SequenceScorer
+
+    original = SequenceScorer.generate
+    if _patched(original) or not _running(("fairseq-eval-lm",), ("fairseq_cli.eval_lm",)):
+        return
+
+    def generate(self: Any, models: Any, sample: Any, **kwargs: Any) -> Any:
+        import torch
+
+        hypos = original(self, models, sample, **kwargs)
+        scores = [hypo[0]["positional_scores"] for hypo in hypos if hypo]
+        if scores and bool(torch.stack([s.isinf().any() for s in scores]).any()):  # one sync
+            from ..errors import UsageError
+
+            count = sum(int(s.isinf().sum()) for s in scores)
+            raise UsageError(f"{count:,} token{'s' if count != 1 else ''} of a batch score an infinite log-probability (a logit "
+                             f"beyond the float range: in half precision above 65,504); fairseq-eval-lm "
+                             f"would leave them out of the perplexity, which would look better than it "
+                             f"is: score in fp32 (drop --fp16), or with alma-score")
+        return hypos
+
+    SequenceScorer.generate = _mark(generate)
 
 
 def install_stream_training_patches() -> None:
