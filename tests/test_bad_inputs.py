@@ -428,6 +428,8 @@ def _with(ctx: Ctx, name: str, text: str) -> Path:
 VISION_CASES = [
     Case("vision wait auto on one mega-batch", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--num-megabatches", "1", "--wait", "auto"), []),
          r"--wait auto: a stream of one mega-batch leaves nothing to decide; use --wait 1"),
+    Case("vision tensorboard", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--tensorboard-logdir", str(c.tmp / "tb")), []),
+         r"--tensorboard-logdir is fairseq's trainer's; a vision stream's learner does not read it \(a vision stream records its stages in stream.jsonl .*\); drop it"),
     Case("vision stage-init scratch", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--stage-init", "scratch"), []),
          r"--stage-init is for language-model streams; a vision stream uses --vision-method gens"),
     Case("vision token blocks", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--tokens-per-sample", "64"), []),

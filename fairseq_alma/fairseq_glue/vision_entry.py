@@ -129,6 +129,9 @@ FAIRSEQ_TRAINING_FLAGS = {
     ("checkpoint", "no_save"): "nothing: the stream resumes from its own checkpoints",
     ("checkpoint", "finetune_from_model"): "nothing: a vision stream starts from a fresh learner",
     ("ema", "store_ema"): "nothing: the learner keeps no EMA copy",
+    **{("common", key): "nothing: a vision stream records its stages in stream.jsonl and on the "
+       "console, and sends fairseq's logging backends nothing" for key in (
+           "tensorboard_logdir", "wandb_project", "aim_repo", "azureml_logging")},
 }
 
 
