@@ -55,6 +55,7 @@ def build(name: str, args: argparse.Namespace, task: _Task):
 
         cfg = OmegaConf.structured(TransformerLanguageModelConfig(
             **sizes, share_decoder_input_output_embed=True, decoder_normalize_before=True,
+            decoder_input_dim=args.dim, decoder_output_dim=args.dim,  # fairseq's default: 512, whatever the width
             tokens_per_sample=args.length, max_target_positions=args.length))
         return TransformerLanguageModel.build_model(cfg, task), CrossEntropyCriterion(task, False)
     from fairseq_alma.criterions.switch_cross_entropy import SwitchCrossEntropyCriterion

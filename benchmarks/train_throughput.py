@@ -45,8 +45,10 @@ sys.path.insert(0, REPO)
 USER_DIR = os.path.join(REPO, "fairseq_alma")
 WINDOW = re.compile(r"\| train_inner \| epoch \d+:.*?\bwps=([0-9.]+)")
 MODELS = {  # name: fairseq flags beyond the shared sizes
+    # fairseq keeps --decoder-input-dim/--decoder-output-dim at 512 unless given: without them the
+    # baseline had 512-wide embeddings and output layer whatever --dim said (alma_stream now refuses that)
     "transformer_lm": "--arch transformer_lm --decoder-normalize-before --share-decoder-input-output-embed "
-                      "--criterion cross_entropy",
+                      "--decoder-input-dim {dim} --decoder-output-dim {dim} --criterion cross_entropy",
     "switch E=1": "--arch switch_transformer_lm --moe-experts 1 --criterion switch_cross_entropy",
     "switch E=8": "--arch switch_transformer_lm --moe-experts 8 --criterion switch_cross_entropy",
     "switch E=1 compiled": "--arch switch_transformer_lm --moe-experts 1 --criterion switch_cross_entropy "
@@ -83,7 +85,7 @@ def train_command(args: argparse.Namespace, data: str, model: str, precision: st
               f"--warmup-updates {args.log_interval} --dropout 0.1 --seed 1 --log-format simple "
               f"--log-interval {args.log_interval} --max-epoch 1")
     device = ["--cpu", "--num-workers", "0"] if args.tiny else []
-    return [_tool("fairseq-train"), data, *shlex.split(common), *shlex.split(sizes), *shlex.split(MODELS[model]),
+    return [_tool("fairseq-train"), data, *shlex.split(common), *shlex.split(sizes), *shlex.split(MODELS[model].format(dim=args.dim)),
             *PRECISION_FLAGS[precision], *device, "--save-dir", save_dir]
 
 

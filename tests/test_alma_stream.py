@@ -9,6 +9,7 @@ import pytest
 from lm_fixtures import RESUMABLE, assert_same_stream, run, stream_cmd, tool, wait_for
 
 from fairseq_alma.optim.alma_stage_linear import stage_budget, stage_lr
+from fairseq_alma.stream.transformer_flops import SwitchLMShape
 
 REPO = Path(__file__).resolve().parent.parent
 USER_DIR = str(REPO / "fairseq_alma")
@@ -182,12 +183,21 @@ def test_fairseq_transformer_lm_trains_a_stream(stream_dir, tmp_path):
     cmd[cmd.index("switch_transformer_lm_tiny")] = "transformer_lm"
     del cmd[cmd.index("--moe-experts"):cmd.index("--moe-experts") + 2]
     cmd[cmd.index("switch_cross_entropy")] = "cross_entropy"
-    run(cmd + ["--decoder-layers", "2", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
-               "--decoder-attention-heads", "2"])
+    cmd += ["--decoder-layers", "2", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
+            "--decoder-attention-heads", "2"]
+    # fairseq keeps --decoder-input-dim/--decoder-output-dim at 512: 512-wide embeddings projected
+    # to 32-wide blocks, which the FLOPs count would take as 512-wide blocks
+    refused = run(cmd, check=False)
+    assert refused.returncode == 2 and "--decoder-embed-dim 32 with --decoder-input-dim 512" in refused.stderr
+    assert not save.exists()
+    run(cmd + ["--decoder-input-dim", "32", "--decoder-output-dim", "32"])
     records = [json.loads(line) for line in (save / "stream.jsonl").read_text().splitlines()]
     assert [r["trained"] for r in records] == [False, True, True]
     assert records[2]["eval_ppl"] < records[0]["eval_ppl"] and records[2]["params_active"] > 0
-    assert records[1]["infer_flops_per_token"] > 0
+    vocab = len((stream_dir / "dict.txt").read_text().splitlines()) + 4  # with fairseq's 4 symbols
+    shape = SwitchLMShape(n_layers=2, d_model=32, ffn_dim=64, vocab_size=vocab, context=32, moe_layers=0,
+                          num_experts=1)
+    assert records[1]["infer_flops_per_token"] == shape.forward_flops_per_token()
     assert records[1]["infer_flops_per_sequence"] == records[1]["infer_flops_per_token"] * 32
 
 

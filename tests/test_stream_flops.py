@@ -97,3 +97,31 @@ def test_base_without_experts_is_still_not_the_papers_42():
 def test_bad_shapes(change, pattern):
     with pytest.raises(ValueError, match=pattern):
         lm_forward_flops_per_token(**dict(TINY, **change))
+
+
+def test_a_dense_lm_is_counted_at_its_blocks_width_or_refused():
+    """fairseq's transformer_lm keeps --decoder-input-dim at 512 whatever --decoder-embed-dim says:
+    the count takes the blocks' width, and a model with projections it has no term for is refused."""
+    from fairseq.data import Dictionary
+    from fairseq.models.transformer_lm import (
+        TransformerLanguageModel,
+        TransformerLanguageModelConfig,
+    )
+    from omegaconf import OmegaConf
+
+    from fairseq_alma.errors import UsageError
+    from fairseq_alma.lm.model_flops import model_shape
+
+    class Task:
+        source_dictionary = target_dictionary = Dictionary()
+
+    def build(**dims: int):
+        cfg = OmegaConf.structured(TransformerLanguageModelConfig(
+            decoder_layers=2, decoder_embed_dim=32, decoder_ffn_embed_dim=64, decoder_attention_heads=2,
+            tokens_per_sample=16, max_target_positions=16, share_decoder_input_output_embed=True, **dims))
+        return TransformerLanguageModel.build_model(cfg, Task())
+
+    with pytest.raises(UsageError, match="a projection from --decoder-input-dim, a projection to --decoder-output-dim"):
+        model_shape(build(), context=16)
+    shape = model_shape(build(decoder_input_dim=32, decoder_output_dim=32), context=16)
+    assert (shape.d_model, shape.ffn_dim, shape.n_layers, shape.vocab_size) == (32, 64, 2, len(Task.target_dictionary))

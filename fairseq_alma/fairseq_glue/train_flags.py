@@ -370,6 +370,7 @@ def check_training_flags(cfg: Any, machine_checks: bool = True) -> None:
     task = cfg.get("task")
     if task is not None and task.get("_name") == "alma_stream":
         check_stream_run_flags(cfg)
+        check_dense_lm_shape(cfg)
     if task is not None and task.get("_name") == "alma_stream" and \
             str(given(cfg, "distributed_training", "ddp_backend") or "") == "fully_sharded":
         raise UsageError("--ddp-backend fully_sharded cannot train an alma_stream run: the stream evaluates, "
@@ -496,6 +497,39 @@ def check_optimizer_values(cfg: Any) -> None:
 # position and meters exactly as checkpointed (fairseq's update counter is the stream's
 # position), so a reset would train a run its records no longer describe.
 RESET_FLAGS = ("reset_optimizer", "reset_lr_scheduler", "reset_dataloader", "reset_meters")
+
+
+def check_dense_lm_shape(node: Any) -> None:
+    """fairseq's ``transformer_lm`` options that a stream cannot count or train correctly,
+    refused before anything runs (the Switch LMs have none of them).
+
+    Why: every arrival records the model's FLOPs from one width, its blocks, and a token
+    embedding table (``lm/model_flops.py``).  fairseq 0.12 keeps ``--decoder-input-dim`` and
+    ``--decoder-output-dim`` at 512 (its dataclass defaults) whatever ``--decoder-embed-dim``
+    says, so ``--decoder-embed-dim 32`` alone built 512-wide embeddings and output layer
+    projected to and from 32-wide blocks, and the records counted 512-wide blocks (75x the
+    FLOPs of that 2-layer model).  Adaptive and character inputs, the adaptive softmax and
+    BASE layers ended in tracebacks; layer drop trains on fewer blocks than are counted."""
+    width = given(node, "model", "decoder_embed_dim")
+    for key in ("decoder_input_dim", "decoder_output_dim"):
+        value = given(node, "model", key)
+        if width is not None and value is not None and value != width:
+            raise UsageError(
+                f"--decoder-embed-dim {width} with --{key.replace('_', '-')} {value} (fairseq's default "
+                f"is 512, whatever --decoder-embed-dim says): that builds {value}-wide "
+                f"{'embeddings' if key == 'decoder_input_dim' else 'output'} projected to or from "
+                f"{width}-wide blocks, and the stream's FLOPs count takes one width; add "
+                f"--decoder-input-dim {width} --decoder-output-dim {width}")
+    refused = {"adaptive_softmax_cutoff": "an adaptive softmax", "adaptive_input": "adaptive input embeddings",
+               "character_embeddings": "character embeddings", "base_layers": "BASE layers (fairseq's own routing)",
+               "decoder_layerdrop": "layer drop (blocks skipped at random in training)"}
+    for key, what in refused.items():
+        value = given(node, "model", key)
+        if value:
+            flag = f"--{key.replace('_', '-')}" + ("" if isinstance(value, bool) else f" {value}")
+            raise UsageError(f"{flag}: {what}, which an alma_stream run cannot count (every arrival "
+                             f"records FLOPs of full blocks over a token embedding table and a full "
+                             f"softmax); drop it (--arch switch_transformer_lm for routed experts)")
 
 
 def check_stream_run_flags(node: Any) -> None:

@@ -18,13 +18,33 @@ def _dense_ffn_dim(layer: Any) -> int:
     return ffn.fc1.out_features
 
 
+# parts of fairseq's transformer_lm that the analytic count has no term for
+UNCOUNTED_PARTS = {
+    "project_in_dim": "a projection from --decoder-input-dim",
+    "project_out_dim": "a projection to --decoder-output-dim",
+    "adaptive_softmax": "an adaptive softmax (--adaptive-softmax-cutoff)",
+}
+
+
 def model_shape(model: Any, context: int, convention: str = "full") -> SwitchLMShape:
-    """The sizes of a Switch LM, a UMix member, or fairseq's own ``transformer_lm`` (dense)."""
+    """The sizes of a Switch LM, a UMix member, or fairseq's own ``transformer_lm`` (dense).
+
+    The width is the blocks' (their attention's), not the embedding table's: fairseq's
+    ``transformer_lm`` keeps ``--decoder-input-dim`` at 512 unless given, and a model with
+    parts the count has no term for (``UNCOUNTED_PARTS``) is refused rather than miscounted
+    (training refuses its flags first: ``fairseq_glue/train_flags.check_dense_lm_shape``)."""
+    from ..errors import UsageError
+
     decoder = _members(model)[0]
+    extra = [what for name, what in UNCOUNTED_PARTS.items() if getattr(decoder, name, None) is not None]
+    if extra or not hasattr(decoder.embed_tokens, "embedding_dim"):
+        raise UsageError(f"the FLOPs count of this model would be wrong: it has "
+                         f"{', '.join(extra) or 'no token embedding table (adaptive or character input)'}, "
+                         f"which the count (stream/transformer_flops.py) has no term for")
     moe = decoder.moe_layers() if hasattr(decoder, "moe_layers") else []
     return SwitchLMShape(
         n_layers=len(decoder.layers),
-        d_model=decoder.embed_tokens.embedding_dim,
+        d_model=decoder.layers[0].self_attn.embed_dim,
         ffn_dim=(moe[0].ffn_dim if moe else _dense_ffn_dim(decoder.layers[0])),
         vocab_size=decoder.embed_tokens.num_embeddings,
         context=context,
