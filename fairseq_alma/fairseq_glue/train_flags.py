@@ -80,6 +80,10 @@ def check_run_inputs(cfg: Any, machine_checks: bool = True) -> None:
         value = given(cfg, section_name, key)
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be >= 1 (got {value}); leave it out for fairseq's default")
+    workers = given(cfg, "dataset", "num_workers")
+    if workers is not None and workers < 0:  # torch's DataLoader: a ValueError traceback
+        raise UsageError(f"--num-workers must be >= 0 (got {workers}): loader processes per training "
+                         f"process, 0 to load in the training process")
     max_epoch = given(cfg, "optimization", "max_epoch")
     if max_epoch is not None and max_epoch < 0:
         raise UsageError(f"--max-epoch must be >= 0 (got {max_epoch}): in a stream, stop after "
