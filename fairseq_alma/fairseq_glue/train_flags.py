@@ -328,6 +328,28 @@ def _plain(value: Any) -> Any:
     return getattr(value, "value", value)
 
 
+def check_loss_scaling(node: Any) -> None:
+    """fairseq's loss-scaler settings (``--fp16``, ``--amp``) that cannot train: an initial scale
+    of 0 or below (the first update's gradients are 0 x 1/0, "overflow", and the scale never
+    rises from 0: fairseq stops with "Minimum loss scale reached", reported as divergence), a
+    scale window below 1 (``n % 0``: a ZeroDivisionError traceback at the first update), an
+    overflow tolerance outside [0, 1]."""
+    for key in ("fp16_init_scale", "amp_init_scale"):
+        value = given(node, "common", key)
+        if value is not None and not value > 0:
+            raise UsageError(f"--{key.replace('_', '-')} must be > 0 (got {value:g}): the loss scale of "
+                             f"the first update, e.g. --{key.replace('_', '-')} 128")
+    for key in ("fp16_scale_window", "amp_scale_window"):
+        value = given(node, "common", key)
+        if value is not None and value < 1:
+            raise UsageError(f"--{key.replace('_', '-')} must be >= 1 (got {value}): updates without "
+                             f"overflow before the loss scale doubles; leave it out for fairseq's default")
+    tolerance = given(node, "common", "fp16_scale_tolerance")
+    if tolerance is not None and not 0 <= tolerance <= 1:
+        raise UsageError(f"--fp16-scale-tolerance must be in [0, 1] (got {tolerance:g}): the share of "
+                         f"overflowing updates tolerated before the scale is lowered")
+
+
 def check_precision(node: Any, machine_checks: bool = True) -> None:
     """Precision flags this run cannot train correctly, refused before the first update.
 
@@ -368,6 +390,7 @@ def check_training_flags(cfg: Any, machine_checks: bool = True) -> None:
     if arch == "alma_vision":  # the vision learner checks its own flags (fairseq_glue/vision_entry.py)
         return
     check_precision(cfg, machine_checks)
+    check_loss_scaling(cfg)
     check_optimizer(cfg)
     if machine_checks:
         check_logging_backends(cfg)
