@@ -261,3 +261,14 @@ def test_per_stage_update_freq_records_the_tokens_fairseq_trains(stream_dir, tmp
     logged = [float(m) for m in re.findall(r"\| epoch 00\d \|.*?\| wpb ([0-9.]+) \|", proc.stdout + proc.stderr)]
     assert len(logged) == 2 and logged[1] > 1.5 * logged[0], logged
     assert tokens == [pytest.approx(6 * wpb, rel=0.01) for wpb in logged]
+
+
+@pytest.mark.slow
+def test_max_update_at_the_streams_last_update_records_every_arrival(stream_dir, reference_run, tmp_path):
+    """--max-update equal to the stream's updates (2 stages x 6, what fairseq's whole-run LR
+    schedules read): fairseq stopped before the epoch whose start records the last arrival, and
+    exited 0 with the stream unfinished. Now the run equals the one without it."""
+    reference, _ = reference_run
+    save = tmp_path / "run"
+    run(stream_cmd(stream_dir, save, *RESUMABLE, "--max-update", "12"))
+    assert_same_stream(reference, save)

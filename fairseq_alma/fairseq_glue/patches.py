@@ -52,6 +52,7 @@ import contextlib
 import errno
 import importlib
 import logging
+import math
 import os
 import pickle
 import shutil
@@ -555,7 +556,8 @@ def install_requeue_save() -> None:
                           valid_subsets: list, end_of_epoch: bool) -> Any:
         updates = trainer.get_num_updates()
         after_update = getattr(task, "after_update", None)
-        if after_update is not None and after_update(updates) and not end_of_epoch:
+        stage_done = after_update is not None and after_update(updates)
+        if stage_done and not end_of_epoch:
             end_stage_epoch(epoch_itr)  # the stage has its counted updates: its epoch ends here
             end_of_epoch = True
         stop_requested = getattr(task, "stop_requested", None)
@@ -566,7 +568,14 @@ def install_requeue_save() -> None:
                        f"run the same command to continue")
             logger.warning(message)
             raise Preempted(message)
-        return original(cfg, trainer, task, epoch_itr, valid_subsets, end_of_epoch)
+        valid_losses, should_stop = original(cfg, trainer, task, epoch_itr, valid_subsets, end_of_epoch)
+        if should_stop and stage_done and updates >= (cfg.optimization.max_update or math.inf):
+            # --max-update at a stage's last update (a stream refuses one that is earlier):
+            # fairseq would stop before its next epoch, whose start records the arrival this
+            # stage answers, and exit 0 with the stream unfinished; its epoch loop ends anyway,
+            # after the stream's last stage (--max-epoch: the stream's stages)
+            should_stop = False
+        return valid_losses, should_stop
 
     train_cli.validate_and_save = _mark(validate_and_save)
 
