@@ -356,6 +356,7 @@ LM_CASES = [
         (("--adam-eps", "0"), r"--adam-eps must be > 0 \(got 0\): it keeps the update finite where a gradient is 0"),
         (("--adam-betas", "(0.9,1.5)"), r"--adam-betas \(0.9,1.5\): two decay rates in \[0, 1\) are needed"),
         (("--warmup-init-lr", "-1"), r"--warmup-init-lr must be >= 0 \(got -1\): every stage's warmup starts there"),
+        (("--lr-scheduler", "reduce_lr_on_plateau"), r"--lr-scheduler reduce_lr_on_plateau lowers the LR when fairseq's validation loss stops improving, .*the LR would never change"),
         (("--lr-scheduler", "cosine"), r"--lr-scheduler cosine spans the run's --max-update, which an alma_stream run leaves unset .*add --max-update \d+ \(the stream's \d+ stages x 3 updates"),
         (("--lr-scheduler", "polynomial_decay"), r"--lr-scheduler polynomial_decay needs --total-num-update N"),
         (("--lr-scheduler", "polynomial_decay", "--total-num-update", "2"), r"--total-num-update 2 ends --lr-scheduler polynomial_decay before the stream does .*use --total-num-update \d+$"),

@@ -592,6 +592,13 @@ def check_stream_run_flags(node: Any) -> None:
                          f"alma_stream run does not run: stream.jsonl records the split 'valid' and "
                          f"--eval-subset after every arrival; score {valid_subset} with --eval-subset "
                          f"{valid_subset}, or add --fairseq-validation")
+    if not given(node, "task", "fairseq_validation") and \
+            component_name(node, "lr_scheduler") == "reduce_lr_on_plateau":
+        # fairseq steps it with the validation loss of each epoch, None without that validation
+        raise UsageError("--lr-scheduler reduce_lr_on_plateau lowers the LR when fairseq's validation "
+                         "loss stops improving, and an alma_stream run does not run that validation: "
+                         "the LR would never change; add --fairseq-validation, or use --lr-scheduler "
+                         "alma_stage_linear")
     if not given(node, "task", "fairseq_validation"):
         for section_name, key, set_ in FAIRSEQ_VALIDATION_FLAGS:
             value = given(node, section_name, key)
