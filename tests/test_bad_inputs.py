@@ -80,6 +80,15 @@ def lm(ctx: Ctx, data: Path | str, save: Path, *extra: str) -> list[str]:
     return [tool("fairseq-train"), str(data), *LM_FLAGS, "--save-dir", str(save), *extra]
 
 
+def dense_lm(ctx: Ctx, arch: str, *extra: str) -> list[str]:
+    """A training command of one of fairseq's own LMs (``arch``) on the stream, into a new --save-dir."""
+    argv = lm(ctx, ctx.data, ctx.tmp / "r", *extra)
+    del argv[argv.index("--moe-experts"):argv.index("--moe-experts") + 2]
+    argv[argv.index("switch_transformer_lm_tiny")] = arch
+    argv[argv.index("switch_cross_entropy")] = "cross_entropy"
+    return argv
+
+
 def fresh_run_case(flags: tuple[str, ...], needle: str) -> Case:
     """A training command on the stream, into a new --save-dir, with ``flags`` added."""
     return Case(" ".join(flags), lambda c: (lm(c, c.data, c.tmp / "r", *flags), []), needle)
@@ -432,6 +441,10 @@ def _with(ctx: Ctx, name: str, text: str) -> Path:
 VISION_CASES = [
     Case("vision wait auto on one mega-batch", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--num-megabatches", "1", "--wait", "auto"), []),
          r"--wait auto: a stream of one mega-batch leaves nothing to decide; use --wait 1"),
+    Case("stream of an lstm_lm", lambda c: (dense_lm(c, "lstm_lm"), []),
+         r"--arch lstm_lm: an alma_stream run counts the FLOPs of transformer decoders"),
+    Case("transformer_lm narrower than its embeddings", lambda c: (dense_lm(c, "transformer_lm", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2"), []),
+         r"--decoder-embed-dim 32 with --decoder-input-dim 512 \(fairseq's default is 512, whatever --decoder-embed-dim says\).* add --decoder-input-dim 32 --decoder-output-dim 32$"),
     Case("vision tensorboard", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--tensorboard-logdir", str(c.tmp / "tb")), []),
          r"--tensorboard-logdir is fairseq's trainer's; a vision stream's learner does not read it \(a vision stream records its stages in stream.jsonl .*\); drop it"),
     Case("vision stage-init scratch", lambda c: (vision(c, "digits", c.tmp / "r", "--vision-dataset", "digits", "--stage-init", "scratch"), []),

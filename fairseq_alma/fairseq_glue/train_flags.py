@@ -230,6 +230,10 @@ def check_stream_start(task: Any, stages: int, save_dir: str | None, restart: bo
                              task.manifest.get("eval_per_megabatch") is not None)
     check_stream_blocks(task.cfg, data, splits, _model_positions(task),
                         bool(given(task.cfg, "model", "decoder_learned_pos")))
+    if task.model is not None:  # the FLOPs count takes this model (refused here, not at arrival 0)
+        from ..lm.model_flops import model_shape
+
+        model_shape(task.model, int(task.cfg.tokens_per_sample))
     if save_dir is not None and not restart:
         check_leftover_checkpoint(save_dir, task.cfg)
 
@@ -536,7 +540,15 @@ def check_dense_lm_shape(node: Any) -> None:
     says, so ``--decoder-embed-dim 32`` alone built 512-wide embeddings and output layer
     projected to and from 32-wide blocks, and the records counted 512-wide blocks (75x the
     FLOPs of that 2-layer model).  Adaptive and character inputs, the adaptive softmax and
-    BASE layers ended in tracebacks; layer drop trains on fewer blocks than are counted."""
+    BASE layers ended in tracebacks; layer drop trains on fewer blocks than are counted.
+    fairseq's LMs configured the older way (``lstm_lm``, ``fconv_lm``, ``lightconv_lm``: an
+    argparse namespace, not a dataclass) are no transformer decoders the count knows."""
+    import argparse
+
+    if isinstance(section(node, "model"), argparse.Namespace):
+        raise UsageError(f"--arch {component_name(node, 'model')}: an alma_stream run counts the FLOPs of "
+                         f"transformer decoders (--arch switch_transformer_lm*, umix_switch_transformer_lm*, "
+                         f"fairseq's transformer_lm*), and this model is none; use one of those")
     width = given(node, "model", "decoder_embed_dim")
     for key in ("decoder_input_dim", "decoder_output_dim"):
         value = given(node, "model", key)

@@ -36,6 +36,11 @@ def model_shape(model: Any, context: int, convention: str = "full") -> SwitchLMS
     from ..errors import UsageError
 
     decoder = _members(model)[0]
+    layers = getattr(decoder, "layers", None)
+    if not layers or not hasattr(layers[0], "self_attn") or not hasattr(decoder, "embed_tokens"):
+        raise UsageError(f"the FLOPs count (stream/transformer_flops.py) takes transformer decoders, "
+                         f"and {type(model).__name__} is none: use --arch switch_transformer_lm*, "
+                         f"umix_switch_transformer_lm* or fairseq's transformer_lm*")
     extra = [what for name, what in UNCOUNTED_PARTS.items() if getattr(decoder, name, None) is not None]
     if extra or not hasattr(decoder.embed_tokens, "embedding_dim"):
         raise UsageError(f"the FLOPs count of this model would be wrong: it has "
