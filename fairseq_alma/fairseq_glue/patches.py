@@ -650,8 +650,9 @@ def install_every_token_scored() -> None:
             from ..errors import UsageError
 
             count = sum(int(s.isinf().sum()) for s in scores)
-            raise UsageError(f"{count:,} token{'s' if count != 1 else ''} of a batch score an infinite log-probability (a logit "
-                             f"beyond the float range: in half precision above 65,504); fairseq-eval-lm "
+            tokens = f"{count:,} token{'s' if count != 1 else ''}"
+            raise UsageError(f"{tokens} of a batch score an infinite log-probability (a logit beyond "
+                             f"the float range: in half precision above 65,504); fairseq-eval-lm "
                              f"would leave them out of the perplexity, which would look better than it "
                              f"is: score in fp32 (drop --fp16), or with alma-score")
         return hypos

@@ -238,9 +238,9 @@ def check_stream_start(task: Any, stages: int, save_dir: str | None, restart: bo
         check_leftover_checkpoint(save_dir, task.cfg)
 
 
-# fairseq's LR schedulers that span the whole run, and what they take its length from
-WHOLE_RUN_SCHEDULERS = {"cosine": "lr_period_updates", "tri_stage": "phase_ratio",
-                        "polynomial_decay": "total_num_update"}
+# fairseq's LR schedulers that span the whole run (its length: --max-update, or for cosine
+# --lr-period-updates, for tri_stage its step counts, for polynomial_decay --total-num-update)
+WHOLE_RUN_SCHEDULERS = ("cosine", "tri_stage", "polynomial_decay")
 
 
 def check_whole_run_schedule(node: Any, stages: int, budget: int) -> None:
