@@ -266,6 +266,8 @@ LM_CASES = [
          r"pass --tokens-per-sample 32 or less"),
     Case("eval-lm context window as long as the block", lambda c: (eval_lm(c, "--context-window", "32"), [c.done]),
          r"--context-window 32 leaves no token to score in blocks of --tokens-per-sample 32: pass a window below 32"),
+    Case("eval-lm negative softmax batch", lambda c: (eval_lm(c, "--softmax-batch", "-5"), [c.done]), r"--softmax-batch must be >= 0 \(got -5\)"),
+    Case("eval-lm negative workers", lambda c: (eval_lm(c, "--num-workers", "-1"), [c.done]), r"--num-workers must be >= 0 \(got -1\)"),
     Case("eval-lm negative context window", lambda c: (eval_lm(c, "--context-window", "-4"), [c.done]), r"--context-window must be >= 0 \(got -4\)"),
     Case("eval-lm max-tokens below a block", lambda c: (eval_lm(c, "--max-tokens", "10"), [c.done]),
          r"--max-tokens 10 holds no block of --tokens-per-sample 32; use --max-tokens >= 32"),

@@ -5,7 +5,8 @@ Why a check before they run: they read these flags deep inside their loop, so a 
 cannot use ends in a traceback after the checkpoint was loaded (``--tokens-per-sample 0`` or a
 ``--context-window`` as long as the block: ZeroDivisionError; ``--max-tokens`` below one block:
 an AssertionError in the batch sampler; ``--post-process sentencepiece``: NotImplementedError;
-``--model-overrides`` that is not a dict: a NameError from its ``eval``), and a negative
+``--model-overrides`` that is not a dict: a NameError from its ``eval``; a negative
+``--softmax-batch``: an AssertionError; ``--num-workers -1``: torch's ValueError), and a negative
 ``--context-window`` was silently taken as none.  Called from ``patches._TrainingConfig``,
 right after the command's flags are parsed.
 """
@@ -34,6 +35,10 @@ def check_scoring_flags(cfg: Any, command: str) -> None:
     if tokens is not None and max_tokens is not None and max_tokens < tokens:
         raise UsageError(f"--max-tokens {max_tokens} holds no block of --tokens-per-sample {tokens}; "
                          f"use --max-tokens >= {tokens} or --batch-size")
+    workers = given(cfg, "dataset", "num_workers")
+    if workers is not None and workers < 0:  # torch's DataLoader: a ValueError traceback
+        raise UsageError(f"--num-workers must be >= 0 (got {workers}): loader processes, 0 to load "
+                         "in this process")
     overrides = given(cfg, "common_eval", "model_overrides")
     if overrides is not None:
         try:
@@ -48,6 +53,10 @@ def check_scoring_flags(cfg: Any, command: str) -> None:
 
 
 def _check_eval_lm_flags(cfg: Any, tokens: int | None) -> None:
+    softmax_batch = given(cfg, "eval_lm", "softmax_batch")
+    if softmax_batch is not None and softmax_batch < 0:  # SequenceScorer: an AssertionError
+        raise UsageError(f"--softmax-batch must be >= 0 (got {softmax_batch}): the positions whose "
+                         "softmax is taken at once, 0 for all of them")
     window = int(given(cfg, "eval_lm", "context_window") or 0)
     if window < 0:
         raise UsageError(f"--context-window must be >= 0 (got {window}): the tokens of context "
