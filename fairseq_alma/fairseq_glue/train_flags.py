@@ -568,7 +568,8 @@ def check_dense_lm_shape(node: Any) -> None:
             flag = f"--{key.replace('_', '-')}" + ("" if isinstance(value, bool) else f" {value}")
             raise UsageError(f"{flag}: {what}, which an alma_stream run cannot count (every arrival "
                              f"records FLOPs of full blocks over a token embedding table and a full "
-                             f"softmax); drop it (--arch switch_transformer_lm for routed experts)")
+                             f"softmax); drop it, or use an --arch that does not set it (transformer_lm_wiki103 "
+                             f"does): transformer_lm_gpt, or switch_transformer_lm for routed experts")
 
 
 def check_stream_run_flags(node: Any) -> None:
