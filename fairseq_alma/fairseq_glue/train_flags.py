@@ -549,16 +549,12 @@ def check_dense_lm_shape(node: Any) -> None:
         raise UsageError(f"--arch {component_name(node, 'model')}: an alma_stream run counts the FLOPs of "
                          f"transformer decoders (--arch switch_transformer_lm*, umix_switch_transformer_lm*, "
                          f"fairseq's transformer_lm*), and this model is none; use one of those")
-    width = given(node, "model", "decoder_embed_dim")
-    for key in ("decoder_input_dim", "decoder_output_dim"):
-        value = given(node, "model", key)
-        if width is not None and value is not None and value != width:
-            raise UsageError(
-                f"--decoder-embed-dim {width} with --{key.replace('_', '-')} {value} (fairseq's default "
-                f"is 512, whatever --decoder-embed-dim says): that builds {value}-wide "
-                f"{'embeddings' if key == 'decoder_input_dim' else 'output'} projected to or from "
-                f"{width}-wide blocks, and the stream's FLOPs count takes one width; add "
-                f"--decoder-input-dim {width} --decoder-output-dim {width}")
+    from ..stream.transformer_flops import width_mismatch
+
+    mismatch = width_mismatch(section(node, "model"))
+    if mismatch is not None:
+        width = given(node, "model", "decoder_embed_dim")
+        raise UsageError(f"{mismatch}; add --decoder-input-dim {width} --decoder-output-dim {width}")
     refused = {"adaptive_softmax_cutoff": "an adaptive softmax", "adaptive_input": "adaptive input embeddings",
                "character_embeddings": "character embeddings", "base_layers": "BASE layers (fairseq's own routing)",
                "decoder_layerdrop": "layer drop (blocks skipped at random in training)"}

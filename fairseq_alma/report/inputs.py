@@ -91,6 +91,7 @@ def read_run_dir(path: Path) -> ReportedRun:
         raise UsageError(f"{view.stream_log}: needs arrivals 0..B in order; finish the run "
                          f"(the same training command continues it)")
     view.require_finished()
+    view.require_counted_flops()
     schedule = None  # --stage-lr-schedule (LM; absent from fingerprints when ALMA's restart)
     if records[0].eval_ppl is None:  # vision: its records carry the flags
         flags, size = records[-1].extra, vision_size_label(records[-1])

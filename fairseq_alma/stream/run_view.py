@@ -97,6 +97,22 @@ class RunView:
         except RunDirError as err:
             raise UsageError(str(err)) from None
 
+    def require_counted_flops(self) -> None:
+        """Refuse a run whose recorded FLOPs are wrong: fairseq's ``transformer_lm`` trained with
+        embeddings wider than its blocks (``transformer_flops.width_mismatch``), which
+        fairseq-alma before 2026-11-28 counted as if the blocks were that wide (75x for a
+        2-layer d 32 model).  Its perplexities are right, its Comp column is not, so a table
+        of it is refused rather than printed."""
+        from .transformer_flops import width_mismatch
+
+        model = ((self.fingerprint or {}).get("config") or {}).get("model") or {}
+        mismatch = width_mismatch(model)
+        if mismatch is not None:
+            width = model.get("decoder_embed_dim")
+            raise UsageError(f"{self.path}: its stream.jsonl counts FLOPs wrongly: {mismatch}, and "
+                             f"fairseq-alma before 2026-11-28 counted its blocks at the wider width; "
+                             f"train it again with --decoder-input-dim {width} --decoder-output-dim {width}")
+
     @cached_property
     def growth(self) -> list[dict[str, Any]]:
         try:

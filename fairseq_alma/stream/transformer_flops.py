@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
+from typing import Any
 
 FLOPS_CONVENTIONS = ("full", "kaplan", "params")
 
@@ -116,6 +117,25 @@ class SwitchLMShape:
         Comp grows with ``--updates-per-stage`` and with replay, as Eq. 2 intends.
         """
         return 3 * _integer("tokens", tokens, 0) * self.forward_flops_per_token()
+
+
+def width_mismatch(model_cfg: Any) -> str | None:
+    """Why a model config's FLOPs cannot be counted at one width (None when they can): fairseq's
+    ``transformer_lm`` with ``--decoder-input-dim`` or ``--decoder-output-dim`` (fairseq's
+    default: 512, whatever ``--decoder-embed-dim`` says) other than the blocks' width builds
+    embeddings or an output layer of that width projected to and from the blocks, which this
+    count has no term for.  ``model_cfg``: a run's ``config.model`` (a dict or config node)."""
+    get = getattr(model_cfg, "get", None)
+    if get is None:
+        return None
+    width = get("decoder_embed_dim")
+    for key, what in (("decoder_input_dim", "embeddings"), ("decoder_output_dim", "output")):
+        value = get(key)
+        if width is not None and value is not None and value != width:
+            return (f"--decoder-embed-dim {width} with --{key.replace('_', '-')} {value} (fairseq's "
+                    f"default is 512, whatever --decoder-embed-dim says): that builds {value}-wide "
+                    f"{what} projected to or from {width}-wide blocks, and the FLOPs count takes one width")
+    return None
 
 
 def lm_forward_flops_per_token(
