@@ -503,3 +503,22 @@ def test_a_loss_that_is_not_a_number_is_explained_by_the_weights():
         model[0].bias[1] = float("-inf")
     assert non_finite_loss(float("nan"), model) == "its loss is nan: 3 of its weights are NaN or infinite"
     assert non_finite_loss(float("nan"), model.half()).endswith("NaN or infinite in half precision")
+
+
+def test_another_batch_size_is_refused_under_an_evaluation_capacity(stream):
+    """With --eval-capacity-factor an expert takes at most cf * ceil(T / E) of a batch's tokens,
+    so the perplexity depends on the batches: alma-score --batch-size other than the run's own
+    evaluation batching is refused (the number would differ from stream.jsonl's, and reports
+    group scorings by split, block length, precision and data, not by batch size)."""
+    from fairseq_alma.errors import UsageError
+    from fairseq_alma.scoring.request import ScoreRequest
+    from fairseq_alma.scoring.runs import load_run
+    from fairseq_alma.scoring.series import settings_for
+
+    run = load_run(str(stream / "ens1"), None, from_log=False)
+    assert settings_for(run, ScoreRequest((str(run.path),), batch_size=4)).batch_size == 4  # no limit
+    run.cfg.model.eval_capacity_factor = 1.0
+    with pytest.raises(UsageError, match=r"^--batch-size 4: .*ens1 evaluates with --eval-capacity-factor 1, so "
+                                         r"its perplexity depends on how the tokens are batched.* --batch-size 8\)$"):
+        settings_for(run, ScoreRequest((str(run.path),), batch_size=4))
+    assert settings_for(run, ScoreRequest((str(run.path),))).batch_size == 8

@@ -25,10 +25,22 @@ def settings_for(run: StreamRun, request: ScoreRequest) -> Any:
     """The evaluation the task itself ran after each arrival, unless the request says otherwise."""
     from ..lm.ensemble_eval import EvalSettings
 
-    return EvalSettings.from_config(run.cfg, data=request.data, subset=request.subset,
-                                    tokens_per_sample=request.tokens_per_sample,
-                                    batch_size=request.batch_size,
-                                    max_eval_tokens=request.max_eval_tokens)
+    settings = EvalSettings.from_config(run.cfg, data=request.data, subset=request.subset,
+                                        tokens_per_sample=request.tokens_per_sample,
+                                        batch_size=request.batch_size,
+                                        max_eval_tokens=request.max_eval_tokens)
+    capacity = (run.cfg.get("model") or {}).get("eval_capacity_factor")
+    own = EvalSettings.from_config(run.cfg).batch_size
+    if capacity is not None and settings.batch_size != own:
+        # an expert takes at most cf * ceil(T / E) of a batch's T tokens in evaluation too, so
+        # which tokens are dropped depends on the batches: another batch size is another number,
+        # which neither the run's records nor a report's grouping (by split, block length,
+        # precision, data) would tell apart
+        raise UsageError(f"--batch-size {settings.batch_size}: {run.path} evaluates with "
+                         f"--eval-capacity-factor {capacity:g}, so its perplexity depends on how the "
+                         f"tokens are batched; score it with its own evaluation batching (drop "
+                         f"--batch-size, or pass --batch-size {own})")
+    return settings
 
 
 def _ppl(nll: float, ntokens: int, what: str) -> float:
