@@ -522,3 +522,24 @@ def test_another_batch_size_is_refused_under_an_evaluation_capacity(stream):
                                          r"its perplexity depends on how the tokens are batched.* --batch-size 8\)$"):
         settings_for(run, ScoreRequest((str(run.path),), batch_size=4))
     assert settings_for(run, ScoreRequest((str(run.path),))).batch_size == 8
+
+
+def test_alma_sweep_score_refuses_at_submit_the_batch_size_its_tasks_would(stream, tmp_path):
+    """alma-sweep score plans the tasks from each run's run.json: a --batch-size its alma-score
+    would refuse (the run evaluates with --eval-capacity-factor) is refused before any task
+    queues, with alma-score's line."""
+    import shutil
+
+    from fairseq_alma.errors import UsageError
+    from fairseq_alma.sweeps.score_plan import plan_scoring
+
+    run_dir = tmp_path / "seed1"
+    shutil.copytree(stream / "ens1", run_dir)
+    run_file = json.loads((run_dir / "run.json").read_text())
+    run_file["fingerprint"]["config"]["model"]["eval_capacity_factor"] = 1.0
+    (run_dir / "run.json").write_text(json.dumps(run_file))
+    jobs = [{"name": "seed1", "run_dir": str(run_dir), "argv": [str(stream / "data")], "seed": 1, "overrides": {}}]
+    with pytest.raises(UsageError, match=r"^--batch-size 4: .*seed1 evaluates with --eval-capacity-factor 1"):
+        plan_scoring(tmp_path, jobs, ["--batch-size", "4", "--cpu"])
+    tasks, skipped = plan_scoring(tmp_path, jobs, ["--batch-size", "8", "--cpu"])
+    assert [task.name for task in tasks] == ["seed1"] and not skipped

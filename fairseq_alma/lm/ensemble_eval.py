@@ -30,6 +30,7 @@ from fairseq import checkpoint_utils, utils
 
 from ..errors import AlmaError, CheckpointError, MissingSplit, UsageError
 from ..ranks import world
+from ..stream.eval_batching import own_eval_batch_size
 from .eval_slice import EvalSlice, slice_dataset
 from .nll import Batching, eval_batches, non_finite_loss, target_log_probs
 from .score_distributed import all_reduce_sums
@@ -65,10 +66,7 @@ class EvalSettings:
             data=data or task.data,
             subset=subset or task.get("eval_subset") or "eval",
             tokens_per_sample=tokens_per_sample or int(task.tokens_per_sample),
-            batch_size=batch_size
-            or dataset.get("batch_size_valid")
-            or dataset.get("batch_size")
-            or 8,
+            batch_size=batch_size or own_eval_batch_size(cfg),
             max_tokens=dataset.get("max_tokens_valid"),
             max_eval_tokens=max_eval_tokens,
         )

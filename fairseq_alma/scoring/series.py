@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import UsageError
+from ..stream.eval_batching import batch_size_problem
 from ..stream.manifest import split_note
 from ..stream.metrics import perplexity_from_nll
 from ..stream.series import ReportSeries, flops_convention
@@ -29,17 +30,9 @@ def settings_for(run: StreamRun, request: ScoreRequest) -> Any:
                                         tokens_per_sample=request.tokens_per_sample,
                                         batch_size=request.batch_size,
                                         max_eval_tokens=request.max_eval_tokens)
-    capacity = (run.cfg.get("model") or {}).get("eval_capacity_factor")
-    own = EvalSettings.from_config(run.cfg).batch_size
-    if capacity is not None and settings.batch_size != own:
-        # an expert takes at most cf * ceil(T / E) of a batch's T tokens in evaluation too, so
-        # which tokens are dropped depends on the batches: another batch size is another number,
-        # which neither the run's records nor a report's grouping (by split, block length,
-        # precision, data) would tell apart
-        raise UsageError(f"--batch-size {settings.batch_size}: {run.path} evaluates with "
-                         f"--eval-capacity-factor {capacity:g}, so its perplexity depends on how the "
-                         f"tokens are batched; score it with its own evaluation batching (drop "
-                         f"--batch-size, or pass --batch-size {own})")
+    problem = batch_size_problem(run.cfg, settings.batch_size, run.path)
+    if problem is not None:
+        raise UsageError(problem)
     return settings
 
 

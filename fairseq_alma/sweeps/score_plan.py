@@ -32,6 +32,7 @@ from typing import Any, Mapping, Sequence
 
 from ..errors import DataError, UsageError
 from ..report.seeds import SEED_KEYS, canonical, without_keys
+from ..stream.eval_batching import batch_size_problem
 from ..stream.manifest import load_manifest
 from ..stream.run_view import RunView
 from .train_records import read_json
@@ -161,6 +162,15 @@ def plan_scoring(
     members have all finished; and what is skipped, why."""
     unfinished = {job["name"]: unfinished_reason(job) for job in jobs}
     skipped = [Skipped(name, why) for name, why in unfinished.items() if why is not None]
+    batch_size = options[options.index("--batch-size") + 1] if "--batch-size" in options else None
+    for job in jobs:  # what each task's alma-score would refuse, refused before any task queues
+        if unfinished[job["name"]] is None:
+            view = RunView(job["run_dir"])
+            view.require_counted_flops()
+            problem = batch_size_problem((view.fingerprint or {}).get("config") or {}, batch_size,
+                                         view.path)
+            if problem is not None:
+                raise UsageError(problem)
     wanted: list[tuple[str, str, list[Mapping[str, Any]]]] = [
         (job["name"], "single", [job]) for job in jobs if unfinished[job["name"]] is None]
     wanted += [(job["name"] + GENS_SUFFIX, "gens", [job]) for job in jobs

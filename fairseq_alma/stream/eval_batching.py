@@ -1,0 +1,43 @@
+"""How a run's evaluation batches its blocks, and when scoring it with other batches changes the number.
+
+Why its own file: the stage-end evaluation (``lm/ensemble_eval.EvalSettings``), ``alma-score``
+(``scoring/series.settings_for``) and ``alma-sweep score`` (at submit, from each run's
+``run.json``) must agree on both rules.
+
+With ``--eval-capacity-factor`` an expert takes at most cf * ceil(T / E) of a batch's T token
+positions in evaluation too, so which tokens are dropped, and the perplexity, depend on how the
+blocks are batched.  Scoring such a run with another batch size gives another number, which
+neither its records nor a report's grouping of scorings (by split, block length, precision and
+data) would tell apart, so it is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+DEFAULT_EVAL_BATCH_SIZE = 8  # sequences, when a run gave neither --batch-size-valid nor --batch-size
+
+
+def _section(config: Any, name: str) -> Any:
+    """``config.<name>`` of a fairseq config node or of a run.json fingerprint's ``config`` dict."""
+    get = getattr(config, "get", None)
+    part = get(name) if get is not None else None
+    return part if part is not None else {}
+
+
+def own_eval_batch_size(config: Any) -> int:
+    """Sequences per batch of the evaluation the run ran after each arrival."""
+    dataset = _section(config, "dataset")
+    return int(dataset.get("batch_size_valid") or dataset.get("batch_size") or DEFAULT_EVAL_BATCH_SIZE)
+
+
+def batch_size_problem(config: Any, batch_size: int | None, run: Any) -> str | None:
+    """Why scoring ``run`` (its config ``config``) with ``batch_size`` sequences per batch would
+    measure another number than its own evaluation (module doc), or None."""
+    capacity = _section(config, "model").get("eval_capacity_factor")
+    own = own_eval_batch_size(config)
+    if capacity is None or batch_size is None or int(batch_size) == own:
+        return None
+    return (f"--batch-size {batch_size}: {run} evaluates with --eval-capacity-factor {capacity:g}, so its "
+            f"perplexity depends on how the tokens are batched; score it with its own evaluation "
+            f"batching (drop --batch-size, or pass --batch-size {own})")
