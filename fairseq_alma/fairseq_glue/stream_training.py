@@ -28,6 +28,7 @@ from ..lm.nll import Batching, non_finite_loss, total_nll
 from ..lm.stage_checkpoints import keep_initial_checkpoint, keep_stage_checkpoint
 from ..optim.stage_lr_schedules import describe_schedule, stage_peak
 from ..ranks import any_rank, raise_unless_all_ok, world
+from ..stream.eval_batching import eval_batch_size
 from ..stream.records import ArrivalRecord
 from ..stream.replay import counted_replays
 from ..stream.run_dir import DATA_VERIFIED, RunDirectory, fingerprint_hash
@@ -260,7 +261,7 @@ class StreamTraining:
         if self.measured is not None and self.measured[0] == self.measure_key:
             return self.measured[1]
         out: Dict[str, float] = {}
-        batching = Batching(self.cfg.batch_size_valid or self.cfg.batch_size or 8, self.cfg.max_tokens_valid)
+        batching = Batching(eval_batch_size(self.cfg.batch_size_valid, self.cfg.batch_size), self.cfg.max_tokens_valid)
         for name, key in ((self.cfg.eval_subset, "eval"), ("valid", "valid")):
             nll, ntok = total_nll(self.task.model, self.task, self.task.dataset_split(name), batching)
             why = non_finite_loss(nll, self.task.model)

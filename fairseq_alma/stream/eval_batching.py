@@ -1,7 +1,7 @@
 """How a run's evaluation batches its blocks, and when scoring it with other batches changes the number.
 
-Why its own file: the stage-end evaluation (``lm/ensemble_eval.EvalSettings``), ``alma-score``
-(``scoring/series.settings_for``) and ``alma-sweep score`` (at submit, from each run's
+Why its own file: the stage-end evaluation (``fairseq_glue/stream_training.py``), alma-score's
+(``lm/ensemble_eval.EvalSettings``, ``scoring/series.settings_for``) and ``alma-sweep score`` (at submit, from each run's
 ``run.json``) must agree on both rules.
 
 With ``--eval-capacity-factor`` an expert takes at most cf * ceil(T / E) of a batch's T token
@@ -25,10 +25,16 @@ def _section(config: Any, name: str) -> Any:
     return part if part is not None else {}
 
 
+def eval_batch_size(batch_size_valid: int | None, batch_size: int | None) -> int:
+    """Sequences per evaluation batch of a run given these flags (``--batch-size-valid``,
+    ``--batch-size``)."""
+    return int(batch_size_valid or batch_size or DEFAULT_EVAL_BATCH_SIZE)
+
+
 def own_eval_batch_size(config: Any) -> int:
     """Sequences per batch of the evaluation the run ran after each arrival."""
     dataset = _section(config, "dataset")
-    return int(dataset.get("batch_size_valid") or dataset.get("batch_size") or DEFAULT_EVAL_BATCH_SIZE)
+    return eval_batch_size(dataset.get("batch_size_valid"), dataset.get("batch_size"))
 
 
 def batch_size_problem(config: Any, batch_size: int | None, run: Any) -> str | None:
