@@ -361,6 +361,8 @@ LM_CASES = [
         (("--lr", "-1"), r"--lr must be >= 0 \(got -1\)"),
         (("--fp16-init-scale", "0"), r"--fp16-init-scale must be > 0 \(got 0\): the loss scale of the first update"),
         (("--amp-scale-window", "0"), r"--amp-scale-window must be >= 1 \(got 0\)"),
+        (("--max-update", "-1"), r"--max-update must be >= 0 \(got -1\)"),
+        (("--lr-scheduler", "polynomial_decay", "--total-num-update", "nan"), r"--total-num-update nan: every number a run is given must be finite"),
         (("--num-workers", "-1"), r"--num-workers must be >= 0 \(got -1\)"),
         (("--clip-norm", "-1"), r"--clip-norm must be >= 0 \(got -1\): the largest gradient norm, 0 for no clipping"),
         (("--weight-decay", "-0.1"), r"--weight-decay must be >= 0 \(got -0.1\)"),

@@ -84,6 +84,10 @@ def check_run_inputs(cfg: Any, machine_checks: bool = True) -> None:
     if workers is not None and workers < 0:  # torch's DataLoader: a ValueError traceback
         raise UsageError(f"--num-workers must be >= 0 (got {workers}): loader processes per training "
                          f"process, 0 to load in the training process")
+    max_update = given(cfg, "optimization", "max_update")
+    if max_update is not None and max_update < 0:  # fairseq stops once num_updates >= it: at once
+        raise UsageError(f"--max-update must be >= 0 (got {max_update}): the update to stop at, "
+                         "0 for no limit")
     max_epoch = given(cfg, "optimization", "max_epoch")
     if max_epoch is not None and max_epoch < 0:
         raise UsageError(f"--max-epoch must be >= 0 (got {max_epoch}): in a stream, stop after "
@@ -277,9 +281,27 @@ def check_whole_run_schedule(node: Any, stages: int, budget: int) -> None:
 
 
 def check_training_namespace(args: Any) -> None:
-    """What fairseq-train's parsed flags cannot become a config for: ``--lr-scheduler
+    """What fairseq-train's parsed flags cannot become a config for: a ``nan`` or ``inf`` given
+    to a component's float flag (``--total-num-update nan``, ``--adam-eps inf``: fairseq's
+    conversion passes it through ``ast.literal_eval``, a ValueError traceback; the config's
+    own sections are checked by ``check_finite``, with the same line), and ``--lr-scheduler
     polynomial_decay`` without ``--total-num-update`` (fairseq 0.12 takes its default from
     ``--max-update`` as a null float and fails in hydra with a page of overrides)."""
+    import dataclasses
+    import math
+
+    from fairseq.registry import REGISTRIES
+
+    numeric = set()  # components' number flags; one whose default interpolates another is a string here
+    for name, registry in REGISTRIES.items():
+        component = registry["dataclass_registry"].get(getattr(args, name, None) or "")
+        if component is not None:
+            numeric |= {f.name for f in dataclasses.fields(component) if f.type in (int, float, "int", "float")}
+    for key, value in sorted(vars(args).items()):
+        text = value.strip().lower().lstrip("+-") if isinstance(value, str) and key in numeric else None
+        if (isinstance(value, float) and not math.isfinite(value)) or text in ("nan", "inf", "infinity"):
+            raise UsageError(f"--{key.replace('_', '-')} {value}: every number a run is given must "
+                             "be finite; give a finite value")
     if getattr(args, "lr_scheduler", None) == "polynomial_decay" and \
             getattr(args, "total_num_update", None) is None:
         raise UsageError("--lr-scheduler polynomial_decay needs --total-num-update N, the updates its "
