@@ -36,7 +36,9 @@ FAIRSEQ_SPEC := fairseq-fixed==0.12.3.1
 
 install: $(STAMP)
 
-$(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
+QUIET_PTH   := fairseq_alma/fairseq_glue/quiet_imports.pth
+
+$(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml $(QUIET_PTH)
 	@test -x $(PY) || $(PYTHON_BASE) -m venv $(if $(SYSTEM_TORCH),--system-site-packages) $(VENV)
 	$(PIP_INSTALL) --upgrade "pip>=23" "setuptools>=68,<81" wheel
 	@# torch first, alone: anything installed later sees it and asks for nothing newer.
@@ -51,6 +53,9 @@ endif
 	$(PIP_INSTALL) -r requirements.txt
 	$(PIP_INSTALL) --no-deps -r requirements-nodeps.txt
 	$(PIP_INSTALL) --no-deps --no-build-isolation -e .
+	@# fairseq-train imports fairscale, whose torch.cuda.amp FutureWarnings would print in front
+	@# of every run and every one-line refusal, before the plugin can filter them: filter there
+	cp $(QUIET_PTH) "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/fairseq_alma_quiet_imports.pth"
 	@$(MAKE) --no-print-directory check-torch
 	@touch $(STAMP)
 

@@ -786,8 +786,16 @@ def install_quiet_startup() -> None:
     """
     for message in HYDRA_DEPRECATIONS:
         warnings.filterwarnings("ignore", message=message, category=UserWarning)
-    # fairscale 0.4.13 (imported by fairseq's fsdp_wrap) uses torch.cuda.amp's deprecated API
+    # fairscale 0.4.13 (imported by fairseq's fsdp_wrap) uses torch.cuda.amp's deprecated API;
+    # under fairseq-train that import comes before the plugin's, so `make install` also puts
+    # this filter in the venv's site-packages (quiet_imports.pth, next to this file)
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"fairscale\.")
+    # fairseq 0.12's train and valid steps enter torch.cuda.amp.autocast (deprecated in torch 2.4)
+    warnings.filterwarnings("ignore", message=r"`torch\.cuda\.amp\.autocast\(args\.\.\.\)` is deprecated",
+                            category=FutureWarning, module=r"fairseq\.")
+    # fairseq's iterators ask for pinned memory, which a host without an accelerator cannot give
+    warnings.filterwarnings("ignore", message=r".*'pin_memory' argument is set as true but no accelerator",
+                            category=UserWarning)
 
 
 @contextlib.contextmanager
