@@ -274,3 +274,20 @@ def test_one_anytime_number_everywhere(lm_runs, tmp_path):
     assert group["summary"]["anytime_nll"] == pytest.approx(statistics.fmean(per_seed))
     assert group["summary_std"]["anytime_nll"] == pytest.approx(statistics.stdev(per_seed))
     assert group["summary_std"]["anytime_ppl"] is None  # its spread is anytime_nll's, in bits
+
+
+@pytest.mark.slow
+def test_a_umix_run_is_named_umix_by_report_and_score(lm_runs, tmp_path):
+    """A UMix LM trains with the stream flags of any SM run; named from those flags alone, both
+    tools tabulated it as 'SM_w1' (alma-score also as 2 experts, alma-report as 2@2)."""
+    umix = tmp_path / "umix"
+    flags = [*LM_FLAGS, "--seed", "1", "--save-dir", str(umix)]
+    flags[flags.index("switch_transformer_lm_tiny")] = "umix_switch_transformer_lm_tiny"
+    run([tool("fairseq-train"), str(lm_runs / "data"), "--user-dir", USER_DIR, *flags, "--umix-members", "2"])
+    _report_ok(lm_runs / "runs" / "sm_s1", umix, out=tmp_path / "report")
+    rows = {(s["setting"], s["num_experts"])
+            for s in json.loads((tmp_path / "report" / "table2.json").read_text())["series"]}
+    assert rows == {("SM_w1", "2"), ("UMix_w1", "2@2")}, rows
+    scored = run([tool("alma-score"), str(umix), "--from-log", "--json", str(tmp_path / "umix.json")])
+    series = json.loads((tmp_path / "umix.json").read_text())["series"][0]
+    assert (series["setting"], series["num_experts"]) == ("UMix_w1", "2@2"), scored.stdout

@@ -46,16 +46,24 @@ def expand_run_dirs(paths: list[str]) -> list[str]:
     return out
 
 
-def setting_name(flags: Mapping[str, Any], prefix: str | None = None, lr_schedule: Any = None) -> str:
+def setting_name(flags: Mapping[str, Any], prefix: str | None = None, lr_schedule: Any = None,
+                 model: Mapping[str, Any] | None = None) -> str:
     """Table 2's names from a run's stream flags: 'SM_w1', 'Ens_w4 (4x steps)', 'gMoE_w1',
+    'UMix_w1' (``--arch umix_switch_transformer_lm*``, given its ``model`` config),
     'SM_wauto' (``--wait auto``),
     ' replay' when replaying, ' replay r=0.25' with partial replay, ' lr decay' with a
-    ``--stage-lr-schedule`` other than ALMA's restart; vision runs name their method."""
+    ``--stage-lr-schedule`` other than ALMA's restart; vision runs name their method.
+
+    Why the model: a UMix LM is one model of N members (paper §4.1), trained with the stream
+    flags of any SM run; named from the flags alone it was tabulated as 'SM_w1'."""
     wait, replay = wait_from_flag(flags.get("wait", 1)), flags.get("replay")
     ratio = flags.get("replay_ratio") or 0
     steps = flags.get("scale_updates_by_wait")
-    prefix = prefix or flags.get("method") or ("gMoE" if flags.get("grow_experts") else "SM")
+    grows = bool(flags.get("grow_experts"))
+    umix = bool(model and model.get("umix_members"))
+    prefix = prefix or flags.get("method") or ("UMix" if umix else "gMoE" if grows else "SM")
     name = f"{prefix}_w{wait}" + (f" ({wait}x steps)" if steps and wait != AUTO and wait > 1 else "")
+    name += " (experts grown)" if umix and grows and prefix == "UMix" else ""
     name += " replay" if replay else (f" replay r={ratio:g}" if ratio else "")
     schedule = str(getattr(lr_schedule, "value", lr_schedule)) if lr_schedule else "restart"
     return name + (f" lr {schedule}" if schedule != "restart" else "")
@@ -66,15 +74,18 @@ def vision_size_label(record: ArrivalRecord) -> str:
     return f"{record.extra.get('arch', '')}{record.extra.get('width', '')}" or "?"
 
 
-def _lm_experts_label(config: Mapping[str, Any], growth: list[dict[str, Any]]) -> str:
+def lm_experts_label(model: Mapping[str, Any], experts: int | None) -> str:
     """Experts per MoE block at the end of the stream ('dense' for fairseq's transformer_lm);
-    UMix: 'E@N' (N members of E experts, as Ens)."""
-    model = config.get("model") or {}
-    experts = growth[-1]["experts"] if growth else model.get("moe_experts")
+    UMix: 'E@N' (N members of E experts, as Ens).  One rule for alma-report and alma-score."""
     if not experts:
         return "dense"
     members = model.get("umix_members")
     return f"{experts}@{members}" if members and members > 1 else str(experts)
+
+
+def _lm_experts_label(config: Mapping[str, Any], growth: list[dict[str, Any]]) -> str:
+    model = config.get("model") or {}
+    return lm_experts_label(model, growth[-1]["experts"] if growth else model.get("moe_experts"))
 
 
 def _seed(fingerprint: Mapping[str, Any] | None) -> tuple[int, ...] | None:
@@ -93,6 +104,7 @@ def read_run_dir(path: Path) -> ReportedRun:
     view.require_finished()
     view.require_counted_flops()
     schedule = None  # --stage-lr-schedule (LM; absent from fingerprints when ALMA's restart)
+    model = None  # LM: the model's config (a UMix model names its series)
     if records[0].eval_ppl is None:  # vision: its records carry the flags
         flags, size = records[-1].extra, vision_size_label(records[-1])
     elif fingerprint is None:
@@ -102,7 +114,8 @@ def read_run_dir(path: Path) -> ReportedRun:
         config = fingerprint.get("config") or {}
         flags, size = config.get("task") or {}, _lm_experts_label(config, view.growth)
         schedule = (config.get("lr_scheduler") or {}).get("stage_lr_schedule")
-    name = setting_name(flags, lr_schedule=schedule)
+        model = config.get("model") or {}
+    name = setting_name(flags, lr_schedule=schedule, model=model)
     if flags.get("stage_init") == "scratch":
         name += " (scratch init)"
     try:

@@ -59,7 +59,8 @@ def costs(members: list[StreamRun], mode: str) -> tuple[list[float], list[int], 
     flops = [sum(run.records[t].train_flops_cum for run in members) for t in arrivals]
     params = [sum(run.records[t].params_active for run in members) for t in arrivals]
     if mode == "ens":
-        label = f"{'+'.join(sorted({run.experts_label() for run in members}))}@{len(members)}"
+        member = "+".join(sorted({run.experts_label() for run in members}))
+        label = f"({member})@{len(members)}" if "@" in member else f"{member}@{len(members)}"
     elif mode == "gens":
         member = {r.stage: r.params_active for r in records if r.trained}
         params = [sum(member[s] for s in range(1, r.stage + 1)) or r.params_active for r in records]

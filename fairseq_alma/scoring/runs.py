@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DataError, RunDirError, UsageError
-from ..report.inputs import setting_name, vision_size_label
+from ..report.inputs import lm_experts_label, setting_name, vision_size_label
 from ..stream.records import ArrivalRecord
 from ..stream.run_view import RunView
 from ..stream.series import flops_convention
@@ -66,7 +66,7 @@ class StreamRun:
     def experts_label(self) -> str:
         if self.cfg is None:  # vision sweep records say what they trained
             return vision_size_label(self.records[-1])
-        return str(self.experts) if self.experts else "dense"
+        return lm_experts_label(self.cfg.model, self.experts)
 
     def default_setting(self, prefix: str | None = None) -> str:
         """Table 2's names: 'SM_w1', 'Ens_w4 (4x steps)', 'gEns_w1'; ' replay' when replaying."""
@@ -74,7 +74,7 @@ class StreamRun:
             return setting_name(self.records[-1].extra, prefix)
         scheduler = self.cfg.get("lr_scheduler")  # a Namespace for --lr-scheduler manual
         schedule = getattr(scheduler, "stage_lr_schedule", None) if scheduler is not None else None
-        return setting_name(self.cfg.task, prefix, schedule)
+        return setting_name(self.cfg.task, prefix, schedule, model=self.cfg.model)
 
 
 def load_run(run_dir: str, data: str | None, from_log: bool) -> StreamRun:
