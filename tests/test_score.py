@@ -181,7 +181,8 @@ def test_from_log_equals_evaluation(stream, tmp_path, capsys):
     shown = [line.split("  ")[0] for line in out.splitlines()[2:4]]
     assert shown == [f"SM_w2 [{runs[0]}]", f"SM_w2 [{runs[1]}]"], out
     assert [line.split(",")[0] for line in (tmp_path / "eval.csv").read_text().splitlines()[1:3]] == shown
-    assert [s["setting"] for s in json.loads((tmp_path / "eval.json").read_text())["series"][:2]] == ["SM_w2"] * 2
+    settings = [s["setting"] for s in json.loads((tmp_path / "eval.json").read_text())["series"]]
+    assert settings == ["SM_w2", "SM_w2", "SM_w1 (scratch init)"]  # alma-report's names
     assert _score(capsys, *runs, "--from-log", "--json", tmp_path / "log.json")[0] == 0
     for i, run_dir in enumerate(runs):
         evaluated, logged = _ppls(tmp_path / "eval.json", i), _ppls(tmp_path / "log.json", i)
@@ -223,6 +224,7 @@ def test_gens_arrival_t_uses_members_1_to_t(stream, tmp_path, capsys):
     code, _, err = _score(capsys, run_dir, "--mode", "gens", "--json", tmp_path / "g.json")
     assert code == 0, err
     series = json.loads((tmp_path / "g.json").read_text())["series"][0]
+    assert series["setting"] == "gEns_w1"  # its members are scratch-initialised by definition
     arrivals = series["arrivals"]
     stages = [run_dir / f"checkpoint_stage{s}.pt" for s in (1, 2, 3)]
     records = read_records(run_dir / "stream.jsonl")

@@ -52,7 +52,9 @@ def setting_name(flags: Mapping[str, Any], prefix: str | None = None, lr_schedul
     'UMix_w1' (``--arch umix_switch_transformer_lm*``, given its ``model`` config),
     'SM_wauto' (``--wait auto``),
     ' replay' when replaying, ' replay r=0.25' with partial replay, ' lr decay' with a
-    ``--stage-lr-schedule`` other than ALMA's restart; vision runs name their method.
+    ``--stage-lr-schedule`` other than ALMA's restart, ' (scratch init)' for a single series of
+    a ``--stage-init scratch`` run (its gEns series says so already); vision runs name their
+    method.
 
     Why the model: a UMix LM is one model of N members (paper §4.1), trained with the stream
     flags of any SM run; named from the flags alone it was tabulated as 'SM_w1'."""
@@ -66,7 +68,11 @@ def setting_name(flags: Mapping[str, Any], prefix: str | None = None, lr_schedul
     name += " (experts grown)" if umix and grows and prefix == "UMix" else ""
     name += " replay" if replay else (f" replay r={ratio:g}" if ratio else "")
     schedule = str(getattr(lr_schedule, "value", lr_schedule)) if lr_schedule else "restart"
-    return name + (f" lr {schedule}" if schedule != "restart" else "")
+    name += f" lr {schedule}" if schedule != "restart" else ""
+    init = flags.get("stage_init")
+    if str(getattr(init, "value", init)) == "scratch" and prefix != "gEns":  # gEns says it
+        name += " (scratch init)"
+    return name
 
 
 def vision_size_label(record: ArrivalRecord) -> str:
@@ -116,8 +122,6 @@ def read_run_dir(path: Path) -> ReportedRun:
         schedule = (config.get("lr_scheduler") or {}).get("stage_lr_schedule")
         model = config.get("model") or {}
     name = setting_name(flags, lr_schedule=schedule, model=model)
-    if flags.get("stage_init") == "scratch":
-        name += " (scratch init)"
     try:
         series = series_from_records(name, size, records)
     except ValueError as err:
