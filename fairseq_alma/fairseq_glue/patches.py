@@ -37,6 +37,8 @@ The patches:
                              training run cannot honour are refused before anything runs.
 ``install_every_block_scored`` fairseq-eval-lm and fairseq-validate leave a block longer than
                              the model's positions out of the perplexity they print.
+``repair_fairseq_cli_logging`` fairseq-eval-lm and fairseq-validate log at DEBUG, unformatted,
+                             on stderr, because fairseq's import configured logging first.
 ``install_every_token_scored`` fairseq-eval-lm leaves a token whose log-probability is
                              infinite out of the perplexity it prints.
 ``install_flat_bf16_master``  fairseq's FP16Optimizer keeps one fp32 master copy per parameter
@@ -592,6 +594,29 @@ def install_command_patches() -> None:
     install_expert_parallel_trainer()
     install_every_block_scored()
     install_every_token_scored()
+    repair_fairseq_cli_logging()
+
+
+def repair_fairseq_cli_logging() -> None:
+    """fairseq-eval-lm, fairseq-validate, ...: log as fairseq_cli meant to (INFO, its format, on
+    stdout), not as fairseq's import left it (DEBUG, Python's default format, on stderr).
+
+    Why: those commands call ``logging.basicConfig`` after importing fairseq, whose wav2vec2
+    classification module has already called ``basicConfig(level=DEBUG)``; theirs is then a
+    no-op, and every run starts with hydra's and other libraries' DEBUG lines, its own lines
+    in another format on stderr (fairseq-train configures logging before its imports and is
+    not affected).  Only that exact state is repaired, and only under a fairseq command: the
+    root logger at DEBUG with the one default-format handler on stderr."""
+    program = os.path.basename(sys.argv[0]) if sys.argv else ""
+    root = logging.getLogger()
+    if not program.startswith("fairseq-") or root.level != logging.DEBUG or len(root.handlers) != 1:
+        return
+    handler = root.handlers[0]
+    default = handler.formatter is None or handler.formatter._fmt == logging.BASIC_FORMAT
+    if type(handler) is logging.StreamHandler and handler.stream is sys.stderr and default:
+        logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s",
+                            datefmt="%Y-%m-%d %H:%M:%S", stream=sys.stdout, force=True,
+                            level=os.environ.get("LOGLEVEL", "INFO").upper())
 
 
 def install_every_block_scored() -> None:
