@@ -200,18 +200,22 @@ def test_fairseq_transformer_lm_trains_a_stream(stream_dir, tmp_path):
                           num_experts=1)
     assert records[1]["infer_flops_per_token"] == shape.forward_flops_per_token()
     assert records[1]["infer_flops_per_sequence"] == records[1]["infer_flops_per_token"] * 32
-    # a run trained that way before the refusal (its run.json says so): its FLOPs were counted
-    # at the embeddings' 512, so alma-score and alma-report refuse it rather than tabulate them
+    # runs trained before each refusal (their run.json says so) are refused by alma-score and
+    # alma-report rather than tabulated: FLOPs counted at the embeddings' 512; perplexities that
+    # counted a free <s> target in every block (--add-bos-token)
     old = tmp_path / "old"
     shutil.copytree(save, old)
-    run_file = json.loads((old / "run.json").read_text())
-    run_file["fingerprint"]["config"]["model"]["decoder_input_dim"] = 512
-    (old / "run.json").write_text(json.dumps(run_file))
-    for cmd in ([tool("alma-score"), str(old)], [tool("alma-report"), str(old), "--out", str(tmp_path / "rep")]):
-        refused = run(cmd, check=False)
-        assert refused.returncode == 2 and "its stream.jsonl counts FLOPs wrongly: --decoder-embed-dim 32 " \
-            "with --decoder-input-dim 512" in refused.stderr, refused.stderr
-    assert not (tmp_path / "rep").exists()
+    for section, key, value, needle in (
+            ("model", "decoder_input_dim", 512,
+             "its stream.jsonl counts FLOPs wrongly: --decoder-embed-dim 32 with --decoder-input-dim 512"),
+            ("task", "add_bos_token", True, "trained with --add-bos-token, so every block's first target is a free <s>")):
+        run_file = json.loads((save / "run.json").read_text())
+        run_file["fingerprint"]["config"][section][key] = value
+        (old / "run.json").write_text(json.dumps(run_file))
+        for cmd in ([tool("alma-score"), str(old)], [tool("alma-report"), str(old), "--out", str(tmp_path / "rep")]):
+            refused = run(cmd, check=False)
+            assert refused.returncode == 2 and needle in refused.stderr, refused.stderr
+        assert not (tmp_path / "rep").exists()
 
 
 def test_the_same_command_on_a_finished_run_changes_no_byte(stream_dir, reference_run, tmp_path):

@@ -232,8 +232,7 @@ def check_stream_start(task: Any, stages: int, save_dir: str | None, restart: bo
 
     splits = expected_splits(int(task.manifest["num_megabatches"]),
                              task.manifest.get("eval_per_megabatch") is not None)
-    check_stream_blocks(task.cfg, data, splits, _model_positions(task),
-                        bool(given(task.cfg, "model", "decoder_learned_pos")))
+    check_stream_blocks(task.cfg, data, splits, _model_positions(task))
     if task.model is not None:  # the FLOPs count takes this model (refused here, not at arrival 0)
         from ..lm.model_flops import model_shape
 
@@ -749,6 +748,10 @@ STREAM_REFUSED_FLAGS: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = 
      "dictionary (the flag would be ignored); drop it"),
     ("task", "self_target", bool,
      "--self-target: an alma_stream model predicts the next token only (the flag would be ignored); drop it"),
+    ("task", "add_bos_token", bool,
+     "--add-bos-token: fairseq 0.12 then makes <s> the first target of every block too, a token "
+     "the model learns to predict for free, which fairseq-eval-lm leaves out and an alma_stream "
+     "run's perplexities would count; drop it"),
     ("task", "past_target", bool,
      "--past-target: an alma_stream model predicts the next token only (the flag would be ignored); drop it"),
     ("dataset", "grouped_shuffling", bool,

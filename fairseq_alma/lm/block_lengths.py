@@ -12,8 +12,8 @@ one block longer than the model's positions. fairseq then
 - and the FLOPs count, which takes each token's attention over ``--tokens-per-sample``
   positions at most, under-counts a block longer than that even where the model takes it.
 
-``--add-bos-token`` makes every sequence one token longer than its block, which learned
-positions cannot take either. ``--shorten-method truncate`` or ``random_crop`` cuts the lines
+(``--add-bos-token``, which makes every sequence one token longer than its block, is refused
+in a stream: ``fairseq_glue/train_flags.STREAM_REFUSED_FLAGS``.) ``--shorten-method truncate`` or ``random_crop`` cuts the lines
 of the splits it covers to ``--tokens-per-sample`` first; ``--sample-break-mode none`` (the
 default) cuts the text into blocks of exactly that length, so none is longer.
 
@@ -71,8 +71,7 @@ def check_shortening(cfg: Any, splits: list[str]) -> None:
                          f"{trained[0]}..{trained[-1]}), or give no list to cut every split")
 
 
-def check_stream_blocks(cfg: Any, data: str, splits: list[str], positions: int,
-                        learned_positions: bool) -> None:
+def check_stream_blocks(cfg: Any, data: str, splits: list[str], positions: int) -> None:
     """Refuse a stream run (task config ``cfg``, a model of ``positions``) whose blocks would be
     longer than ``--tokens-per-sample``, naming the first split that holds one (module doc).
 
@@ -83,11 +82,6 @@ def check_stream_blocks(cfg: Any, data: str, splits: list[str], positions: int,
     from fairseq.data.indexed_dataset import MMapIndexedDataset, index_file_path
 
     tokens = int(cfg.tokens_per_sample)
-    bos = bool(getattr(cfg, "add_bos_token", False)) and learned_positions
-    if bos and tokens + 1 > positions:
-        raise UsageError(f"--add-bos-token makes every block of --tokens-per-sample {tokens} one token "
-                         f"longer, more than the model's {positions:,} learned positions (an IndexError "
-                         f"in training); add --max-target-positions {tokens + 1}, or drop --add-bos-token")
     check_shortening(cfg, splits)
     mode = _value(cfg.sample_break_mode)
     for split in splits:

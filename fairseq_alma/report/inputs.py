@@ -108,7 +108,7 @@ def read_run_dir(path: Path) -> ReportedRun:
         raise UsageError(f"{view.stream_log}: needs arrivals 0..B in order; finish the run "
                          f"(the same training command continues it)")
     view.require_finished()
-    view.require_counted_flops()
+    view.require_trusted_records()
     schedule = None  # --stage-lr-schedule (LM; absent from fingerprints when ALMA's restart)
     model = None  # LM: the model's config (a UMix model names its series)
     if records[0].eval_ppl is None:  # vision: its records carry the flags

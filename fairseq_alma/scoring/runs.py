@@ -99,7 +99,7 @@ def load_run(run_dir: str, data: str | None, from_log: bool) -> StreamRun:
     initial = view.initial_checkpoint()
     run.initial = str(initial) if initial is not None and run.waits and not from_log else None
     run.fingerprint = view.fingerprint
-    view.require_counted_flops()
+    view.require_trusted_records()
     expected = view.run_hash()
     kept = {**run.checkpoints, **({0: run.initial} if run.initial else {})}
     for stage, ckpt in sorted(kept.items()):

@@ -97,15 +97,26 @@ class RunView:
         except RunDirError as err:
             raise UsageError(str(err)) from None
 
-    def require_counted_flops(self) -> None:
-        """Refuse a run whose recorded FLOPs are wrong: fairseq's ``transformer_lm`` trained with
-        embeddings wider than its blocks (``transformer_flops.width_mismatch``), which
-        fairseq-alma before 2026-11-28 counted as if the blocks were that wide (75x for a
-        2-layer d 32 model).  Its perplexities are right, its Comp column is not, so a table
-        of it is refused rather than printed."""
+    def require_trusted_records(self) -> None:
+        """Refuse a run whose records fairseq-alma before 2026-11-28 got wrong.
+
+        * FLOPs: fairseq's ``transformer_lm`` trained with embeddings wider than its blocks
+          (``transformer_flops.width_mismatch``) was counted as if the blocks were that wide
+          (75x for a 2-layer d 32 model); its perplexities are right, its Comp column is not.
+        * Perplexities: under ``--add-bos-token`` fairseq 0.12 makes ``<s>`` the first target
+          of every block too (``MonolingualDataset._maybe_add_bos``), a token the model learns
+          to predict for free; fairseq-eval-lm leaves it out, the stream's evaluations counted
+          it (68.8 instead of 76.9 on a tiny stream).  Training refuses the flag now.
+        A table of either is refused rather than printed."""
         from .transformer_flops import width_mismatch
 
-        model = ((self.fingerprint or {}).get("config") or {}).get("model") or {}
+        config = (self.fingerprint or {}).get("config") or {}
+        if (config.get("task") or {}).get("add_bos_token"):
+            raise UsageError(f"{self.path}: trained with --add-bos-token, so every block's first "
+                             f"target is a free <s>, which its stream.jsonl and alma-score would "
+                             f"count and fairseq-eval-lm leaves out; train it again without "
+                             f"--add-bos-token")
+        model = config.get("model") or {}
         mismatch = width_mismatch(model)
         if mismatch is not None:
             width = model.get("decoder_embed_dim")

@@ -166,7 +166,7 @@ def plan_scoring(
     for job in jobs:  # what each task's alma-score would refuse, refused before any task queues
         if unfinished[job["name"]] is None:
             view = RunView(job["run_dir"])
-            view.require_counted_flops()
+            view.require_trusted_records()
             problem = batch_size_problem((view.fingerprint or {}).get("config") or {}, batch_size,
                                          view.path)
             if problem is not None:
