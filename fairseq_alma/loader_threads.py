@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
 import time
 
@@ -27,10 +28,10 @@ logger = logging.getLogger(__name__)
 def stop_background_loaders(timeout: float = 60.0) -> None:
     """End every live ``BackgroundConsumer`` of this process (module doc), waiting at most
     ``timeout`` seconds in all for the item each is collating."""
-    try:
-        from fairseq.data.iterators import BackgroundConsumer
-    except ImportError:
+    iterators = sys.modules.get("fairseq.data.iterators")
+    if iterators is None:  # never imported: no such thread, and no import of fairseq at exit
         return
+    BackgroundConsumer = iterators.BackgroundConsumer  # noqa: N806 - fairseq's class
     deadline = time.monotonic() + timeout
     for thread in threading.enumerate():
         if not isinstance(thread, BackgroundConsumer) or thread is threading.current_thread():

@@ -9,6 +9,7 @@ import json
 import math
 import statistics
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -291,3 +292,30 @@ def test_a_umix_run_is_named_umix_by_report_and_score(lm_runs, tmp_path):
     scored = run([tool("alma-score"), str(umix), "--from-log", "--json", str(tmp_path / "umix.json")])
     series = json.loads((tmp_path / "umix.json").read_text())["series"][0]
     assert (series["setting"], series["num_experts"]) == ("UMix_w1", "2@2"), scored.stdout
+
+
+FAIRSEQ_FREE = """
+import sys
+sys.argv = {argv!r}
+from fairseq_alma.cli.{module} import main
+try:
+    status = main(sys.argv[1:])
+except SystemExit as exit_:
+    status = exit_.code
+heavy = sorted(name for name in ("fairseq", "torch") if name in sys.modules)
+print("status", status, "imported", heavy)
+"""
+
+
+@pytest.mark.slow
+def test_report_and_sweep_status_start_without_fairseq(lm_runs, tmp_path):
+    """alma-report and alma-sweep status read records only: importing torch and fairseq took 3-4 s
+    of every call (fairseq_alma.FAIRSEQ_FREE_TOOLS); the report they draw is the same."""
+    cases = [(["alma-report", str(lm_runs / "runs" / "sm_s1"), "--out", str(tmp_path / "r")], "report"),
+             (["alma-sweep", "status", "--help"], "sweep")]
+    for argv, module in cases:
+        proc = subprocess.run([sys.executable, "-c", FAIRSEQ_FREE.format(argv=argv, module=module)],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.stdout.splitlines()[-1] == "status 0 imported []", proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "r" / "table2.json").read_text())["series"]
+    assert [(s["setting"], s["num_experts"]) for s in rows] == [("SM_w1", "2")]

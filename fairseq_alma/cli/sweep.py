@@ -102,6 +102,9 @@ def score(args: argparse.Namespace) -> int:
 
 
 HANDLERS = {"submit": submit, "score": score, "status": status, "cancel": cancel}
+# the commands that check flags with fairseq's parsers and the plugin's rules; status and
+# cancel read the sweep's records and Slurm's state only (fairseq_alma.FAIRSEQ_FREE_TOOLS)
+NEED_FAIRSEQ = ("submit", "score")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,7 +112,15 @@ def main(argv: list[str] | None = None) -> int:
     flag or sweep directory, or when a Slurm command fails."""
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(with_score_flags=argv[:1] == ["score"]).parse_args(argv)
-    return run_console("alma-sweep", lambda: HANDLERS[args.command](args))
+
+    def command() -> int:
+        if args.command in NEED_FAIRSEQ:
+            import fairseq_alma
+
+            fairseq_alma.register()
+        return HANDLERS[args.command](args)
+
+    return run_console("alma-sweep", command)
 
 
 if __name__ == "__main__":
