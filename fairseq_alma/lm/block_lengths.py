@@ -13,9 +13,10 @@ one block longer than the model's positions. fairseq then
   positions at most, under-counts a block longer than that even where the model takes it.
 
 (``--add-bos-token``, which makes every sequence one token longer than its block, is refused
-in a stream: ``fairseq_glue/train_flags.STREAM_REFUSED_FLAGS``.) ``--shorten-method truncate`` or ``random_crop`` cuts the lines
-of the splits it covers to ``--tokens-per-sample`` first; ``--sample-break-mode none`` (the
-default) cuts the text into blocks of exactly that length, so none is longer.
+in a stream: ``fairseq_glue/train_flags.STREAM_REFUSED_FLAGS``.)  ``--shorten-method truncate``
+or ``random_crop`` cuts the lines of the splits it covers to ``--tokens-per-sample`` first;
+``--sample-break-mode none`` (the default) cuts the text into blocks of exactly that length, so
+none is longer.
 
 ``check_stream_blocks`` reads each split's line lengths from its ``.idx`` (no dataset is
 built) before a stream trains; ``check_blocks_fit`` is the same rule for a split already
