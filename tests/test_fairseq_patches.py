@@ -275,3 +275,36 @@ def test_scoring_commands_filter_blocks_through_the_patched_task_method():
     assert "task.get_batch_iterator(" in source(validate_cli.main)
     for module in (eval_cli, validate_cli):
         assert "convert_namespace_to_omegaconf(" in inspect.getsource(module.cli_main)
+
+
+@pytest.mark.parametrize("loglevel, level", [(None, "INFO"), ("warning", "WARNING"), ("foo", "INFO"), ("", "INFO")])
+def test_fairseq_commands_log_as_fairseq_cli_meant(monkeypatch, loglevel, level):
+    """fairseq-eval-lm's state after fairseq's import (root at DEBUG, one default-format handler
+    on stderr) becomes fairseq_cli's INFO (or LOGLEVEL) on stdout; a LOGLEVEL that is no level
+    (fairseq's own basicConfig ignored it there) gives INFO and a warning, not a traceback."""
+    import logging
+    import sys
+
+    root = logging.getLogger()
+    saved = (root.level, list(root.handlers))
+    monkeypatch.setattr(sys, "argv", ["fairseq-eval-lm"])
+    if loglevel is None:
+        monkeypatch.delenv("LOGLEVEL", raising=False)
+    else:
+        monkeypatch.setenv("LOGLEVEL", loglevel)
+    try:
+        logging.basicConfig(level=logging.DEBUG, stream=sys.stderr, force=True)
+        fairseq_patches.repair_fairseq_cli_logging()
+        (handler,) = root.handlers
+        assert logging.getLevelName(root.level) == level and handler.stream is sys.stdout
+        assert " | %(levelname)s | " in handler.formatter._fmt
+        monkeypatch.setattr(sys, "argv", ["alma-score"])  # not a fairseq command: left alone
+        logging.basicConfig(level=logging.DEBUG, stream=sys.stderr, force=True)
+        fairseq_patches.repair_fairseq_cli_logging()
+        assert root.level == logging.DEBUG and root.handlers[0].stream is sys.stderr
+    finally:
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+        root.setLevel(saved[0])
+        for handler in saved[1]:
+            root.addHandler(handler)

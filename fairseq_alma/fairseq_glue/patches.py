@@ -614,9 +614,14 @@ def repair_fairseq_cli_logging() -> None:
     handler = root.handlers[0]
     default = handler.formatter is None or handler.formatter._fmt == logging.BASIC_FORMAT
     if type(handler) is logging.StreamHandler and handler.stream is sys.stderr and default:
+        level = (os.environ.get("LOGLEVEL") or "INFO").upper()  # fairseq_cli's own variable
+        known = isinstance(logging.getLevelName(level), int)
         logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s",
                             datefmt="%Y-%m-%d %H:%M:%S", stream=sys.stdout, force=True,
-                            level=os.environ.get("LOGLEVEL", "INFO").upper())
+                            level=level if known else "INFO")
+        if not known:  # fairseq's own basicConfig ignored it (it was a no-op): say so, go on
+            logging.getLogger(__name__).warning("LOGLEVEL=%s is no logging level (DEBUG, INFO, "
+                                                "WARNING, ERROR); logging at INFO", level)
 
 
 def install_every_block_scored() -> None:
