@@ -31,6 +31,14 @@ from ..sweeps.run_config import check_config_flags
 from .sweep_parser import build_parser, score_array_request, submit_request
 
 
+def _register_with_fairseq() -> None:
+    """submit and score check flags with fairseq's parsers and the plugin's rules; alma-sweep
+    starts without fairseq (fairseq_alma.FAIRSEQ_FREE_TOOLS: status and cancel never need it)."""
+    import fairseq_alma
+
+    fairseq_alma.register()
+
+
 def submit(args: argparse.Namespace) -> int:
     request = submit_request(args)
     config = train_submit.load_sweep_config(request)
@@ -40,6 +48,7 @@ def submit(args: argparse.Namespace) -> int:
           "flags and the values its runs check before training (imports fairseq: seconds, then "
           "fairseq's config of each point: under a second each)",
           file=sys.stderr, flush=True)
+    _register_with_fairseq()
     check_config_flags(config, profile)
     plan = train_submit.plan_submission(request, config, profile)
     print(sweep_text.submission_plan(plan), end="")
@@ -84,6 +93,7 @@ def _check_score_options(options: list[str]) -> None:
 
 
 def score(args: argparse.Namespace) -> int:
+    _register_with_fairseq()
     setup = score_submit.prepare_scoring(score_array_request(args))
     _check_score_options(setup.options)
     plan = score_submit.plan_score_array(setup)
@@ -102,9 +112,6 @@ def score(args: argparse.Namespace) -> int:
 
 
 HANDLERS = {"submit": submit, "score": score, "status": status, "cancel": cancel}
-# the commands that check flags with fairseq's parsers and the plugin's rules; status and
-# cancel read the sweep's records and Slurm's state only (fairseq_alma.FAIRSEQ_FREE_TOOLS)
-NEED_FAIRSEQ = ("submit", "score")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,15 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     flag or sweep directory, or when a Slurm command fails."""
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(with_score_flags=argv[:1] == ["score"]).parse_args(argv)
-
-    def command() -> int:
-        if args.command in NEED_FAIRSEQ:
-            import fairseq_alma
-
-            fairseq_alma.register()
-        return HANDLERS[args.command](args)
-
-    return run_console("alma-sweep", command)
+    return run_console("alma-sweep", lambda: HANDLERS[args.command](args))
 
 
 if __name__ == "__main__":
