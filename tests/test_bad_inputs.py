@@ -435,6 +435,15 @@ def _last_only(ctx: Ctx) -> Path:
     return save
 
 
+def _edited_run_json(ctx: Ctx, section: str, value: object) -> Path:
+    """A copy of the finished run whose run.json has config.<section> replaced (a hand edit)."""
+    save = ctx.copy(ctx.done, "r")
+    run_file = json.loads((save / "run.json").read_text())
+    run_file["fingerprint"]["config"][section] = value
+    (save / "run.json").write_text(json.dumps(run_file))
+    return save
+
+
 def _with(ctx: Ctx, name: str, text: str) -> Path:
     save = ctx.copy(ctx.done, "r")
     (save / name).write_text(text)
@@ -510,6 +519,12 @@ SCORE_CASES = [
     Case("score subset missing", lambda c: ([tool("alma-score"), str(c.done), "--subset", "test"], [c.done]), r"--subset test: no such split in .*data \(the stream's evaluation mega-batch is 'eval'\)", prog="alma-score"),
     Case("score json empty path", lambda c: ([tool("alma-score"), str(c.done), "--from-log", "--json", ""], [c.done]),
          r"--json is an empty path \(it would mean the current directory, or no file\); give a path", prog="alma-score"),
+    Case("report of a run.json whose model is null",
+         lambda c: ([tool("alma-report"), str(_edited_run_json(c, "model", None)), "--out", str(c.tmp / "o")], [c.tmp / "r"]),
+         r"run.json: unreadable \(its config.model is null, not a mapping\)", prog="alma-report"),
+    Case("score of a run.json whose task is a string",
+         lambda c: ([tool("alma-score"), str(_edited_run_json(c, "task", "x")), "--from-log"], [c.tmp / "r"]),
+         r"run.json: unreadable \(its config.task is \"x\", not a mapping\)", prog="alma-score"),
     Case("report out empty path", lambda c: ([tool("alma-report"), str(c.done), "--out", ""], [c.done]),
          r"--out is an empty path", prog="alma-report"),
     Case("sweep dir empty path", lambda c: ([tool("alma-sweep"), "submit", str(SWEEP_CONFIG), "--sweep-dir", "", "--dry-run"], []),

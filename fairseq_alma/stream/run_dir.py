@@ -131,7 +131,9 @@ class RunDirectory:
     def read_fingerprint(self) -> dict[str, Any] | None:
         """The fingerprint in ``run.json`` (None: a new directory, or one from before 0.2)."""
         try:
-            return json.loads((self.path / RUN_FILE).read_text("utf-8"))["fingerprint"]
+            fingerprint = json.loads((self.path / RUN_FILE).read_text("utf-8"))["fingerprint"]
+            _check_fingerprint_shape(fingerprint)
+            return fingerprint
         except FileNotFoundError:
             return None
         except (OSError, ValueError, KeyError, TypeError) as err:
@@ -346,3 +348,22 @@ def discard_unstarted(path: str | os.PathLike) -> None:
     finally:
         if held is not None:
             os.close(held[0])
+
+
+# the config sections the readers of a fingerprint look into (report names, FLOPs and record checks)
+READ_SECTIONS = ("task", "model", "criterion", "optimizer", "lr_scheduler")
+
+
+def _check_fingerprint_shape(fingerprint: Any) -> None:
+    """A fingerprint is a mapping, and its ``config`` (an LM run's) a mapping whose sections
+    are mappings: a hand-edited ``run.json`` that breaks this was an AttributeError traceback in
+    every reader; it is the same one-line "unreadable" error as a file that is not JSON."""
+    if not isinstance(fingerprint, dict):
+        raise TypeError(f"its fingerprint is a {type(fingerprint).__name__}, not a mapping")
+    config = fingerprint.get("config", {})
+    if not isinstance(config, dict):
+        raise TypeError(f"its fingerprint's config is a {type(config).__name__}, not a mapping")
+    for section in READ_SECTIONS:  # a run trains a task and a model: those are never null
+        allowed = dict if section in ("task", "model") else (dict, type(None))
+        if not isinstance(config.get(section, {}), allowed):
+            raise TypeError(f"its config.{section} is {json.dumps(config[section])[:40]}, not a mapping")
