@@ -1,6 +1,7 @@
 """Analytic Switch-LM FLOPs (formula in fairseq_alma/stream/transformer_flops.py) on hand-computed configs."""
 
 import pytest
+import torch
 
 from fairseq_alma.stream.transformer_flops import (
     SwitchLMShape,
@@ -125,3 +126,54 @@ def test_a_dense_lm_is_counted_at_its_blocks_width_or_refused():
         model_shape(build(), context=16)
     shape = model_shape(build(decoder_input_dim=32, decoder_output_dim=32), context=16)
     assert (shape.d_model, shape.ffn_dim, shape.n_layers, shape.vocab_size) == (32, 64, 2, len(Task.target_dictionary))
+
+
+def _torch_counted_flops(model, tokens, train: bool) -> int:
+    """FLOPs of the model's matmuls as torch's own ``FlopCounterMode`` counts them, attention
+    through the math kernel (CPU's fused attention kernel is not in the counter's table)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model.train(train)
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH), \
+            torch.set_grad_enabled(train):
+        logits, _ = model(tokens)
+        if train:
+            logits.float().sum().backward()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("arch, sizes", [
+    ("switch_transformer_lm_tiny", dict(moe_experts=4)),
+    ("switch_transformer_lm_tiny", dict(moe_experts=4, moe_freq=1, decoder_layers=3)),
+    ("switch_transformer_lm_tiny", dict(moe_experts=2, moe_max_experts=8)),  # growth's empty slots
+    ("umix_switch_transformer_lm_tiny", dict(moe_experts=2, umix_members=2, decoder_embed_dim=32,
+                                             decoder_ffn_embed_dim=64, decoder_attention_heads=2)),
+    ("transformer_lm", dict(decoder_layers=2, decoder_embed_dim=32, decoder_input_dim=32,
+                            decoder_output_dim=32, decoder_ffn_embed_dim=64, decoder_attention_heads=4)),
+])
+def test_the_recorded_flops_are_torchs_own_count_of_the_built_model(arch, sizes):
+    """Comp and §6.2's cost, as every run records them (``lm/model_flops.model_flops`` on the
+    model it trains), equal torch's count of that model's matmuls: forward, and forward +
+    backward = 3 x forward.  An independent check of the module doc's table and of how a built
+    model's sizes are read (FFN width, Switch layers, experts, members, vocabulary).  Capacity
+    is ample so no token is dropped (a dropped token skips its expert on CPU; the count, which
+    gives every token one expert, includes it)."""
+    from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY
+    from omegaconf import OmegaConf
+    from test_switch_lm import FakeTask
+
+    from fairseq_alma.lm.model_flops import model_flops
+
+    context, batch = 16, 3
+    model_class = ARCH_MODEL_REGISTRY[arch]
+    cfg = OmegaConf.structured(model_class.__dataclass(tokens_per_sample=context, max_target_positions=context))
+    for key, value in dict(sizes, dropout=0.0, **({} if arch == "transformer_lm" else {"capacity_factor": 8.0})).items():
+        setattr(cfg, key, value)
+    ARCH_CONFIG_REGISTRY[arch](cfg)
+    torch.manual_seed(0)
+    model = model_class.build_model(cfg, FakeTask(40))
+    tokens = torch.randint(4, 40, (batch, context))
+    forward, train = model_flops(model, context, batch * context)
+    assert forward * batch * context == _torch_counted_flops(model, tokens, train=False)
+    assert train == _torch_counted_flops(model, tokens, train=True)
