@@ -111,3 +111,53 @@ def test_gens_counts_every_member_and_trains_only_the_newest():
     expected = torch.stack([F.softmax(m(x)[0], -1) for m in learner.members]).mean(0).log()
     torch.testing.assert_close(learner.predict_log_probs(x), expected, rtol=1e-5, atol=1e-6)
     assert math.isclose(learner.infer_macs_per_image(), 2 * (64 * 4 + 16 + 40))
+
+
+@pytest.mark.parametrize("arch", ["mlp", "vgg"])
+@pytest.mark.parametrize("method, gating", [("sm", "soft"), ("ens", "soft"), ("umix", "soft"),
+                                            ("gens", "soft"), ("gmoe", "soft"), ("gmoe", "hard"),
+                                            ("ff", "soft")])
+def test_inference_flops_are_torchs_own_count_before_and_after_growth(arch, method, gating):
+    """Comp's and the inference cost's MACs (forward hooks, ``mac_count``) equal torch's own
+    ``FlopCounterMode`` count of every matmul and convolution that ran, plus what torch does not
+    count and the module doc says we do: one multiply-add per batch-norm output element, and a
+    soft mixture's combination of its E expert outputs (E - 1 per output element).  Checked at
+    stage 1 and after a growth step (gEns members, gMoE splits, Firefly's new units and layers)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from fairseq_alma.vision.models_moe import MixtureBlock
+
+    torch.manual_seed(0)
+    spec = LearnerSpec(method, arch, 4, members=3, gating=gating, ff_score_examples=32,
+                       ff_new_candidates=4)
+    learner = build_learner(spec, SHAPES[arch], 10)
+    x = torch.randn(2, *SHAPES[arch])
+
+    def torch_count() -> int:
+        uncounted = [0]
+
+        def norm(module, inputs, output):
+            uncounted[0] += output.numel()
+
+        def mixture(module, inputs, output):
+            if module.gating == "soft":
+                uncounted[0] += (module.num_experts - 1) * output.numel()
+            elif module.kind == "conv":  # hard routing folds its expert's batch norm in by hand
+                uncounted[0] += output.numel()
+
+        hooks = [m.register_forward_hook(mixture if isinstance(m, MixtureBlock) else norm)
+                 for m in learner.modules()
+                 if isinstance(m, MixtureBlock) or "BatchNorm" in type(m).__name__]
+        learner.eval()
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            learner.predict_log_probs(x)
+        for hook in hooks:
+            hook.remove()
+        return counter.get_total_flops() + 2 * uncounted[0]
+
+    assert learner.infer_flops_per_image() * 2 == torch_count()
+    if method in ("gens", "gmoe", "ff"):
+        train_x, train_y = torch.randn(32, *SHAPES[arch]), torch.randint(0, 10, (32,))
+        learner.plan_growth(1, train_x, train_y)
+        learner.before_stage(2, train_x, train_y, train_x, train_y)
+        assert learner.infer_flops_per_image() * 2 == torch_count()
