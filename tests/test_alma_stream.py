@@ -289,3 +289,28 @@ def test_max_update_at_the_streams_last_update_records_every_arrival(stream_dir,
     save = tmp_path / "run"
     run(stream_cmd(stream_dir, save, *RESUMABLE, "--max-update", "12"))
     assert_same_stream(reference, save)
+
+
+def test_every_arrival_is_one_log_line_and_the_log_file_has_each_line_once(stream_dir, tmp_path):
+    """After every arrival the log gets fairseq's kind of stats line (tag ``stream``: eval and
+    valid perplexity, compute, parameters), under ``--log-format json`` one JSON object, and
+    ``--log-file`` gets every progress-bar line once: fairseq added a file handler per epoch,
+    so stage N's lines reached the file N times.  Run in two processes, as under Slurm."""
+    save, log_file = tmp_path / "run", tmp_path / "train.log"
+    logging = ("--log-format", "json", "--log-file", str(log_file))
+    first = run(stream_cmd(stream_dir, save, *logging, "--max-epoch", "1"))
+    second = run(stream_cmd(stream_dir, save, *logging))
+    records = [json.loads(line) for line in (save / "stream.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in log_file.read_text().splitlines() if line.startswith("{\"")]
+    logged = [(int(line["stream_arrival"]), float(line["stream_eval_ppl"]), float(line["stream_valid_ppl"]))
+              for line in lines if "stream_arrival" in line]
+    # the first process ended with stage 1's checkpoint, before arrival 1 was recorded: the
+    # second measures arrival 1 again (the same numbers) and says so
+    expected = [(r["arrival"], round(r["eval_ppl"], 2), round(r["valid_ppl"], 2)) for r in records]
+    assert logged == [expected[0], expected[1], expected[1], expected[2]]
+    assert [line["epoch"] for line in lines if "train_loss" in line] == [1, 2]
+    assert "\"stream_arrival\": \"1\"" in first.stdout and "\"stream_arrival\": \"2\"" not in first.stdout
+    assert '"stream_arrival": "2"' in second.stdout and '"stream_arrival": "0"' not in second.stdout
+    simple = run(stream_cmd(stream_dir, tmp_path / "simple"))
+    assert re.findall(r"\| stream \| arrival (\d+) \| stage (\d) \|.* eval_ppl ([0-9.]+) \|", simple.stdout) == [
+        (f"{r['arrival']:03d}", str(r["stage"]), f"{round(r['eval_ppl'], 2):g}") for r in records]

@@ -308,3 +308,31 @@ def test_fairseq_commands_log_as_fairseq_cli_meant(monkeypatch, loglevel, level)
         root.setLevel(saved[0])
         for handler in saved[1]:
             root.addHandler(handler)
+
+
+def test_log_file_gets_one_handler_however_often_fairseq_builds_a_progress_bar(tmp_path):
+    import logging
+
+    import fairseq_cli.train as train_cli
+    from fairseq.logging import progress_bar
+
+    # train() builds its epoch's bar through the module attribute, with --log-file, per epoch
+    assert "progress_bar.progress_bar(" in inspect.getsource(train_cli.train)
+    assert "log_file=cfg.common.log_file" in inspect.getsource(train_cli.train)
+    fairseq_patches.install_one_log_file_handler()
+    assert fairseq_patches._patched(progress_bar.progress_bar)
+    log_file = tmp_path / "train.log"
+    before, level = list(progress_bar.logger.handlers), progress_bar.logger.level
+    progress_bar.logger.setLevel(logging.INFO)  # fairseq-train's root logger is at INFO
+    try:
+        for epoch in (1, 2, 3):
+            bar = progress_bar.progress_bar([], log_format="json", log_file=str(log_file), epoch=epoch)
+            bar.print({"loss": 1.0 / epoch}, tag="train")
+        lines = log_file.read_text().splitlines()
+        assert [line.split(",")[0] for line in lines] == ['{"epoch": 1', '{"epoch": 2', '{"epoch": 3']
+    finally:
+        for handler in progress_bar.logger.handlers[len(before):]:
+            progress_bar.logger.removeHandler(handler)
+            handler.close()
+        progress_bar.logger.setLevel(level)
+    assert all(not isinstance(h, logging.FileHandler) or h in before for h in progress_bar.logger.handlers)

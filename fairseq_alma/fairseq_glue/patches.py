@@ -41,6 +41,8 @@ The patches:
                              on stderr, because fairseq's import configured logging first.
 ``install_every_token_scored`` fairseq-eval-lm leaves a token whose log-probability is
                              infinite out of the perplexity it prints.
+``install_one_log_file_handler`` fairseq's progress bar adds one more ``--log-file``
+                             handler at every epoch, so epoch N's lines reach the file N times.
 ``install_flat_bf16_master``  fairseq's FP16Optimizer keeps one fp32 master copy per parameter
                              under ``--bf16`` (a TPU choice), so its pure-Python Adam steps
                              every parameter tensor on its own; on GPUs one flat copy, as under
@@ -595,6 +597,34 @@ def install_command_patches() -> None:
     install_every_block_scored()
     install_every_token_scored()
     repair_fairseq_cli_logging()
+    install_one_log_file_handler()
+
+
+def install_one_log_file_handler() -> None:
+    """fairseq's progress bar copies its lines to ``--log-file`` through one handler, not one
+    more per epoch.
+
+    Why: ``progress_bar.progress_bar(log_file=...)`` adds a new ``FileHandler`` to its logger at
+    every call, and fairseq-train calls it once per epoch (and per validation): the N-th epoch's
+    lines reach the file N times.  An alma_stream stage is an epoch, so a 100-stage run wrote its
+    last stage's stats 100 times, and every tool reading the file saw each line repeated.  The
+    wrapper passes ``log_file`` on only while no handler for that file is attached."""
+    from fairseq.logging import progress_bar as module
+
+    original = module.progress_bar
+    if _patched(original):
+        return
+
+    def progress_bar(iterator: Any, *args: Any, **kwargs: Any) -> Any:
+        log_file = kwargs.get("log_file")
+        if log_file is not None and any(
+                isinstance(handler, logging.FileHandler)
+                and handler.baseFilename == os.path.abspath(log_file)
+                for handler in module.logger.handlers):
+            kwargs["log_file"] = None
+        return original(iterator, *args, **kwargs)
+
+    module.progress_bar = _mark(progress_bar)
 
 
 def repair_fairseq_cli_logging() -> None:

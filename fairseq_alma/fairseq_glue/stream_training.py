@@ -250,9 +250,15 @@ class StreamTraining:
             keep_stage_checkpoint(self.run_dir, stage, info)
 
     def recorded(self, new: List[ArrivalRecord]) -> None:
+        """Rank 0 shows the new records: one log line each, and tensorboard."""
         if self.run_dir.writes:
+            from ..lm.arrival_lines import print_arrivals
             from ..lm.tensorboard import log_arrivals
+            from .config import section
 
+            common = section(self.cfg, "common") or {}
+            print_arrivals(new, common.get("log_format"), common.get("log_file"),
+                           bool(common.get("no_progress_bar")))
             log_arrivals(self.cfg.tensorboard_logdir, self.session.progress.ordered())
 
     def measure(self) -> Dict[str, float]:
