@@ -295,7 +295,8 @@ def test_every_arrival_is_one_log_line_and_the_log_file_has_each_line_once(strea
     """After every arrival the log gets fairseq's kind of stats line (tag ``stream``: eval and
     valid perplexity, compute, parameters), under ``--log-format json`` one JSON object, and
     ``--log-file`` gets every progress-bar line once: fairseq added a file handler per epoch,
-    so stage N's lines reached the file N times.  Run in two processes, as under Slurm."""
+    so stage N's lines reached the file N times.  Run in two processes, as under Slurm.  Each
+    stage says what it trains on and that fairseq's progress counts its spare batches too."""
     save, log_file = tmp_path / "run", tmp_path / "train.log"
     logging = ("--log-format", "json", "--log-file", str(log_file))
     first = run(stream_cmd(stream_dir, save, *logging, "--max-epoch", "1"))
@@ -312,5 +313,7 @@ def test_every_arrival_is_one_log_line_and_the_log_file_has_each_line_once(strea
     assert "\"stream_arrival\": \"1\"" in first.stdout and "\"stream_arrival\": \"2\"" not in first.stdout
     assert '"stream_arrival": "2"' in second.stdout and '"stream_arrival": "0"' not in second.stdout
     simple = run(stream_cmd(stream_dir, tmp_path / "simple"))
+    assert re.findall(r"alma_stream: stage (\d) of 2 \(arrival \d\) trains on mega-batch (\d): 6 updates; "
+                      r"fairseq's progress counts to 26 \(20 spares", simple.stdout) == [("1", "0"), ("2", "1")]
     assert re.findall(r"\| stream \| arrival (\d+) \| stage (\d) \|.* eval_ppl ([0-9.]+) \|", simple.stdout) == [
         (f"{r['arrival']:03d}", str(r["stage"]), f"{round(r['eval_ppl'], 2):g}") for r in records]

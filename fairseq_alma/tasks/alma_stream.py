@@ -278,10 +278,24 @@ class AlmaStreamTask(LanguageModelingTask):
         stage = min(epoch, self.plan.num_stages)
         batches = self._stage_batches(stage, dataset, max_tokens, max_sentences, required_batch_size_multiple,
                                       seed, num_shards)
+        if epoch <= self.plan.num_stages:  # fairseq also builds the epoch after the last one
+            self._log_stage(stage)
         return iterators.EpochBatchIterator(
             dataset=dataset, collate_fn=dataset.collater, batch_sampler=batches, seed=seed,
             num_shards=num_shards, shard_id=shard_id, num_workers=num_workers, epoch=epoch,
             buffer_size=data_buffer_size, disable_shuffling=True)
+
+    def _log_stage(self, stage: int) -> None:
+        """Say what the stage trains on, and why fairseq's progress counts past its updates (the
+        spare batches): a stage that ended at 100 of 120 looked cut short."""
+        info, spares = self.plan.stage(stage), spare_updates(self.budget)
+        of = "" if self.cfg.wait is None else f" of {self.plan.num_stages}"  # --wait auto: not known yet
+        replay = f" (replayed updates from {','.join(map(str, info.replay_megabatches))})" \
+            if info.replay_megabatches else ""
+        logger.info("alma_stream: stage %d%s (arrival %d) trains on mega-batch%s %s%s: %d updates; fairseq's "
+                    "progress counts to %d (%d spares for steps an fp16 overflow skips)", stage, of, info.arrival,
+                    "es" if len(info.train_megabatches) > 1 else "", ",".join(map(str, info.train_megabatches)),
+                    replay, self.budget, self.budget + spares, spares)
 
     def _stage_batches(self, stage: int, dataset: Any, max_tokens: Optional[int], max_sentences: Optional[int],
                        multiple: int, seed: int, num_shards: int) -> List[np.ndarray]:
