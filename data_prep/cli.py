@@ -330,7 +330,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = shlex.join(["alma-data-prep", *argv])
     parser = build_parser()
     args = parser.parse_args(argv)
-    return run_console(parser.prog, lambda: _run(args, command, argv))
+    return run_console(parser.prog, lambda: _registered_run(args, command, argv))
+
+
+def _registered_run(args: argparse.Namespace, command: str, argv: list[str]) -> None:
+    """Import fairseq (its data modules binarize) only now: ``--help`` and a bad flag answer
+    without the seconds it takes (``fairseq_alma.FAIRSEQ_FREE_TOOLS``)."""
+    from fairseq_alma import register
+
+    register()
+    return _run(args, command, argv)
 
 
 if __name__ == "__main__":
