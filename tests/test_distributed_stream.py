@@ -190,6 +190,18 @@ def test_kill9_both_ranks_then_same_commands_resume(data, two_rank_run, tmp_path
     assert_same_stream(save, two_rank_run[0])
 
 
+def test_torch_ddp_on_cpu_ranks_equals_legacy_ddp(data, two_rank_run, tmp_path):
+    """fairseq's default ``--ddp-backend pytorch_ddp`` (what GPU users train with) on 2 CPU ranks:
+    fairseq gave torch's DDP a GPU device, a ValueError on every rank; now the stream equals
+    legacy_ddp's bit for bit (``patches.install_torch_ddp_on_cpu``)."""
+    commands = [[("pytorch_ddp" if arg == "legacy_ddp" else arg) for arg in command]
+                for command in rank_commands(data, tmp_path / "run", free_port())]
+    assert all("pytorch_ddp" in command for command in commands)
+    log = finish_ranks(start_ranks(commands, tmp_path / "logs"), tmp_path / "logs")
+    assert "training on 2 devices" in log, log[-2000:]
+    assert_same_stream(tmp_path / "run", two_rank_run[0])
+
+
 def test_wait_auto_on_two_ranks_equals_one_process(data, tmp_path):
     """``--wait auto`` decides at fairseq's load of each stage's data, from the validation NLL
     (all-reduced) and with every rank agreeing (``ranks.any_rank``): 2 ranks make the decisions,

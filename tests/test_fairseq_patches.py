@@ -336,3 +336,15 @@ def test_log_file_gets_one_handler_however_often_fairseq_builds_a_progress_bar(t
             handler.close()
         progress_bar.logger.setLevel(level)
     assert all(not isinstance(h, logging.FileHandler) or h in before for h in progress_bar.logger.handlers)
+
+
+def test_torch_ddp_wrapper_is_the_name_fairseq_calls_with_a_device():
+    from fairseq.models import distributed_fairseq_model
+
+    # fairseq wraps with the module-level name, always giving it a device (a CPU module fails)
+    source = inspect.getsource(distributed_fairseq_model.DistributedFairseqModel)
+    assert "wrapped_model = DistributedDataParallel(" in source
+    assert "device_ids=[args.device_id]" in source and "output_device=args.device_id" in source
+    fairseq_patches.install_torch_ddp_on_cpu()
+    assert fairseq_patches._patched(distributed_fairseq_model.DistributedDataParallel)
+    # the end-to-end runs: test_distributed_stream.py (a stream), test_expert_parallel_train.py

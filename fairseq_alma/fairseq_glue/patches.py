@@ -43,6 +43,8 @@ The patches:
                              infinite out of the perplexity it prints.
 ``install_one_log_file_handler`` fairseq's progress bar adds one more ``--log-file``
                              handler at every epoch, so epoch N's lines reach the file N times.
+``install_torch_ddp_on_cpu``  fairseq passes a GPU device to torch's DDP even for a CPU model,
+                             so ``--ddp-backend pytorch_ddp`` (its default) failed on CPU ranks.
 ``install_flat_bf16_master``  fairseq's FP16Optimizer keeps one fp32 master copy per parameter
                              under ``--bf16`` (a TPU choice), so its pure-Python Adam steps
                              every parameter tensor on its own; on GPUs one flat copy, as under
@@ -598,6 +600,31 @@ def install_command_patches() -> None:
     install_every_token_scored()
     repair_fairseq_cli_logging()
     install_one_log_file_handler()
+    install_torch_ddp_on_cpu()
+
+
+def install_torch_ddp_on_cpu() -> None:
+    """``--ddp-backend pytorch_ddp`` (fairseq's default) trains on CPU ranks (gloo) too.
+
+    Why: fairseq 0.12 always passes ``device_ids=[args.device_id]`` to torch's
+    ``DistributedDataParallel``, which torch refuses for a CPU module, so a CPU run on 2+ ranks
+    without ``--ddp-backend legacy_ddp`` ended in a ``ValueError`` traceback on every rank.  For a
+    module whose parameters are all on the CPU the wrapper passes no device (torch's own CPU
+    usage); GPU modules get fairseq's arguments unchanged.  It also lets the CPU test suite run
+    the backend GPU users train with (expert-parallel parameters left out of DDP's all-reduce)."""
+    from fairseq.models import distributed_fairseq_model as module
+
+    original = module.DistributedDataParallel
+    if _patched(original):
+        return
+
+    def distributed_data_parallel(module: Any, device_ids: Any = None, output_device: Any = None,
+                                  **kwargs: Any) -> Any:
+        if all(param.device.type == "cpu" for param in module.parameters()):
+            device_ids = output_device = None
+        return original(module=module, device_ids=device_ids, output_device=output_device, **kwargs)
+
+    module.DistributedDataParallel = _mark(distributed_data_parallel)
 
 
 def install_one_log_file_handler() -> None:
