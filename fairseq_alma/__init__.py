@@ -8,8 +8,9 @@ stream core in ``stream/``, the errors) still import: the core is tested that wa
 ``alma-report`` and ``alma-sweep`` start without fairseq (``FAIRSEQ_FREE_TOOLS``): they read
 records, run directories and Slurm's state, and importing torch and fairseq took 3-4 s of
 every ``alma-sweep status`` and ``--help``.  ``alma-sweep submit`` and ``score`` call
-``register`` before they check flags (``cli/sweep.py``), ``alma-data-prep`` once its flags
-parsed (``data_prep/cli.py``: it binarizes with fairseq's data modules).
+``register`` before they check flags (``cli/sweep.py``), ``alma-data-prep`` and ``alma-score``
+once their flags parsed (``data_prep/cli.py``: it binarizes with fairseq's data modules;
+``cli/score.py``: it loads fairseq checkpoints).
 """
 
 import os
@@ -20,7 +21,7 @@ from .fairseq_glue.patches import install_quiet_startup, undo_debug_root_logging
 install_quiet_startup()  # before fairseq's own import, when we are first (our console tools)
 
 # console tools whose work needs no fairseq until a command asks for it (module doc)
-FAIRSEQ_FREE_TOOLS = ("alma-report", "alma-sweep", "alma-data-prep")
+FAIRSEQ_FREE_TOOLS = ("alma-report", "alma-sweep", "alma-data-prep", "alma-score")
 _registered = False
 
 

@@ -311,10 +311,11 @@ print("status", status, "imported", heavy)
 def test_report_and_sweep_status_start_without_fairseq(lm_runs, tmp_path):
     """alma-report and alma-sweep status read records only: importing torch and fairseq took 3-4 s
     of every call (fairseq_alma.FAIRSEQ_FREE_TOOLS); the report they draw is the same.
-    alma-data-prep --help answers before its import of fairseq too."""
+    alma-data-prep --help and alma-score --help answer before their import of fairseq too."""
     cases = [(["alma-report", str(lm_runs / "runs" / "sm_s1"), "--out", str(tmp_path / "r")], "fairseq_alma.cli.report"),
              (["alma-sweep", "status", "--help"], "fairseq_alma.cli.sweep"),
-             (["alma-data-prep", "--help"], "data_prep.cli")]  # it imports fairseq once its flags parsed
+             (["alma-data-prep", "--help"], "data_prep.cli"),  # these two import fairseq once their
+             (["alma-score", "--help"], "fairseq_alma.cli.score")]  # flags parsed
     for argv, module in cases:
         proc = subprocess.run([sys.executable, "-c", FAIRSEQ_FREE.format(argv=argv, module=module)],
                               capture_output=True, text=True, timeout=120)

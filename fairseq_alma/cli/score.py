@@ -32,7 +32,6 @@ import sys
 import warnings
 
 from ..console import OneLineArgumentParser, run_console
-from ..lm.score_distributed import world_from_env
 from ..out_paths import check_output_files
 from ..report.figures import check_plot_path
 from ..report.inputs import expand_run_dirs
@@ -40,7 +39,7 @@ from ..scoring import LOGGER_NAME
 from ..scoring.flags import SCORE_FLAGS
 from ..scoring.outputs import cannot_write, results_text, write_results
 from ..scoring.request import ScoreRequest
-from ..scoring.score import score
+from ..stream.run_view import RunView
 
 OUTPUT_FLAGS = ("json", "csv", "plot")  # every file alma-score writes
 
@@ -84,14 +83,22 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)
 
     def start() -> int:
-        world = world_from_env()  # an incomplete torchrun/srun environment: one line
-        _configure_logging(world.is_main)
         request = request_from_args(args, expand_run_dirs(args.run_dirs))
+        for run_dir in request.run_dirs:
+            RunView.open(run_dir)  # each a run directory: one line before seconds of imports
         # refused now, not after the scoring they record; never onto a run's own files
         check_output_files([(f"--{flag}", getattr(args, flag)) for flag in OUTPUT_FLAGS],
                            request.run_dirs)
         if args.plot:
             check_plot_path("--plot", args.plot)
+        from .. import register  # fairseq and torch only now: --help, a bad flag or path at once
+
+        register()
+        from ..lm.score_distributed import world_from_env
+        from ..scoring.score import score
+
+        world = world_from_env()  # an incomplete torchrun/srun environment: one line
+        _configure_logging(world.is_main)
         results = score(request, world)
         if world.is_main:
             try:
