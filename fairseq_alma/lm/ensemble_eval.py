@@ -33,7 +33,7 @@ from ..ranks import world
 from ..stream.eval_batching import own_eval_batch_size
 from .eval_slice import EvalSlice, slice_dataset
 from .nll import Batching, eval_batches, non_finite_loss, target_log_probs
-from .score_distributed import all_reduce_sums
+from .score_distributed import all_gather_rows, all_reduce_sums
 
 logger = logging.getLogger(__name__)
 
@@ -81,17 +81,23 @@ class JointScore:
     member_nll: list[float]  # [i]: summed NLL in nats of member i alone
     ntokens: int
     seconds: float  # first batch to last; iterator set-up excluded, as fairseq-eval-lm times it
+    # with ``keep_rows``: each batch's terms [prefix 1..M, alone 1..M, tokens] (float64), in the
+    # order this rank scored them, for a data-parallel total added in one process's order
+    batch_rows: list[torch.Tensor] | None = None
 
 
 @torch.no_grad()
-def score_jointly(models: Sequence[Any], batches: Iterable[dict[str, Any]], pad: int) -> JointScore:
+def score_jointly(models: Sequence[Any], batches: Iterable[dict[str, Any]], pad: int,
+                  keep_rows: bool = False) -> JointScore:
     """Score ``batches`` with every model, batch by batch, keeping only running sums.
 
     For each batch each member gives log p_i(target) (B, T); a float64 running logsumexp over
     members 1..k, minus log k, is the log-probability of the k-member average (paper §4.1), and
     its negated sum over non-padding targets is added to prefix k's NLL.  Nothing outlives its
     batch, so memory is O(batch), whatever the size of the evaluation set.  With one model this
-    is the task's ``eval_ppl`` sum exactly (log 1 = 0; padding contributes 0).
+    is the task's ``eval_ppl`` sum exactly (log 1 = 0; padding contributes 0).  ``keep_rows``
+    (data-parallel scoring) also keeps each batch's terms, an empty batch's as zeros, so that
+    ``all_ranks_joint`` can add every rank's batches in one process's order.
     """
     device = next(models[0].parameters()).device
     for model in models:
@@ -100,32 +106,61 @@ def score_jointly(models: Sequence[Any], batches: Iterable[dict[str, Any]], pad:
     prefix = torch.zeros(len(models), dtype=torch.float64, device=device)  # running NLL sums
     alone = torch.zeros(len(models), dtype=torch.float64, device=device)
     ntokens = torch.zeros((), dtype=torch.int64, device=device)
+    rows: list[torch.Tensor] | None = [] if keep_rows else None
     start = time.perf_counter()
     for sample in batches:
-        if not sample or "net_input" not in sample:
+        if not sample or "net_input" not in sample:  # the sharded iterator's padding batches
+            if rows is not None:
+                rows.append(torch.zeros(2 * len(models) + 1, dtype=torch.float64, device=device))
             continue
         if device.type == "cuda":
             sample = utils.move_to_cuda(sample, device=device)
         log_sum = None  # (B, T) float64: log sum_{i<=k} p_i(target)
+        terms: list[torch.Tensor] = []
         for i, model in enumerate(models):
             token, mask = target_log_probs(model, sample, pad)  # (B, T) float32, 0 at padding
             token = token.double()
-            alone[i] -= token.sum()
+            member = token.sum()
+            alone[i] -= member
             log_sum = token if log_sum is None else torch.logaddexp(log_sum, token)
-            prefix[i] -= (log_sum - log_k[i]).masked_fill(~mask, 0.0).sum()
-        ntokens += mask.sum()
+            averaged = (log_sum - log_k[i]).masked_fill(~mask, 0.0).sum()
+            prefix[i] -= averaged
+            terms += [averaged, member]
+        count = mask.sum()
+        ntokens += count
+        if rows is not None:
+            rows.append(torch.stack([*terms[0::2], *terms[1::2], count.double()]))
     totals = prefix.tolist()  # synchronises a CUDA device before the clock stops
     seconds = time.perf_counter() - start
-    return JointScore(totals, alone.tolist(), int(ntokens), seconds)
+    return JointScore(totals, alone.tolist(), int(ntokens), seconds, rows)
 
 
 def all_ranks_joint(scored: JointScore) -> JointScore:
     """Every data-parallel rank's ``JointScore`` of its share of the batches added up
-    (score_distributed.py); the wall time is the slowest rank's.  Itself with one process."""
+    (score_distributed.py); the wall time is the slowest rank's.  Itself with one process.
+
+    Why rows, not an all-reduce of each rank's sums: batch i is rank i % N's, so rank sums
+    added together associate the float64 additions differently from one process (the last
+    digits of a perplexity differed, and a CSV written by N processes was not the file one
+    process writes).  Every rank's batch terms are gathered and subtracted in global batch
+    order, the order ``score_jointly`` uses alone: the totals are one process's, bit for bit."""
+    if scored.batch_rows is None:
+        return scored
     m = len(scored.prefix_nll)
-    sums, (seconds,) = all_reduce_sums([*scored.prefix_nll, *scored.member_nll,
-                                        float(scored.ntokens)], [scored.seconds])
-    return JointScore(sums[:m], sums[m:2 * m], int(sums[-1]), seconds)
+    width = 2 * m + 1
+    rows = torch.stack(scored.batch_rows) if scored.batch_rows else \
+        torch.zeros(0, width, dtype=torch.float64)
+    per_rank = all_gather_rows(rows)  # [rank] (its batches, width) on the CPU
+    _, (seconds,) = all_reduce_sums([], [scored.seconds])
+    totals, ntokens = [0.0] * (2 * m), 0
+    for k in range(max(len(rank_rows) for rank_rows in per_rank)):
+        for rank_rows in per_rank:  # rank r's k-th batch is the global batch k * N + r
+            if k < len(rank_rows):
+                row = rank_rows[k]
+                for j in range(2 * m):
+                    totals[j] -= row[j]
+                ntokens += int(row[2 * m])
+    return JointScore(totals[:m], totals[m:], ntokens, seconds)
 
 
 class CheckpointScorer:
@@ -200,7 +235,8 @@ class CheckpointScorer:
         size, rank = world()
         batches = eval_batches(models, task, dataset, batching, num_shards=size, shard_id=rank,
                                prefetch=10)
-        scored = all_ranks_joint(score_jointly(models, batches, task.target_dictionary.pad()))
+        scored = all_ranks_joint(score_jointly(models, batches, task.target_dictionary.pad(),
+                                               keep_rows=size > 1))
         for path, model, nll in zip(paths, models, scored.member_nll):
             why = non_finite_loss(nll, model)
             if why is not None:

@@ -7,10 +7,11 @@ Why: scoring every stage checkpoint of every run on the paper's evaluation mega-
 How the work is split: every process builds the *same* batches in the same fixed order as a
 single process (same ``--max-eval-tokens`` slice, same batch size), and batch i goes to rank
 i % world (fairseq's ``ShardedIterator``).  Each batch is thus padded and scored exactly as in a
-single process, so every token's float32 log-probability is the same; only the float64 sums are
-added in another order (differences ~1e-15 relative, far below any printed digit).  Every rank
-scores its share with every member and checkpoint, then the sums (NLL in float64, token counts)
-are all-reduced, so all ranks hold the totals; only rank 0 prints and writes outputs.
+single process, so every token's float32 log-probability is the same, and the float64 sums are
+added in the order one process adds them (``ensemble_eval.all_ranks_joint``: every rank's
+per-batch float64 terms are gathered and summed in global batch order), so every number, to the
+last bit, is one process's.  Every rank scores its share with every member and checkpoint and
+holds the totals; only rank 0 prints and writes outputs.
 
 Launch: ``torchrun`` sets WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR and MASTER_PORT.  Under
 ``srun`` the world is SLURM_STEP_NUM_TASKS (set by srun for its own step; SLURM_NTASKS is not
@@ -122,6 +123,23 @@ def scoring_group(world: ScoreWorld, backend: str,
 def _reduce_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
         else torch.device("cpu")
+
+
+def all_gather_rows(rows: torch.Tensor) -> list[list[list[float]]]:
+    """Every rank's ``rows`` (n_r, width) float64, as Python floats on every rank, rank by
+    rank (ranks may hold different counts of rows).  ``[rows]`` outside torch.distributed."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [rows.tolist()]
+    device = _reduce_device()
+    count = torch.tensor([rows.shape[0]], dtype=torch.int64, device=device)
+    counts = [torch.zeros_like(count) for _ in range(dist.get_world_size())]
+    dist.all_gather(counts, count)
+    most = int(max(c.item() for c in counts))
+    padded = torch.zeros(most, rows.shape[1], dtype=torch.float64, device=device)
+    padded[: rows.shape[0]] = rows.to(device)
+    gathered = [torch.empty_like(padded) for _ in counts]
+    dist.all_gather(gathered, padded)
+    return [g[: int(c.item())].cpu().tolist() for g, c in zip(gathered, counts)]
 
 
 def all_reduce_sums(values: Sequence[float],
