@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from fairseq import utils
 from torch import Tensor
 
@@ -111,16 +110,32 @@ def _score(model: Any, batches: Any, pad: int) -> Iterator[ScoredBatch]:
 
 def total_nll(model: Any, task: Any, dataset: Any, batching: Batching) -> tuple[float, int]:
     """Summed NLL in nats and the number of scored tokens, over every data-parallel worker:
-    each scores its shard of the batches, the sums are all-reduced so all get the total."""
+    each scores its shard of the batches (batch i is rank i % N's), and every rank adds all of
+    the batches' sums in batch order, as one process does, so the total is one process's to the
+    last bit (rank sums added together associate the float64 additions differently)."""
+    from .score_distributed import all_gather_rows
+
     size, rank = world()
     device = next(model.parameters()).device
     totals = torch.zeros(2, dtype=torch.float64, device=device)
+    rows: list[Tensor] = []
     for batch in scored_batches(model, task, dataset, batching, num_shards=size, shard_id=rank):
-        totals[0] -= batch.token_log_probs.double().sum()
-        totals[1] += batch.mask.sum()
-    if size > 1:
-        dist.all_reduce(totals)
-    return float(totals[0]), int(totals[1])
+        nll, count = -batch.token_log_probs.double().sum(), batch.mask.sum()
+        if size > 1:
+            rows.append(torch.stack([nll, count.double()]))
+        else:
+            totals[0] += nll
+            totals[1] += count
+    if size == 1:
+        return float(totals[0]), int(totals[1])
+    per_rank = all_gather_rows(torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.float64))
+    nll_sum, tokens = 0.0, 0
+    for k in range(max(len(rank_rows) for rank_rows in per_rank)):
+        for rank_rows in per_rank:  # rank r's k-th batch is the global batch k * N + r
+            if k < len(rank_rows):
+                nll_sum += rank_rows[k][0]
+                tokens += int(rank_rows[k][1])
+    return nll_sum, tokens
 
 
 def non_finite_loss(nll_sum: float, model: Any) -> str | None:
