@@ -33,7 +33,7 @@ from ..ranks import world
 from ..stream.eval_batching import own_eval_batch_size
 from .eval_slice import EvalSlice, slice_dataset
 from .nll import Batching, eval_batches, non_finite_loss, target_log_probs
-from .score_distributed import all_gather_rows, all_reduce_sums
+from .score_distributed import all_reduce_sums, rows_in_batch_order
 
 logger = logging.getLogger(__name__)
 
@@ -150,16 +150,12 @@ def all_ranks_joint(scored: JointScore) -> JointScore:
     width = 2 * m + 1
     rows = torch.stack(scored.batch_rows) if scored.batch_rows else \
         torch.zeros(0, width, dtype=torch.float64)
-    per_rank = all_gather_rows(rows)  # [rank] (its batches, width) on the CPU
-    _, (seconds,) = all_reduce_sums([], [scored.seconds])
     totals, ntokens = [0.0] * (2 * m), 0
-    for k in range(max(len(rank_rows) for rank_rows in per_rank)):
-        for rank_rows in per_rank:  # rank r's k-th batch is the global batch k * N + r
-            if k < len(rank_rows):
-                row = rank_rows[k]
-                for j in range(2 * m):
-                    totals[j] -= row[j]
-                ntokens += int(row[2 * m])
+    for row in rows_in_batch_order(rows):
+        for j in range(2 * m):
+            totals[j] -= row[j]
+        ntokens += int(row[2 * m])
+    _, (seconds,) = all_reduce_sums([], [scored.seconds])
     return JointScore(totals[:m], totals[m:], ntokens, seconds)
 
 

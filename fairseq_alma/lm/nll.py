@@ -113,7 +113,7 @@ def total_nll(model: Any, task: Any, dataset: Any, batching: Batching) -> tuple[
     each scores its shard of the batches (batch i is rank i % N's), and every rank adds all of
     the batches' sums in batch order, as one process does, so the total is one process's to the
     last bit (rank sums added together associate the float64 additions differently)."""
-    from .score_distributed import all_gather_rows
+    from .score_distributed import rows_in_batch_order
 
     size, rank = world()
     device = next(model.parameters()).device
@@ -128,13 +128,10 @@ def total_nll(model: Any, task: Any, dataset: Any, batching: Batching) -> tuple[
             totals[1] += count
     if size == 1:
         return float(totals[0]), int(totals[1])
-    per_rank = all_gather_rows(torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.float64))
     nll_sum, tokens = 0.0, 0
-    for k in range(max(len(rank_rows) for rank_rows in per_rank)):
-        for rank_rows in per_rank:  # rank r's k-th batch is the global batch k * N + r
-            if k < len(rank_rows):
-                nll_sum += rank_rows[k][0]
-                tokens += int(rank_rows[k][1])
+    for nll, count in rows_in_batch_order(torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.float64)):
+        nll_sum += nll
+        tokens += int(count)
     return nll_sum, tokens
 
 

@@ -142,6 +142,17 @@ def all_gather_rows(rows: torch.Tensor) -> list[list[list[float]]]:
     return [g[: int(c.item())].cpu().tolist() for g, c in zip(gathered, counts)]
 
 
+def rows_in_batch_order(rows: torch.Tensor) -> Iterator[list[float]]:
+    """Every rank's per-batch ``rows`` (``all_gather_rows``) in global batch order: rank r's
+    k-th row is batch k * N + r (fairseq's ``ShardedIterator``), so adding them in this order
+    adds them as one process scoring every batch does."""
+    per_rank = all_gather_rows(rows)
+    for k in range(max(len(rank_rows) for rank_rows in per_rank)):
+        for rank_rows in per_rank:
+            if k < len(rank_rows):
+                yield rank_rows[k]
+
+
 def all_reduce_sums(values: Sequence[float],
                     maxima: Sequence[float] = ()) -> tuple[list[float], list[float]]:
     """``values`` summed over every rank in float64 (NLL sums; token counts are exact integers
