@@ -6,7 +6,8 @@ only each member's probability of that same token, so the members of a predictor
 together and run on each batch in turn; their target log-probabilities are combined in float64
 (−(logsumexp_i log p_i − log N) per token) and summed before the next batch.  Memory is O(batch)
 in the evaluation set (the paper's is 440M words: per-token vectors would not fit a job's host
-memory) and O(members) in models.  gEns's nested predictors (members 1..s for s = 1..S, Table 2)
+memory; data-parallel scoring keeps 2M + 1 numbers per batch, ~3 MB for that set, to add them
+in one process's order) and O(members) in models.  gEns's nested predictors (members 1..s for s = 1..S, Table 2)
 are prefixes of one chain, so one pass over the data with its S members answers all of them and
 each checkpoint is evaluated once.
 
