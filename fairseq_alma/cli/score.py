@@ -39,7 +39,6 @@ from ..scoring import LOGGER_NAME
 from ..scoring.flags import SCORE_FLAGS
 from ..scoring.outputs import cannot_write, results_text, write_results
 from ..scoring.request import ScoreRequest
-from ..stream.run_view import RunView
 
 OUTPUT_FLAGS = ("json", "csv", "plot")  # every file alma-score writes
 
@@ -84,14 +83,12 @@ def main(argv: list[str] | None = None) -> int:
 
     def start() -> int:
         request = request_from_args(args, expand_run_dirs(args.run_dirs))
-        for run_dir in request.run_dirs:
-            RunView.open(run_dir)  # each a run directory: one line before seconds of imports
         # refused now, not after the scoring they record; never onto a run's own files
         check_output_files([(f"--{flag}", getattr(args, flag)) for flag in OUTPUT_FLAGS],
                            request.run_dirs)
         if args.plot:
             check_plot_path("--plot", args.plot)
-        from .. import register  # fairseq and torch only now: --help, a bad flag or path at once
+        from .. import register  # fairseq and torch only now: --help and a bad flag at once
 
         register()
         from ..lm.score_distributed import world_from_env
