@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import REQUEUE_EXIT_STATUS, CheckpointError, UsageError
-from ..out_paths import check_dir_path, check_writable
+from ..out_paths import check_dir_path, check_file_path, check_writable
 from .config import component_name, given, section
 
 # flag -> (section, key): sizes that must be >= 1 when given (None: fairseq's default)
@@ -59,6 +59,9 @@ def check_run_inputs(cfg: Any, machine_checks: bool = True) -> None:
     if save_dir and machine_checks:
         check_dir_path(save_dir, "--save-dir")
         check_writable(save_dir, f"--save-dir {save_dir}")  # fairseq's own probe is a traceback
+    log_file = given(cfg, "common", "log_file")
+    if log_file is not None and machine_checks:  # fairseq opens it at its start: a traceback
+        check_log_file(str(log_file))
     seed = given(cfg, "common", "seed")
     if seed is not None and not 0 <= seed < 2**32:
         # numpy's seeding in fairseq's data loading would end in a ValueError traceback
@@ -396,6 +399,18 @@ def check_precision(node: Any, machine_checks: bool = True) -> None:
     if str(given(node, "distributed_training", "ddp_backend") or "") == "fully_sharded":
         raise UsageError(f"{flag} with --ddp-backend fully_sharded: fairseq 0.12's FSDP does not "
                          f"support bf16; use {flag} with --ddp-backend pytorch_ddp (or legacy_ddp)")
+
+
+def check_log_file(log_file: str) -> None:
+    """``--log-file``: a file fairseq can append to.  fairseq opens it with a bare
+    ``logging.FileHandler``, which creates no folder: a missing folder, a directory or a
+    read-only place ended in an ``OSError`` traceback."""
+    check_file_path(log_file, "--log-file")
+    folder = os.path.dirname(os.path.abspath(log_file))
+    if not os.path.isdir(folder):
+        raise UsageError(f"--log-file {log_file}: its folder {folder} does not exist (fairseq "
+                         f"creates none); create it, or give a path in an existing folder")
+    check_writable(folder, f"--log-file {log_file}")
 
 
 def check_training_flags(cfg: Any, machine_checks: bool = True) -> None:
