@@ -117,7 +117,7 @@ def score_jointly(models: Sequence[Any], batches: Iterable[dict[str, Any]], pad:
         if device.type == "cuda":
             sample = utils.move_to_cuda(sample, device=device)
         log_sum = None  # (B, T) float64: log sum_{i<=k} p_i(target)
-        terms: list[torch.Tensor] = []
+        averaged_sums, member_sums = [], []
         for i, model in enumerate(models):
             token, mask = target_log_probs(model, sample, pad)  # (B, T) float32, 0 at padding
             token = token.double()
@@ -126,11 +126,12 @@ def score_jointly(models: Sequence[Any], batches: Iterable[dict[str, Any]], pad:
             log_sum = token if log_sum is None else torch.logaddexp(log_sum, token)
             averaged = (log_sum - log_k[i]).masked_fill(~mask, 0.0).sum()
             prefix[i] -= averaged
-            terms += [averaged, member]
+            averaged_sums.append(averaged)
+            member_sums.append(member)
         count = mask.sum()
         ntokens += count
         if rows is not None:
-            rows.append(torch.stack([*terms[0::2], *terms[1::2], count.double()]))
+            rows.append(torch.stack([*averaged_sums, *member_sums, count.double()]))
     totals = prefix.tolist()  # synchronises a CUDA device before the clock stops
     seconds = time.perf_counter() - start
     return JointScore(totals, alone.tolist(), int(ntokens), seconds, rows)
