@@ -9,6 +9,10 @@
 # Usage: bash benchmarks/gpu_node.sh OUTDIR [SECONDS]      (SECONDS: the whole budget, default 520)
 #        STREAM=DIR  a prepared alma-data-prep stream for train_throughput.py (default: it builds one)
 #        PY=python   the Python that holds the node's CUDA torch (default python3); SKIP_INSTALL=1
+# Wheels: ../shared/gpu-node/fetch_wheels.sh, and pytest-xdist with execnet beside them (the cuda tests
+# run 6 at a time then; one at a time they may not fit their 160 s):
+#   pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_17_x86_64 -d .whl pytest-xdist execnet
 set -uo pipefail
 out=${1:?usage: gpu_node.sh OUTDIR [SECONDS]}
 budget=${2:-520}
