@@ -35,14 +35,6 @@ FAIRSEQ_SPEC := fairseq-fixed==0.12.3.1
 .PHONY: install demo test test-deps bench check-torch gpu-check wheelhouse
 
 install: $(STAMP)
-	@# `--user-dir fairseq_alma` from any directory: fairseq looks for a relative --user-dir in the
-	@# working directory, then next to its own package (site-packages/fairseq/../fairseq_alma);
-	@# an editable install leaves nothing there, so from elsewhere fairseq raised FileNotFoundError.
-	@# A link to the package (never over a real directory, e.g. a non-editable install); made on
-	@# every `make install`, so a checkout installed before this line gets it too.
-	@link="$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/fairseq_alma"; \
-	  if [ -e "$$link" ] && [ ! -L "$$link" ]; then :; else ln -sfn "$(abspath fairseq_alma)" "$$link"; fi
-
 
 QUIET_PTH   := fairseq_alma/fairseq_glue/quiet_imports.pth
 

@@ -38,10 +38,8 @@ def test_training_without_arch_is_one_line(program, stream_dir, tmp_path):
     if program == "fairseq-train":
         cmd += ["--user-dir", "fairseq_alma"]
     # a fresh interpreter: what prints at import (fairscale's FutureWarnings, before the plugin
-    # loads, filtered by the .pth `make install` adds) is what a user sees above the refusal.
-    # Outside the repository: `--user-dir fairseq_alma` is found through the link `make install`
-    # puts next to fairseq's package (fairseq raised FileNotFoundError from another directory)
-    proc = run(cmd, cwd=tmp_path, check=False, fresh=True)
+    # loads, filtered by the .pth `make install` adds) is what a user sees above the refusal
+    proc = run(cmd, check=False, fresh=True)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "fairseq-alma: error: --arch is required: the model to train, e.g. --arch "
