@@ -775,6 +775,15 @@ STREAM_REFUSED_FLAGS: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = 
     ("dataset", "curriculum", lambda v: v > 0,
      "--curriculum {v}: an alma_stream run orders each stage's data itself (passes over it "
      "shuffled with --seed); drop it"),
+    ("optimization", "skip_remainder_batch", bool,
+     "--skip-remainder-batch: an alma_stream stage's batches are whole groups of --update-freq "
+     "on every process (its updates and their spares), so there is no remainder; drop it"),
+    ("dataset", "update_epoch_batch_itr", bool,
+     "--update-epoch-batch-itr: an alma_stream run builds each stage's batches anew (none are "
+     "cached); drop it"),
+    ("distributed_training", "fix_batches_to_gpus", bool,
+     "--fix-batches-to-gpus: an alma_stream run deals each stage's batches out to its processes "
+     "itself, in stream order (fairseq's shuffle, which the flag changes, is off); drop it"),
 )
 
 

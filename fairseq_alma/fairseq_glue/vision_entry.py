@@ -125,6 +125,8 @@ FAIRSEQ_TRAINING_FLAGS = {
     ("optimization", "skip_remainder_batch"): "nothing: every stage trains on all of its examples",
     ("dataset", "grouped_shuffling"): "nothing: the learner shuffles its mega-batches itself, with --seed",
     ("dataset", "curriculum"): "nothing: the learner shuffles its mega-batches itself, with --seed",
+    ("dataset", "update_epoch_batch_itr"): "nothing: the learner builds its own batches",
+    ("distributed_training", "fix_batches_to_gpus"): "nothing: the learner builds its own batches",
     ("checkpoint", "patience"): "nothing: each stage keeps its best-validation epoch",
     ("checkpoint", "no_save"): "nothing: the stream resumes from its own checkpoints",
     ("checkpoint", "finetune_from_model"): "nothing: a vision stream starts from a fresh learner",
@@ -146,6 +148,8 @@ def refuse_fairseq_training_flags(task_cfg: Any) -> None:
         value = given(task_cfg, section_name, key)
         part = getattr(defaults, section_name)
         default = getattr(part() if isinstance(part, type) else part, key)  # a dataclass type or instance
+        if isinstance(default, str) and default.startswith("${"):  # fairseq's II("section.key"): that value
+            default = given(task_cfg, *default[2:-1].split(".", 1))
         if value is None or not _differs(value, default):
             continue
         what = f"--{key.replace('_', '-')} is fairseq's trainer's; a vision stream's learner does not read it"
