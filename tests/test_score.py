@@ -23,6 +23,7 @@ import torch
 from lm_fixtures import prepare_stream, run, tool
 
 from fairseq_alma.cli.score import main
+from fairseq_alma.errors import UsageError
 from fairseq_alma.stream.records import ArrivalRecord, read_records, write_records
 
 REPO = Path(__file__).resolve().parent.parent
@@ -290,6 +291,13 @@ def _swapped_stages(stream: Path, tmp_path: Path) -> Path:
     return copy
 
 
+def _last_as_stage(stream: Path, tmp_path: Path) -> Path:
+    """A copy of the scratch run with checkpoint_last.pt copied over checkpoint_stage1.pt."""
+    copy = _without(stream, tmp_path, "scratch")
+    shutil.copy(copy / "checkpoint_last.pt", copy / "checkpoint_stage1.pt")
+    return copy
+
+
 def _rebuilt_data(stream: Path, tmp_path: Path) -> Path:
     """A copy of the stream whose evaluation split is another (as another --eval-size makes)."""
     data = tmp_path / "rebuilt"
@@ -303,6 +311,7 @@ def _rebuilt_data(stream: Path, tmp_path: Path) -> Path:
 @pytest.mark.parametrize("case, needle", [
     ("no_log", "stream.jsonl: missing"),
     ("swapped_stages", "checkpoint_stage1.pt: holds the model of stage 2, not of stage 1"),
+    ("last_as_stage", "checkpoint_stage1.pt: not the model this run kept for stage 1 (no stage stamp"),
     ("other_data", "was trained with other data (splits differ) than"),
     ("ens_copies", "have the same fingerprint and seed (1)"),
     ("from_log_data", "drop --data or --from-log"),
@@ -327,6 +336,7 @@ def test_bad_input_is_one_line(stream, tmp_path, capsys, case, needle):
         "unfinished": lambda: [_without(stream, tmp_path, "scratch", keep_records=3)],
         "from_log_ens": lambda: [stream / "ens1", stream / "ens2", "--mode", "ens", "--from-log"],
         "swapped_stages": lambda: [_swapped_stages(stream, tmp_path)],
+        "last_as_stage": lambda: [_last_as_stage(stream, tmp_path)],
         "other_data": lambda: [stream / "ens1", "--data", _rebuilt_data(stream, tmp_path)],
         "ens_copies": lambda: [stream / "ens1", _without(stream, tmp_path, "ens1"), "--mode", "ens"],
         "from_log_data": lambda: [stream / "ens1", "--from-log", "--data", stream / "data"],
@@ -383,6 +393,43 @@ def test_data_copied_elsewhere_scores_with_data(stream, tmp_path, capsys):
     code, copied, err = _score(capsys, stream / "ens1", *flags, "--data", copy)
     assert code == 0, err
     assert copied == original
+
+
+def _with_task_setting(stream: Path, tmp_path: Path, run_name: str, **task: object) -> Path:
+    """A copy of a run whose stage checkpoints say they were trained with other task settings."""
+    copy = _without(stream, tmp_path, run_name)
+    for path in copy.glob("checkpoint_stage*.pt"):
+        state = torch.load(path, weights_only=False)
+        state["cfg"]["task"].update(task)
+        torch.save(state, path)
+    return copy
+
+
+def test_each_run_is_scored_with_its_own_task_whatever_the_order(stream, tmp_path, capsys):
+    """Several runs in one call: each checkpoint's model and evaluation blocks come from its
+    own config.  One task shared across the call scored a run trained with --sample-break-mode
+    eos on the first run's blocks (205.28 after another run, 189.55 alone)."""
+    eos = _with_task_setting(stream, tmp_path, "scratch", sample_break_mode="eos")
+    flags = ["--max-eval-tokens", "96"]
+    alone = {}
+    for run_dir in (stream / "scratch", eos):
+        code, _, err = _score(capsys, run_dir, *flags, "--json", tmp_path / "alone.json")
+        assert code == 0, err
+        alone[run_dir] = _ppls(tmp_path / "alone.json")
+    assert alone[eos] != alone[stream / "scratch"]  # other blocks: the case means something
+    for order in ((stream / "scratch", eos), (eos, stream / "scratch")):
+        code, _, err = _score(capsys, *order, *flags, "--json", tmp_path / "both.json")
+        assert code == 0, err
+        assert [_ppls(tmp_path / "both.json", i) for i in range(2)] == [alone[r] for r in order]
+    # an ensemble averages token by token: members cut into other blocks are refused (Ens
+    # members differ only by their seed, run.json says; this is the scorer's own guard)
+    from fairseq_alma.lm.ensemble_eval import CheckpointScorer, EvalSettings
+    settings = EvalSettings(str(stream / "data"), "eval", 32, 8, max_eval_tokens=96)
+    with pytest.raises(UsageError, match=r"cuts the evaluation data into other blocks than .*"
+                                         r"--sample-break-mode none vs eos"):
+        CheckpointScorer(False, 2).score_members(
+            [str(stream / "scratch" / "checkpoint_stage1.pt"), str(eos / "checkpoint_stage1.pt")],
+            settings)
 
 
 def test_unknown_mode_is_one_line(capsys):

@@ -164,9 +164,13 @@ def all_ranks_joint(scored: JointScore) -> JointScore:
 class CheckpointScorer:
     """Loads checkpoints onto one device and scores them; counts progress over ``total`` loads.
 
-    A fairseq task (dictionary, manifest check, dataset, its ``--max-eval-tokens`` slice) is set
-    up once per ``EvalSettings`` and shared by every checkpoint scored with them, as
-    ``fairseq-eval-lm`` does for an ensemble.  Under several processes (score_distributed.py)
+    Every checkpoint's model is built by a task set up from its own config (a run's growth or
+    UMix settings build its model); the evaluation dataset (with its ``--max-eval-tokens``
+    slice) is loaded once per ``EvalSettings`` and data-shaping task settings
+    (``DATASET_TASK_KEYS``) and shared by every checkpoint scored with them, as
+    ``fairseq-eval-lm`` does for an ensemble.  Why not one task for all: a task shared across
+    runs built every later run's model and blocks with the first run's settings (seen: a run
+    trained with ``--sample-break-mode eos`` scored 205.28 after another run, 189.55 alone).  Under several processes (score_distributed.py)
     each scores batch i with i % world == its rank, and the sums are all-reduced, so every
     rank returns the totals.  ``fp16`` halves each model's weights (CUDA only:
     the caller refuses it on CPU); log-probabilities are still taken in float32 and summed in
@@ -182,7 +186,8 @@ class CheckpointScorer:
         self.done = 0
         self.tokens = 0
         self.seconds = 0.0
-        self._tasks: dict[tuple, tuple[Any, Any, EvalSlice]] = {}
+        self._datasets: dict[tuple, tuple[Any, Any, EvalSlice]] = {}
+        self._keys: dict[tuple, tuple] = {}  # settings key -> the dataset key of its last load
 
     @staticmethod
     def _key(settings: EvalSettings) -> tuple:
@@ -191,14 +196,13 @@ class CheckpointScorer:
 
     def eval_slice(self, settings: EvalSettings) -> EvalSlice:
         """Which blocks of the split checkpoints were scored on with ``settings``."""
-        return self._tasks[self._key(settings)][2]
+        return self._datasets[self._keys[self._key(settings)]][2]
 
-    def _load(self, path: str, settings: EvalSettings) -> tuple[Any, Any, Any]:
-        task, dataset, _ = self._tasks.get(self._key(settings), (None, None, None))
+    def _load(self, path: str, settings: EvalSettings) -> tuple[Any, Any, Any, tuple]:
         overrides = {"data": settings.data, "tokens_per_sample": settings.tokens_per_sample}
         try:
-            models, _, task = checkpoint_utils.load_model_ensemble_and_task(
-                [path], arg_overrides=overrides, task=task
+            models, _, own_task = checkpoint_utils.load_model_ensemble_and_task(
+                [path], arg_overrides=overrides
             )
         except CheckpointError:
             raise
@@ -207,28 +211,39 @@ class CheckpointScorer:
         except (OSError, RuntimeError, KeyError) as err:
             raise UsageError(f"{path}: cannot load ({str(err).splitlines()[0]})") from None
         model = (models[0].half() if self.fp16 else models[0]).to(self.device)
-        if dataset is None:
+        key = (*self._key(settings), dataset_task_settings(own_task.cfg))
+        if key not in self._datasets:
             try:
-                task.load_dataset(settings.subset)
+                own_task.load_dataset(settings.subset)
             except (FileNotFoundError, MissingSplit):  # fairseq's task, or alma_stream's
                 raise UsageError(
                     f"--subset {settings.subset}: no such split in {settings.data} "
                     f"(the stream's evaluation mega-batch is 'eval')"
                 ) from None
-            dataset, chosen = slice_dataset(task.dataset(settings.subset),
+            dataset, chosen = slice_dataset(own_task.dataset(settings.subset),
                                             settings.max_eval_tokens)
-            self._tasks[self._key(settings)] = (task, dataset, chosen)
+            self._datasets[key] = (own_task, dataset, chosen)
+        self._keys[self._key(settings)] = key
+        task, dataset, _ = self._datasets[key]
         if settings.tokens_per_sample > model.max_positions():
             raise UsageError(
                 f"--tokens-per-sample {settings.tokens_per_sample} exceeds {path}'s "
                 f"{model.max_positions()} positions; pass at most {model.max_positions()}"
             )
-        return model, task, dataset
+        return model, task, dataset, key
 
     def score_members(self, paths: list[str], settings: EvalSettings) -> JointScore:
         """Load ``paths`` together and score them on the same batches (``score_jointly``)."""
         loaded = [self._load(path, settings) for path in paths]
-        models, (_, task, dataset) = [model for model, _, _ in loaded], loaded[0]
+        models, (_, task, dataset, key) = [model for model, *_ in loaded], loaded[0]
+        for path, (*_, other) in zip(paths[1:], loaded[1:]):
+            if other != key:  # members averaged token by token must see the same blocks
+                mine, theirs = dict(key[-1]), dict(other[-1])
+                changed = [f"--{k.replace('_', '-')} {mine.get(k)} vs {theirs.get(k)}"
+                           for k in dict.fromkeys([*mine, *theirs]) if mine.get(k) != theirs.get(k)]
+                raise UsageError(f"{path} cuts the evaluation data into other blocks than "
+                                 f"{paths[0]} ({'; '.join(changed)}); an ensemble's members must be "
+                                 f"trained with the same data settings")
         batching = Batching(settings.batch_size, settings.max_tokens)
         size, rank = world()
         batches = eval_batches(models, task, dataset, batching, num_shards=size, shard_id=rank,
@@ -254,6 +269,25 @@ class CheckpointScorer:
             logger.info("%d members scored together: %s, ppl %.2f of their average", len(paths),
                         timing, _ppl(scored.prefix_nll[-1], scored.ntokens))
         return scored
+
+
+# fairseq's LanguageModelingTask.load_dataset reads these task settings besides the data, the
+# split and --tokens-per-sample (the EvalSettings): checkpoints whose values differ are scored on
+# differently built blocks, so they must not share a loaded dataset.
+DATASET_TASK_KEYS = ("dataset_impl", "sample_break_mode", "shorten_method", "shorten_data_split_list",
+                     "pad_to_fixed_length", "pad_to_fixed_bsz", "add_bos_token", "self_target",
+                     "future_target", "past_target")
+
+
+def dataset_task_settings(task_cfg: Any) -> tuple[tuple[str, Any], ...]:
+    """The ``DATASET_TASK_KEYS`` of a task config (and the --seed a random crop draws with,
+    and the batch size --pad-to-fixed-bsz pads to), hashable, in a fixed order."""
+    keys = list(DATASET_TASK_KEYS)
+    if str(task_cfg.get("shorten_method") or "none") != "none":
+        keys.append("seed")
+    if task_cfg.get("pad_to_fixed_bsz"):
+        keys.append("batch_size_valid")
+    return tuple((key, str(task_cfg.get(key))) for key in keys)
 
 
 def _ppl(nll: float, ntokens: int) -> float:

@@ -16,7 +16,7 @@ from typing import Any
 from ..errors import DataError, RunDirError, UsageError
 from ..report.inputs import lm_experts_label, setting_name, vision_size_label
 from ..stream.records import ArrivalRecord
-from ..stream.run_view import RunView
+from ..stream.run_view import RunView, recovery_hint
 from ..stream.series import flops_convention
 from . import LOGGER_NAME
 
@@ -105,6 +105,7 @@ def load_run(run_dir: str, data: str | None, from_log: bool) -> StreamRun:
     for stage, ckpt in sorted(kept.items()):
         state = _read_checkpoint(ckpt)
         alma = state.get("alma") or {}
+        _check_stage_identity(ckpt, stage, state, bool(expected))
         if expected and alma.get("run") and alma["run"] != expected:
             raise RunDirError(f"{ckpt} belongs to another run than {view.run_file} (a "
                               f"restarted or mixed --save-dir); train this stream again with "
@@ -125,6 +126,29 @@ def load_run(run_dir: str, data: str | None, from_log: bool) -> StreamRun:
     if not from_log:  # --from-log reads the logged metric of the run's own data, not this one
         _check_same_data(view, data or run.cfg.task.data)
     return run
+
+
+def _check_stage_identity(ckpt: str, stage: int, state: dict, stamped_run: bool) -> None:
+    """A file under a stage checkpoint's name that training did not keep for that stage.
+
+    Why: every stage checkpoint of a run with ``run.json`` carries training's stamp (``alma``:
+    run and stage; ``lm/stage_checkpoints.py``), but a file without it was accepted: a copy of
+    ``checkpoint_last.pt`` put in place of a lost stage checkpoint (as "restore it from a copy"
+    invites) scored the last stage's model under stage 2's column (64.38 for 96.36), and one
+    over ``checkpoint_stage0.pt`` erased the cost of waiting from the anytime metric.  A run
+    from before the stamp (no run.json) is checked by what fairseq saved: the training position
+    at a stage's end is (epoch stage + 1, 0 iterations in it)."""
+    alma = state.get("alma") or {}
+    if alma.get("stage") is not None and (alma.get("run") or not stamped_run):
+        return
+    itr = (state.get("extra_state") or {}).get("train_iterator") or {}
+    epoch = itr.get("epoch")
+    if stamped_run or epoch != stage + 1 or itr.get("iterations_in_epoch", 0) != 0:
+        where = f"fairseq's stage {int(epoch) - 1} position" if isinstance(epoch, int) else \
+            "no training position"
+        raise RunDirError(f"{ckpt}: not the model this run kept for stage {stage} (no stage stamp; "
+                          f"it holds {where}: a copy of checkpoint_last.pt or another run's file?); "
+                          f"{recovery_hint(ckpt)}")
 
 
 def _read_checkpoint(path: str) -> dict:
