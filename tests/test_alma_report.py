@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import statistics
 import subprocess
 import sys
@@ -249,6 +250,43 @@ def test_numbers_obtained_differently_are_never_one_row(lm_runs, tmp_path):
     assert len(rows) == 2 and all(row.startswith("SM_w1 [") for row in rows), rows
     assert sorted("config.task.updates_per_stage=4" in row for row in rows) == [False, True]
     assert sorted("config.task.updates_per_stage=6" in row for row in rows) == [False, True]
+
+
+def test_a_score_json_keeps_what_it_scored(lm_runs, tmp_path):
+    """An alma-score JSON is read long after it was written: it keeps the runs' fingerprints
+    and the stream's identity (a run directory trained again since, or data moved, lent the
+    JSON's numbers another run's settings, or made every row's name a list of data keys); an
+    Ens is the set of its members, whatever their order; seeds of one setting are disjoint."""
+    from dataclasses import replace
+
+    from fairseq_alma.report.inputs import read_score_json
+    from fairseq_alma.report.seeds import SeedGroup
+
+    runs = lm_runs / "runs"
+    copy = tmp_path / "copy_s1"
+    shutil.copytree(runs / "sm_s1", copy)
+    run([tool("alma-score"), str(copy), "--cpu", "--json", str(tmp_path / "copy.json")])
+    shutil.rmtree(copy)  # gone: the JSON alone says what it scored
+    proc, _ = _report_ok(tmp_path / "copy.json", runs / "sm_s2", out=tmp_path / "kept")
+    rows = json.loads((tmp_path / "kept" / "table2.json").read_text())["series"]
+    assert [(r["setting"], r["seeds"]) for r in rows] == [("SM_w1", [[1], [2]])], rows
+    # a JSON from before the identity was kept, whose stream is gone: one line, not a row name
+    old = json.loads((tmp_path / "copy.json").read_text())
+    for entry in old["series"]:
+        entry["scoring"].pop("data_identity")
+        entry["scoring"]["settings"]["data"] = str(tmp_path / "moved")
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    proc = _report(tmp_path / "old.json", "--out", tmp_path / "old")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "old.json: the stream it was scored on cannot be read" in proc.stderr
+    run([tool("alma-score"), str(runs / "sm_s2"), str(runs / "sm_s1"), "--mode", "ens", "--cpu",
+         "--json", str(tmp_path / "ens21.json")])
+    proc = _report(lm_runs / "ens.json", tmp_path / "ens21.json", "--out", tmp_path / "twice")
+    assert proc.returncode == 2 and "is given twice" in proc.stderr, proc.stderr
+    ens = read_score_json(lm_runs / "ens.json")[0]
+    other = replace(ens, source="other.json:Ens_w1", runs=(ens.runs[0], "/elsewhere/s3"))
+    with pytest.raises(ValueError, match=r"share the run .*sm_s1, so they are not independent"):
+        SeedGroup([ens, other])
 
 
 @pytest.mark.slow

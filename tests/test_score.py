@@ -291,6 +291,16 @@ def _swapped_stages(stream: Path, tmp_path: Path) -> Path:
     return copy
 
 
+def _flipped_eval(stream: Path, tmp_path: Path) -> Path:
+    """A copy of the stream with one bit of its evaluation split flipped (sizes unchanged)."""
+    data = tmp_path / "flipped"
+    shutil.copytree(stream / "data", data)
+    raw = bytearray((data / "eval.bin").read_bytes())
+    raw[100] ^= 1
+    (data / "eval.bin").write_bytes(bytes(raw))
+    return data
+
+
 def _last_as_stage(stream: Path, tmp_path: Path) -> Path:
     """A copy of the scratch run with checkpoint_last.pt copied over checkpoint_stage1.pt."""
     copy = _without(stream, tmp_path, "scratch")
@@ -311,6 +321,7 @@ def _rebuilt_data(stream: Path, tmp_path: Path) -> Path:
 @pytest.mark.parametrize("case, needle", [
     ("no_log", "stream.jsonl: missing"),
     ("swapped_stages", "checkpoint_stage1.pt: holds the model of stage 2, not of stage 1"),
+    ("flipped_eval", "eval.bin: sha256 differs from"),
     ("last_as_stage", "checkpoint_stage1.pt: not the model this run kept for stage 1 (no stage stamp"),
     ("other_data", "was trained with other data (splits differ) than"),
     ("ens_copies", "have the same fingerprint and seed (1)"),
@@ -337,6 +348,7 @@ def test_bad_input_is_one_line(stream, tmp_path, capsys, case, needle):
         "from_log_ens": lambda: [stream / "ens1", stream / "ens2", "--mode", "ens", "--from-log"],
         "swapped_stages": lambda: [_swapped_stages(stream, tmp_path)],
         "last_as_stage": lambda: [_last_as_stage(stream, tmp_path)],
+        "flipped_eval": lambda: [stream / "ens1", "--data", _flipped_eval(stream, tmp_path)],
         "other_data": lambda: [stream / "ens1", "--data", _rebuilt_data(stream, tmp_path)],
         "ens_copies": lambda: [stream / "ens1", _without(stream, tmp_path, "ens1"), "--mode", "ens"],
         "from_log_data": lambda: [stream / "ens1", "--from-log", "--data", stream / "data"],

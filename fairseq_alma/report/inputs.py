@@ -23,14 +23,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import UsageError
+from ..errors import DataError, UsageError
 from ..stream.progress import AUTO, wait_from_flag
 from ..stream.records import ArrivalRecord
 from ..stream.run_dir import STREAM_LOG
 from ..stream.run_view import RunView
 from ..stream.series import series_from_records
 from .result_tables import REPORT_WRITER, series_from_entry
-from .seeds import SEED_KEYS, ReportedRun, find_key
+from .seeds import SEED_KEYS, ReportedRun, canonical, find_key
 
 
 def expand_run_dirs(paths: list[str]) -> list[str]:
@@ -146,29 +146,37 @@ def logged_scoring(fingerprint: Mapping[str, Any] | None, metric: str) -> dict[s
             "tokens": "all", "precision": precision, "data": (fingerprint or {}).get("data")}
 
 
-def evaluated_scoring(scoring: Mapping[str, Any], members: list[dict | None]) -> dict[str, Any]:
+def evaluated_scoring(scoring: Mapping[str, Any], members: list[dict | None],
+                      source: str = "") -> dict[str, Any]:
     """How ``alma-score`` obtained a series' numbers (its JSON's ``scoring``), as
     ``logged_scoring``'s keys: a ``--from-log`` series is its run's own records."""
     if str(scoring.get("source", "")).endswith(STREAM_LOG):
         return logged_scoring(members[0] if members else None, "ppl")
     settings = scoring.get("settings") or {}
     part = _eval_slice(scoring)
+    data = scoring["data_identity"] if "data_identity" in scoring else \
+        _data_identity(settings.get("data"), source)
     return {"split": settings.get("subset"), "tokens_per_sample": settings.get("tokens_per_sample"),
             "tokens": "all" if part is None else list(part), "precision": scoring.get("precision", "fp32"),
-            "data": _data_identity(settings.get("data"))}
+            "data": data}
 
 
-def _data_identity(data: Any) -> Any:
+def _data_identity(data: Any, source: str) -> Any:
     """The identity of the stream a series was scored on (its manifest's, as a run's
-    fingerprint holds it), or the path when the manifest cannot be read."""
+    fingerprint holds it), read from the stream for a JSON that does not keep it (alma-score
+    before 2026-11-29).  Why refuse when it cannot be read: its path in its place made every
+    row's name a list of ~50 ``data.splits...=None`` keys, kept seeds apart and let series
+    scored on different streams into one table."""
     if not data:
         return None
-    try:
-        from fairseq_alma.stream.manifest import data_identity, load_manifest
+    from fairseq_alma.stream.manifest import data_identity, load_manifest
 
+    try:
         return data_identity(load_manifest(str(data).split(os.pathsep)[0]))
-    except Exception:  # noqa: BLE001 - a moved or missing stream: its path is all there is
-        return os.path.realpath(str(data))
+    except (DataError, OSError) as err:
+        raise UsageError(f"{source}: the stream it was scored on cannot be read ({err}); put it "
+                         f"back, or score the runs again (alma-score --json now keeps what the "
+                         f"stream was)") from None
 
 
 def read_score_json(path: Path) -> list[ReportedRun]:
@@ -199,8 +207,10 @@ def read_score_json(path: Path) -> list[ReportedRun]:
     for entry, s in zip(entries, series, strict=True):
         scoring = entry.get("scoring") or {}
         members = [Path(run) for run in scoring.get("runs", [])]
-        fingerprints = []
-        for member in members:
+        # the fingerprints of the runs as they were scored; a JSON from before they were kept
+        # (alma-score before 2026-11-29) lends the run directories' as they are now
+        fingerprints = list(scoring["fingerprints"]) if "fingerprints" in scoring else []
+        for member in members[len(fingerprints):]:
             try:
                 fingerprints.append(RunView(member).fingerprint)
             except UsageError:
@@ -215,7 +225,7 @@ def read_score_json(path: Path) -> list[ReportedRun]:
         seed = tuple(s[0] for s in seeds) if seeds and None not in seeds else None
         out.append(ReportedRun(s, f"{path}:{s.setting}", fingerprint, seed, _eval_slice(scoring),
                                entry.get("eval_matrix"),
-                               scoring=evaluated_scoring(scoring, fingerprints),
+                               scoring=evaluated_scoring(scoring, fingerprints, str(path)),
                                runs=tuple(os.path.realpath(m) for m in members), mode=mode))
     return out
 
@@ -290,11 +300,18 @@ def refuse_the_same_series_twice(runs: list[ReportedRun]) -> None:
     """One line when one model's series comes twice: a run directory and an ``alma-score
     --json`` that scored it alone (or two such files); an ensemble's members may also appear
     alone, which is another series."""
-    seen: dict[tuple[str, tuple[str, ...]], str] = {}
+    seen: dict[tuple[str, tuple[str, ...], str], str] = {}
     for run in runs:
         if not run.runs:
             continue
-        key = (run.mode, run.runs)
+        # an Ens is its set of members (the order they were given in changes nothing); a
+        # directory trained again since a JSON scored it holds another run (its fingerprint)
+        members, fingerprint = run.runs, run.fingerprint
+        if run.mode == "ens":
+            members = tuple(sorted(members))
+            if fingerprint is not None:
+                fingerprint = sorted(map(canonical, fingerprint["members"]))
+        key = (run.mode, members, canonical(fingerprint))
         if key in seen:
             raise UsageError(f"{', '.join(run.runs)} is given twice: in {seen[key]} and in "
                              f"{run.source}; pass it once")

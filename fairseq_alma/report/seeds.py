@@ -170,6 +170,16 @@ class SeedGroup:
                                                             first.trained):
                 raise ValueError(f"{run.source} and {self.runs[0].source} share a fingerprint "
                                  f"but not their stream (metric, B or trained arrivals)")
+        # seeds of one setting are independent runs: two ensembles sharing a member are not
+        # (the spread over them would be understated), nor is a run beside an ensemble of it
+        owner: dict[str, str] = {}
+        for run in self.runs:
+            for member in run.runs:
+                if member in owner:
+                    raise ValueError(f"{owner[member]} and {run.source} share the run {member}, so "
+                                     f"they are not independent seeds of one setting; pass series "
+                                     f"of disjoint runs (or --no-seed-groups)")
+                owner[member] = run.source
 
     @property
     def members(self) -> list[ReportSeries]:

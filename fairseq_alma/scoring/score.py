@@ -8,13 +8,14 @@ same series, which equal a single process's.  The caller decides who prints and 
 from __future__ import annotations
 
 import logging
+import os
 
-from ..errors import UsageError
+from ..errors import DataError, UsageError
 from ..lm.score_distributed import ScoreWorld, choose_backend, scoring_group
 from . import LOGGER_NAME
 from .request import ScoreRequest
 from .rules import checkpoints_to_score
-from .runs import check_members, load_run
+from .runs import StreamRun, check_members, load_run
 from .series import ScoredSeries, build_series, settings_for
 
 logger = logging.getLogger(LOGGER_NAME)
@@ -55,6 +56,7 @@ def _score_runs(request: ScoreRequest, use_cuda: bool) -> list[ScoredSeries]:
             for run in runs:
                 check_period_splits(settings_for(run, request).data, len(run.records) - 1)
                 total += len(run.stages) * (len(run.records) - 1)
+        _verify_scored_splits(runs, request)
         scorer = CheckpointScorer(use_cuda=use_cuda, total=total, fp16=request.fp16)
         logger.info("scoring %d checkpoint(s) on %s", total, scorer.device)
     results = build_series(runs, request, scorer)
@@ -63,3 +65,22 @@ def _score_runs(request: ScoreRequest, use_cuda: bool) -> list[ScoredSeries]:
         logger.info("scored %s tokens in %.2fs: %s tokens/s", f"{scorer.tokens:,}", scorer.seconds,
                     rate)
     return results
+
+
+def _verify_scored_splits(runs: list[StreamRun], request: ScoreRequest) -> None:
+    """The splits this scoring reads, against their sha256 in the manifest, before any is
+    scored (``stream/manifest.verify_split_hashes``): each stream's once per call."""
+    from ..stream.manifest import verify_split_hashes
+
+    wanted: dict[str, set[str]] = {}
+    for run in runs:
+        settings = settings_for(run, request)
+        names = wanted.setdefault(settings.data.split(os.pathsep)[0], set())
+        names.add(settings.subset)
+        if request.matrix:  # check_period_splits made sure they exist
+            names.update(f"evalmb{k}" for k in range(len(run.records) - 1))
+    for data, names in wanted.items():
+        try:
+            verify_split_hashes(data, sorted(names))
+        except DataError as err:
+            raise UsageError(str(err)) from None

@@ -7,11 +7,12 @@ evaluation settings, precision, the slice scored, the members answering each arr
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ..errors import UsageError
 from ..stream.eval_batching import batch_size_problem
-from ..stream.manifest import split_note
+from ..stream.manifest import data_identity, load_manifest, split_note
 from ..stream.metrics import perplexity_from_nll
 from ..stream.series import ReportSeries, flops_convention
 from .old_runs import untrained_arrivals_before_0_3
@@ -36,6 +37,12 @@ def settings_for(run: StreamRun, request: ScoreRequest) -> Any:
     return settings
 
 
+def _scored_data_identity(data: str) -> dict[str, Any]:
+    """The identity (``stream/manifest.data_identity``) of the stream a series was scored on;
+    scoring has read its manifest already, so it is there."""
+    return data_identity(load_manifest(data.split(os.pathsep)[0]))
+
+
 def _ppl(nll: float, ntokens: int, what: str) -> float:
     if ntokens < 1:
         raise UsageError(f"{what}: no token scored; check --subset and --tokens-per-sample")
@@ -54,8 +61,11 @@ def build_series(runs: list[StreamRun], request: ScoreRequest, scorer: Any) -> l
     for members in member_groups(runs, request.mode):
         first, records = members[0], members[0].records
         predictors = predictors_by_stage(members, request.mode)
+        # what was scored, kept with the numbers: alma-report reads a JSON long after, when a
+        # run directory may hold a run trained again (another fingerprint) or its data moved
         extra: dict[str, Any] = {"mode": request.mode,
-                                 "runs": [str(run.path) for run in members]}
+                                 "runs": [str(run.path) for run in members],
+                                 "fingerprints": [run.fingerprint for run in members]}
         if request.from_log:
             values = first.logged_metric()
             extra["source"] = str(first.view.stream_log)
@@ -69,6 +79,7 @@ def build_series(runs: list[StreamRun], request: ScoreRequest, scorer: Any) -> l
             values = [stage_ppl.get(r.stage) for r in records]
             scored = scorer.eval_slice(settings)
             extra |= {"source": "evaluated", "settings": vars(settings),
+                      "data_identity": _scored_data_identity(settings.data),
                       "precision": "fp16" if scorer.fp16 else "fp32", **scored.as_json(),
                       "nll_tokens_by_stage": {str(s): list(v) for s, v in nll.items()}}
             if split_note(settings.subset):

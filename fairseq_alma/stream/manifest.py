@@ -130,6 +130,32 @@ def verify_stream_dir(data_dir: str, hashes: bool = False) -> dict:
     return manifest
 
 
+def verify_split_hashes(data_dir: str, names: list[str]) -> None:
+    """Every ``.bin``/``.idx`` of the splits ``names`` against its size and sha256 in the
+    manifest (a manifest without checksums: sizes only); ``DataError`` naming the file.
+
+    Why (alma-score): sizes alone let a flipped byte in the evaluation split through, and a
+    table scored on it printed other perplexities (181.09 for 181.20) with exit 0; the split a
+    scoring reads is hashed first (it reads every byte of it anyway)."""
+    manifest = load_manifest(data_dir)
+    manifest_path = os.path.join(data_dir, MANIFEST_NAME)
+    for name in names:
+        split = manifest["splits"].get(name) or {}
+        for ext in ("bin", "idx"):
+            path = os.path.join(data_dir, f"{name}.{ext}")
+            if not os.path.isfile(path) or f"{ext}_bytes" not in split:
+                continue  # a split the manifest or the directory lacks: loading names it
+            size = os.path.getsize(path)
+            if size != split[f"{ext}_bytes"]:
+                raise DataError(f"{path}: {size} bytes, {manifest_path} says {split[f'{ext}_bytes']} "
+                                "(truncated or replaced); re-run alma-data-prep")
+            recorded = split.get(f"{ext}_sha256")
+            if recorded and sha256_file(path) != recorded:
+                raise DataError(f"{path}: sha256 differs from {manifest_path} (the file was "
+                                "changed or damaged); re-run alma-data-prep, or score on an "
+                                "intact copy with --data")
+
+
 def kept_repeats(manifest: dict) -> int:
     """Documents of the corpus that repeat an earlier one and were kept in the stream
     (``alma-data-prep --keep-duplicates``; 0 when dropped, or for a stream prepared before

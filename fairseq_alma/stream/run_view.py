@@ -87,6 +87,11 @@ class RunView:
         if not records or [r.arrival for r in records] != list(range(len(records))):
             raise UsageError(f"{self.stream_log}: needs arrivals 0..B in order; run the training "
                              f"command of this run again to rewrite it")
+        problem = _inconsistent(records)
+        if problem is not None:
+            raise UsageError(f"{self.stream_log}: {problem}, which training never writes (an edited "
+                             f"or mixed file); run the training command of this run again to "
+                             f"rewrite it")
         return records
 
     @cached_property
@@ -253,6 +258,25 @@ def _not_torch_format(path: Path) -> str | None:
     if not all(byte in (9, 10, 13) or byte >= 32 for byte in start):
         return f"it begins with bytes {start[:4].hex()}"
     return "a JSON file" if start.lstrip()[:1] in (b"{", b"[") else "a text file"
+
+
+def _inconsistent(records: list[ArrivalRecord]) -> str | None:
+    """What in a stream log no training writes, or None.  Why: each number of a table is read
+    off one record by its stage (which checkpoint answers the arrival) and its cumulative
+    FLOPs; an arrival 3 saying stage 2 in a --wait 1 run scored stage 2's model in t2's column,
+    and FLOPs that fall ended alma-score in a traceback.  Stages count the trainings so far
+    (0 before the first), whatever the waiting policy; compute only grows."""
+    stage, flops = 0, 0.0
+    for record in records:
+        stage += bool(record.trained)
+        if record.stage != stage:
+            return (f"arrival {record.arrival} says stage {record.stage}, but the trained arrivals "
+                    f"up to it make it stage {stage}")
+        if record.train_flops_cum < flops:
+            return (f"arrival {record.arrival}'s train_flops_cum {record.train_flops_cum:g} is below "
+                    f"the one before it ({flops:g}); it is cumulative")
+        flops = record.train_flops_cum
+    return None
 
 
 def recovery_hint(path: str | os.PathLike) -> str:
