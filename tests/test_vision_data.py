@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
+import os
 import pickle
 import struct
 
@@ -11,11 +13,18 @@ import pytest
 import torch
 
 from fairseq_alma.errors import DataError, UsageError
+from fairseq_alma.stream.progress import StreamPlan
+from fairseq_alma.stream.run_dir import RunDirectory
 from fairseq_alma.vision.augment import random_crop_flip
 from fairseq_alma.vision.data import load_vision_data
 from fairseq_alma.vision.data_cifar import load_cifar10
 from fairseq_alma.vision.data_idx import load_mnist
 from fairseq_alma.vision.data_npz import load_npz
+from fairseq_alma.vision.dataset import MAX_CLASSES, VisionData, from_arrays
+from fairseq_alma.vision.learners import LearnerSpec
+from fairseq_alma.vision.runner import VisionRun, run_vision_stream
+from fairseq_alma.vision.stage_trainer import StageTrainConfig
+from fairseq_alma.vision.stream_stage import check_validation_parts, make_partition
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -161,6 +170,21 @@ def test_npz_layouts_and_missing_arrays(tmp_path):
     ({"y_train": np.array([0.0, 1.0, 2.0, 1.0])}, "y_train must be a 1-D array of integer class ids"),
     ({"y_train": np.array([0, -1, 2, 1])}, "y_train holds negative labels (-1)"),
     ({"x_test": np.zeros((1, 3))}, "x_train has shape (2,) per example but x_test (3,)"),
+    # finite in float64, inf in the float32 the model computes in
+    ({"x_train": np.array([[0.0, 1e39], [1, 2], [3, 4], [5, 6]])},
+     "x_train holds values beyond float32's range (about 3.4e38) in 1 example(s)"),
+    ({"x_test": np.full((1, 2), np.longdouble(np.finfo(np.float64).max))},
+     "x_test holds values beyond float32's range (about 3.4e38) in 1 example(s)"),
+    ({"x_train": np.array([[np.nan, 1e39], [1, 2], [3, 4], [5, 6]])},
+     "x_train holds NaN or inf in 1 example"),
+    ({"y_train": np.array(1)},
+     "y_train must be a 1-D array of integer class ids (got dtype int64, shape ())"),
+    ({"x_train": np.zeros((4, 0)), "x_test": np.zeros((1, 0))},
+     "x_train has shape (4, 0), no input values per example"),
+    ({"y_train": np.zeros(4, dtype=int), "y_test": np.array([0])}, "every label is 0, a single "
+                                                                   "class"),
+    ({"y_train": np.array([0, 1, 2, 1]), "num_classes": np.array(1)},
+     "num_classes must be one integer in [2, 1048576]"),
 ])
 def test_npz_that_would_train_on_wrong_data_is_refused(tmp_path, arrays, needle):
     """Out-of-range labels, NaN/inf inputs, wrong dtypes and shapes: refused before training,
@@ -174,6 +198,153 @@ def test_npz_that_would_train_on_wrong_data_is_refused(tmp_path, arrays, needle)
     assert needle in str(caught.value) and "\n" not in str(caught.value)
     np.savez(path, **base, num_classes=np.array(5))  # a class that never occurs, declared
     assert load_npz(str(path)).num_classes == 5
+
+
+@contextlib.contextmanager
+def _address_space_limit(extra_bytes: int):
+    """At most ``extra_bytes`` more virtual memory in this block (Linux): code that would size
+    a set by a label's value then fails with MemoryError instead of swapping the machine."""
+    resource = pytest.importorskip("resource")
+    with open("/proc/self/statm") as handle:
+        used = int(handle.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    cap = used + extra_bytes
+    if hard != resource.RLIM_INFINITY:
+        cap = min(cap, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def test_huge_label_is_refused_in_one_line_without_sizing_anything_by_it():
+    """A -1 'unlabelled' marker stored as uint32 (4294967295): listing the absent classes used to
+    build set(range(4294967296)), tens of GB.  Now labels beyond MAX_CLASSES are refused and the
+    absent-class check costs O(N) whatever the labels' values."""
+    x = np.zeros((4, 2), dtype=np.float32)
+    with _address_space_limit(1 << 30), pytest.raises(DataError) as caught:
+        from_arrays("t", x, np.array([0, 1, 0xFFFFFFFF, 1], np.uint32), x[:1], np.array([0]))
+    assert "y_train holds label 4294967295, beyond the 1048576 classes supported" in str(
+        caught.value)
+    absent = r"labels go up to 1048575 but classes 2, 3, 4, 5, 6 \.\.\."
+    with pytest.raises(DataError, match=absent):
+        from_arrays("t", x, np.array([0, 1, MAX_CLASSES - 1, 1]), x[:1], np.array([0]))
+
+
+@pytest.mark.parametrize("shape, loaded", [
+    ((3, 8, 8), (3, 8, 8)), ((8, 8, 3), (3, 8, 8)), ((1, 8, 8), (1, 8, 8)),
+    ((8, 8, 1), (1, 8, 8)), ((8, 8), (1, 8, 8)), ((5,), (5,)),
+])
+def test_npz_image_layouts_accepted(tmp_path, shape, loaded):
+    path = tmp_path / "d.npz"
+    x = np.arange(2 * int(np.prod(shape)), dtype=np.float32).reshape(2, *shape)
+    np.savez(path, x_train=x, y_train=np.array([0, 1]), x_test=x[:1], y_test=np.array([1]))
+    data = load_npz(str(path))
+    assert data.input_shape == loaded
+    if shape[-1] == 3 and len(shape) == 3:  # channel-last: pixel (0, 1, 2) of channel 2
+        assert float(data.x_train[0, 2, 1, 2]) == float(x[0, 1, 2, 2])
+
+
+@pytest.mark.parametrize("shape, needle", [
+    ((32, 32, 4), "has no channel axis of size 1 or 3"),  # RGBA: was 32 channels of 32x4
+    ((3, 5, 3), "is ambiguous (channels first or last?)"),
+    ((4, 8, 8), "has no channel axis of size 1 or 3"),
+])
+def test_npz_image_layout_that_cannot_be_told_is_refused(tmp_path, shape, needle):
+    path = tmp_path / "d.npz"
+    x = np.zeros((2, *shape), dtype=np.uint8)
+    np.savez(path, x_train=x, y_train=np.array([0, 1]), x_test=x[:1], y_test=np.array([1]))
+    with pytest.raises(DataError) as caught:
+        load_npz(str(path))
+    message = str(caught.value)
+    assert needle in message and "(N, C, H, W) / (N, H, W, C) images with C in {1, 3}" in message
+    assert message.startswith(f"{path}: x_train has shape (2, {', '.join(map(str, shape))})")
+
+
+def test_npy_file_given_as_npz_says_what_is_needed(tmp_path):
+    path = tmp_path / "plain.npy"
+    np.save(path, np.zeros((3, 3)))
+    with pytest.raises(DataError, match=r"plain.npy: a single .npy array; --vision-dataset npz "
+                                        r"needs an .npz archive holding x_train, y_train"):
+        load_vision_data("npz", str(path))
+
+
+def _corrupt_codec(raw: bytes) -> bytes:
+    return raw.replace(b"latin1", b"fatin1", 1)  # numpy arrays pickle via _codecs.encode
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({b"labels": ["cat", "dog", "cat"]}, "'labels' must be a list of integer class ids 0..9, got "
+                                         "dtype <U3"),
+    ({b"labels": None}, "'labels' must be a list of integer class ids 0..9, got dtype object"),
+    ({b"labels": [0.5, 1.5, 2.0]}, "'labels' must be a list of integer class ids 0..9, got dtype "
+                                   "float64"),  # int(0.5) was class 0
+    ({b"data": [[1, 2], [3]]}, "'data' is not a rectangular array"),
+    (_corrupt_codec, "not a CIFAR-10 python pickle batch (LookupError: unknown encoding: fatin1)"),
+    (lambda raw: raw[:2] + b"\x96" + b"\xff" * 8 + raw[2:],
+     "not a CIFAR-10 python pickle batch (OverflowError"),
+])
+def test_damaged_cifar_batch_is_one_line_naming_the_file(tmp_path, change, needle):
+    write_cifar(tmp_path)
+    path = tmp_path / "data_batch_2"
+    if callable(change):
+        path.write_bytes(change(path.read_bytes()))
+    else:
+        with open(path, "rb") as handle:
+            batch = pickle.load(handle, encoding="bytes")
+        with open(path, "wb") as handle:
+            pickle.dump(batch | change, handle, protocol=2)
+    with pytest.raises(DataError) as caught:
+        load_cifar10(str(tmp_path))
+    assert str(caught.value).startswith(f"{path}: ") and needle in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def _tiny(n: int) -> VisionData:
+    x = np.arange(n * 2, dtype=np.float32).reshape(n, 2)
+    return from_arrays("tiny", x, np.arange(n) % 2, x[:2], np.array([0, 1]))
+
+
+@pytest.mark.parametrize("n, plan, fraction, method, needle", [
+    # 4-example mega-batches: 10% rounds to 0, --wait auto divided by 0 at its first decision
+    (40, StreamPlan(10, "auto"), 0.1, "sm", "--wait auto would have none to decide on at "
+                                            "arrival 1; use --num-megabatches 8 or fewer, or "
+                                            "--valid-fraction 0.13 or more"),
+    (45, StreamPlan(10, "auto"), 0.1, "sm", "a --wait auto stage on mega-batch 5 alone would "
+                                            "have none"),
+    (40, StreamPlan(4, "auto"), 0.0, "sm", "--wait auto decides on the validation parts"),
+    # fixed --wait: the stage silently kept its last epoch
+    (40, StreamPlan(10, 2), 0.1, "sm", "stage 1 (mega-batches [0, 1]) would have none for its "
+                                       "best-epoch selection"),
+    (45, StreamPlan(10, 1), 0.1, "sm", "stage 6 (mega-batches [5]) would have none"),
+    (40, StreamPlan(4, 1), 0.0, "gmoe", "--vision-method gmoe picks the expert to split"),
+    # accepted: every stage's validation data is non-empty, or none is asked for
+    (45, StreamPlan(10, 1, replay=True), 0.1, "sm", None),
+    (45, StreamPlan(10, "auto", replay=True), 0.1, "sm", None),
+    (40, StreamPlan(4, 1), 0.0, "sm", None),
+    (40, StreamPlan(4, 4), 0.0, "gmoe", None),
+])
+def test_stream_needing_validation_data_it_lacks_is_refused(n, plan, fraction, method, needle):
+    data = _tiny(n)
+    partition = make_partition(data, plan, seed=0, valid_fraction=fraction)
+    if needle is None:
+        check_validation_parts(data, partition, plan, fraction, method)
+        return
+    with pytest.raises(UsageError) as caught:
+        check_validation_parts(data, partition, plan, fraction, method)
+    assert needle in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_wait_auto_without_validation_stops_before_training(tmp_path):
+    """Through the runner: refused before the first stage, no record written."""
+    run = VisionRun(dataset="npz", data_path=None, plan=StreamPlan(10, "auto"),
+                    learner=LearnerSpec("sm", "mlp", 2, seed=0),
+                    training=StageTrainConfig(epochs=1), seed=0)
+    with RunDirectory.for_training(tmp_path / "run") as run_dir, \
+            pytest.raises(UsageError, match="--valid-fraction 0.1 rounds to 0 validation"):
+        run_vision_stream(run, run_dir, _tiny(40))
+    assert not (tmp_path / "run" / "stream.jsonl").exists()
 
 
 def test_digits_load_unnormalised():

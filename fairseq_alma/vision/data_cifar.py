@@ -12,7 +12,7 @@ import pickle
 
 import numpy as np
 
-from ..errors import DataError
+from ..errors import DataError, first_line
 from .dataset import VisionData, from_arrays
 
 TRAIN_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6))
@@ -46,22 +46,41 @@ def read_batch(path: str) -> tuple[np.ndarray, np.ndarray]:
     try:
         with open(path, "rb") as handle:
             batch = _ArrayOnlyUnpickler(handle, encoding="bytes").load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as err:
-        raise DataError(f"{path}: not a CIFAR-10 python pickle batch ({err})") from None
+    except OSError as err:
+        raise DataError(f"{path}: cannot read ({first_line(err)})") from None
+    except Exception as err:  # any failure: see below
+        # Damaged bytes make the unpickler fail in any way (an unknown codec name: LookupError;
+        # a huge length: OverflowError or MemoryError; ...).  It only builds plain values
+        # (find_class above), so a failure here is the file's, never a bug of ours.
+        raise DataError(f"{path}: not a CIFAR-10 python pickle batch ({type(err).__name__}: "
+                        f"{first_line(err)}); download it again") from None
     if not isinstance(batch, dict):
         raise DataError(f"{path}: not a CIFAR-10 batch (expected a pickled dict)")
-    batch = {k.decode() if isinstance(k, bytes) else k: v for k, v in batch.items()}
+    batch = {k.decode("utf-8", "replace") if isinstance(k, bytes) else k: v
+             for k, v in batch.items()}
     if "data" not in batch or "labels" not in batch:
         raise DataError(f"{path}: CIFAR-10 batch lacks 'data' or 'labels'")
-    data = np.asarray(batch["data"])
-    labels = np.asarray(batch["labels"], dtype=np.int64)
+    data = _array(path, "data", batch["data"])
+    labels = _array(path, "labels", batch["labels"])
     if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or data.dtype != np.uint8:
         raise DataError(f"{path}: 'data' must be N x 3072 uint8, got {data.shape} {data.dtype}")
+    # int(0.5) would be class 0: float labels are refused, as the .npz loader refuses them
+    if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer) or labels.dtype == np.bool_:
+        raise DataError(f"{path}: 'labels' must be a list of integer class ids 0..9, got dtype "
+                        f"{labels.dtype}, shape {labels.shape}")
     if data.shape[0] != labels.shape[0]:
         raise DataError(
             f"{path}: {data.shape[0]} images but {labels.shape[0]} labels; the counts must match"
         )
-    return data.reshape(-1, 3, 32, 32), labels
+    return data.reshape(-1, 3, 32, 32), labels.astype(np.int64)
+
+
+def _array(path: str, key: str, value: object) -> np.ndarray:
+    """``value`` (a list or an array from the pickle) as an array; ragged lists are refused."""
+    try:
+        return np.asarray(value)
+    except (ValueError, TypeError) as err:  # inhomogeneous nested lists
+        raise DataError(f"{path}: '{key}' is not a rectangular array ({first_line(err)})") from None
 
 
 def load_cifar10(directory: str) -> VisionData:

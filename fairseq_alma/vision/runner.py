@@ -44,7 +44,13 @@ from .evaluation import evaluate
 from .learner_builder import build_learner
 from .learners import LearnerSpec
 from .stage_trainer import StageTrainConfig
-from .stream_stage import arrived_statistics, make_partition, stage_data, train_one_stage
+from .stream_stage import (
+    arrived_statistics,
+    check_validation_parts,
+    make_partition,
+    stage_data,
+    train_one_stage,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +105,11 @@ class _VisionStream:
         self.device = torch.device(run.device)
         self.data = _on_device(data, self.device)
         self.partition = make_partition(data, run.plan, run.seed, run.valid_fraction)
+        check_validation_parts(data, self.partition, run.plan, run.valid_fraction,
+                               run.learner.method)
+        if run.valid_fraction == 0:
+            logger.warning("--valid-fraction 0: no validation data, so every stage keeps its "
+                           "last epoch (no best-epoch selection)")
         self.statistics = arrived_statistics(self.data, self.partition)
         self.learner = build_learner(run.learner, data.input_shape, data.num_classes).to(self.device)
         self.stages: dict[int, dict[str, Any]] = {}  # what each stage did (FLOPs, best epoch)
