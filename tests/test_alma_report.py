@@ -197,7 +197,8 @@ def test_bad_input_is_one_line(tmp_path, case, needle):
 @pytest.mark.slow
 def test_lm_and_vision_runs_are_not_mixed(lm_runs, vision_runs, tmp_path):
     proc = _report(lm_runs / "runs" / "sm_s1", vision_runs / "replay", "--out", tmp_path / "o")
-    assert proc.returncode == 2 and "mix metrics" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "sm_s1 (perplexity, B = 3) and " in proc.stderr and "(test error, B = 3) are not one stream" in proc.stderr, proc.stderr
 
 
 def test_help_lists_the_figures():

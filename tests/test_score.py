@@ -377,11 +377,12 @@ def test_ens_members_differ_only_by_seed():
     from fairseq_alma.errors import UsageError
     from fairseq_alma.scoring.runs import _check_ens_seeds
 
-    def member(name: str, seed: int, updates: int = 4, kernel: str = "loop") -> SimpleNamespace:
+    def member(name: str, seed: int, updates: int = 4, kernel: str = "loop",
+               run_json: bool = True) -> SimpleNamespace:
         config = {"common": {"seed": seed}, "task": {"updates_per_stage": updates},
                   "model": {"moe_expert_kernel": kernel}}
-        return SimpleNamespace(path=Path(name), cfg=OmegaConf.create({"common": {"seed": seed}}),
-                               fingerprint={"config": config, "data": {"seed": 1}})
+        return SimpleNamespace(path=Path(name), cfg=OmegaConf.create(config),
+                               fingerprint={"config": config, "data": {"seed": 1}} if run_json else None)
 
     _check_ens_seeds([member("a", 1), member("b", 2, kernel="grouped")])  # accepted
     with pytest.raises(UsageError, match=r"--mode ens: b differs from a in more than the seed "
@@ -389,9 +390,11 @@ def test_ens_members_differ_only_by_seed():
         _check_ens_seeds([member("a", 1), member("b", 2, updates=8)])
     with pytest.raises(UsageError, match=r"a and b have the same fingerprint and seed \(1\)"):
         _check_ens_seeds([member("a", 1), member("b", 1)])
-    legacy = SimpleNamespace(path=Path("old"), cfg=OmegaConf.create({"common": {"seed": 3}}),
-                             fingerprint=None)  # fairseq-alma 0.1: only the seeds are compared
-    _check_ens_seeds([member("a", 1), legacy])
+    # fairseq-alma 0.1 (no run.json): compared by the stage checkpoints' configs
+    _check_ens_seeds([member("a", 1), member("old", 3, run_json=False)])
+    with pytest.raises(UsageError, match=r"old differs from a in more than the seed "
+                                         r"\(config.task.updates_per_stage: 4 -> 8\)"):
+        _check_ens_seeds([member("a", 1), member("old", 3, updates=8, run_json=False)])
 
 
 def test_data_copied_elsewhere_scores_with_data(stream, tmp_path, capsys):

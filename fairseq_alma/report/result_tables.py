@@ -53,12 +53,17 @@ def same_shape(rows: Rows) -> tuple[str, int]:
     (a perplexity depends on the dictionary and the evaluation split)."""
     if not rows:
         raise ValueError("no series to report; pass at least one run")
-    series = [s for group in as_groups(rows) for s in group.members]
-    kinds = {(s.metric, s.num_megabatches) for s in series}
-    if len(kinds) != 1:
-        raise ValueError(
-            f"series mix metrics or stream lengths {sorted(kinds)}; report them separately"
-        )
+    runs = [run for group in as_groups(rows) for run in group.runs]
+    first = runs[0]
+    for run in runs[1:]:
+        if (run.series.metric, run.series.num_megabatches) != (first.series.metric,
+                                                               first.series.num_megabatches):
+            def kind(one: ReportedRun) -> str:
+                metric = "perplexity" if one.series.metric == "ppl" else "test error"
+                return f"{metric}, B = {one.series.num_megabatches}"
+
+            raise ValueError(f"{first.source} ({kind(first)}) and {run.source} ({kind(run)}) are "
+                             f"not one stream's results; report them separately")
     evaluated_on: dict[str, str] = {}  # stream identity (canonical) -> a source scored on it
     for group in as_groups(rows):
         for run in group.runs:
@@ -72,13 +77,13 @@ def same_shape(rows: Rows) -> tuple[str, int]:
             f"differ: another corpus, split or dictionary); their perplexities are not comparable, "
             f"report them separately"
         )
-    conventions = {s.flops_convention for s in series}
+    conventions = {run.series.flops_convention for run in runs}
     if len(conventions) > 1:
         raise ValueError(
             f"series count FLOPs with different --flops-convention {sorted(map(str, conventions))}; "
             f"report them separately (their compute is not comparable)"
         )
-    return kinds.pop()
+    return first.series.metric, first.series.num_megabatches
 
 
 def _millions(count: float) -> str:

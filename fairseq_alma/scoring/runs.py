@@ -247,15 +247,21 @@ def _check_ens_seeds(runs: list[StreamRun]) -> None:
     from ..report.seeds import SEED_KEYS, without_keys
     from ..stream.run_dir import fingerprint_differences, without_execution_settings
 
-    def settings(run: StreamRun) -> dict | None:
-        if run.fingerprint is None:  # fairseq-alma 0.1: no run.json to compare
-            return None
-        return without_keys(without_execution_settings(run.fingerprint), SEED_KEYS)
+    from ..fairseq_glue.config import run_fingerprint
+
+    # a member without run.json (fairseq-alma 0.1) is compared by its stage checkpoint's
+    # config, as training fingerprints it (then every member is: run.json holds more keys);
+    # it was let through, so members trained with another --lr or budget averaged as seeds
+    from_checkpoints = any(run.fingerprint is None for run in runs)
+
+    def settings(run: StreamRun) -> dict:
+        fingerprint = {"config": run_fingerprint(run.cfg)} if from_checkpoints else run.fingerprint
+        return without_keys(without_execution_settings(fingerprint), SEED_KEYS)
 
     first = runs[0]
     seen: dict[Any, StreamRun] = {}
     for run in runs:
-        if run is not first and None not in (settings(run), settings(first)):
+        if run is not first:
             changed = fingerprint_differences(settings(first), settings(run))
             if changed:
                 shown = "; ".join(changed[:3]) + (f"; and {len(changed) - 3} more"
