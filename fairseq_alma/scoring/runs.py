@@ -244,10 +244,9 @@ def _check_ens_seeds(runs: list[StreamRun]) -> None:
     ``report/seeds.py``): a member trained otherwise is another model, and a copy (same
     fingerprint and seed) would count its compute twice for one model's perplexity.  Settings
     that change how a run computes, not what (``EXECUTION_SETTINGS``), may differ."""
+    from ..fairseq_glue.config import run_fingerprint
     from ..report.seeds import SEED_KEYS, without_keys
     from ..stream.run_dir import fingerprint_differences, without_execution_settings
-
-    from ..fairseq_glue.config import run_fingerprint
 
     # a member without run.json (fairseq-alma 0.1) is compared by its stage checkpoint's
     # config, as training fingerprints it (then every member is: run.json holds more keys);
