@@ -16,7 +16,7 @@ from __future__ import annotations
 import io
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import chain, pairwise
 from multiprocessing import Pool
@@ -31,7 +31,7 @@ from fairseq_alma.stream.manifest import sha256_file
 
 from .encoded import PartWriter, concatenate_parts
 from .fileio import PARTIAL_SUFFIX, aligned_offsets
-from .progress_lines import Progress
+from .progress_lines import Progress, log
 
 # Sentence sampling uses its own fixed seed, so --seed (the split) never retrains the BPE model.
 SPM_SAMPLE_SEED = 1
@@ -39,32 +39,85 @@ ENCODE_BLOCK_BYTES = 1 << 20  # lines per tokenizer call: about 1 MB of text
 ENCODE_CHUNK_BYTES = 1 << 26  # a worker's unit of work: 64 MB of documents
 
 
-def _training_lines(docs_path: str) -> Iterator[str]:
-    with open(docs_path, encoding="utf-8") as f:
-        for line in f:
-            if line != "\n":
-                yield line.rstrip("\n")
+# sentencepiece's trainer skips every line longer than this many UTF-8 bytes: its default
+# max_sentence_length. Left at that default, not raised: the trainer holds up to
+# --spm-sample-sentences lines in memory, and a corpus of documents one per line would then hold
+# whole documents, a million of them. Not passed either: an explicit value is stored in
+# spm.model's trainer spec, so every model (and every stream after it) would change bytes.
+SPM_MAX_SENTENCE_BYTES = 4192
+
+
+class TrainingLines:
+    """The non-blank lines of the extracted text, as sentencepiece's trainer reads them, and
+    how many it will skip for being longer than ``SPM_MAX_SENTENCE_BYTES``: it skips them in
+    silence, so a corpus of long lines would train on the few short ones (or fail with an
+    internal error when there are none)."""
+
+    def __init__(self, docs_path: str) -> None:
+        self.docs_path = docs_path
+        self.lines = 0
+        self.too_long = 0
+
+    @property
+    def are(self) -> str:
+        return "is" if self.too_long == 1 else "are"
+
+    @property
+    def were(self) -> str:
+        return "was" if self.too_long == 1 else "were"
+
+    def __iter__(self) -> Iterator[str]:
+        limit = SPM_MAX_SENTENCE_BYTES
+        with open(self.docs_path, encoding="utf-8") as f:
+            for line in f:
+                if line != "\n":
+                    line = line.rstrip("\n")
+                    self.lines += 1
+                    # A character is at most 4 bytes: only long strings need encoding.
+                    if len(line) > limit // 4 and len(line.encode("utf-8")) > limit:
+                        self.too_long += 1
+                    yield line
 
 
 def train_sentencepiece(docs_path: str, out_dir: str, vocab_size: int, sample_sentences: int,
-                        threads: int, byte_fallback: bool) -> dict:
+                        threads: int, byte_fallback: bool,
+                        before_writing: Callable[[], None] | None = None) -> dict:
     """Train ``out_dir/spm.model`` (and its ``spm.vocab`` listing), written atomically.
 
     Lines are streamed to sentencepiece and the model comes back in memory: given a file path
     sentencepiece would store that path inside the model, so the same corpus prepared into two
     directories would give two different models. ``threads`` changes the learnt merges
     (sentencepiece splits its counting by thread), so it is a flag of its own, apart from
-    ``--workers``, and part of this step's key."""
+    ``--workers``, and part of this step's key. ``before_writing`` runs once training has
+    succeeded, before the first file is replaced: a refused training changes nothing."""
     spm.set_random_generator_seed(SPM_SAMPLE_SEED)
     model_bytes = io.BytesIO()
+    lines = TrainingLines(docs_path)
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=_training_lines(docs_path), model_writer=model_bytes,
+            sentence_iterator=iter(lines), model_writer=model_bytes,
             model_type="bpe", vocab_size=vocab_size, input_sentence_size=sample_sentences,
             shuffle_input_sentence=True, num_threads=threads, byte_fallback=byte_fallback,
             minloglevel=2)
     except RuntimeError as exc:
-        raise DataError(_explain_spm_error(str(exc), vocab_size)) from None
+        if lines.too_long and lines.too_long == lines.lines:
+            raise DataError(
+                f"every line of the corpus ({lines.lines:,}) is longer than "
+                f"{SPM_MAX_SENTENCE_BYTES:,} bytes, which sentencepiece's BPE trainer skips, so "
+                "it has nothing to learn from; are documents one per line? Put a line break "
+                "after each sentence or paragraph and a blank line between documents (or use "
+                "--bpe gpt2, which has no such limit)") from None
+        skipped = (f"; {lines.too_long:,} of {lines.lines:,} lines {lines.were} longer than "
+                   f"{SPM_MAX_SENTENCE_BYTES:,} bytes and skipped by the trainer (documents one "
+                   "per line?)") if lines.too_long else ""
+        raise DataError(_explain_spm_error(str(exc), vocab_size) + skipped) from None
+    if lines.too_long:
+        log(f"warning: {lines.too_long:,} of {lines.lines:,} lines {lines.are} longer than "
+            f"{SPM_MAX_SENTENCE_BYTES:,} bytes, which sentencepiece's BPE trainer skips: the BPE "
+            "model learnt from the other lines (every line is still encoded); if documents are "
+            "one per line, break them into lines")
+    if before_writing is not None:
+        before_writing()
     model = spm.SentencePieceProcessor(model_proto=model_bytes.getvalue())
     with atomic_output(os.path.join(out_dir, "spm.vocab")) as f:  # sentencepiece's own format
         for piece_id in range(model.get_piece_size()):

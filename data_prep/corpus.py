@@ -13,6 +13,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import os
+import stat
 import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -31,10 +32,20 @@ class SourceFile:
     path: str  # absolute
     bytes: int
     mtime_ns: int
+    # Why ctime too: the extraction is reused while a source's key is unchanged, and a file
+    # replaced by another of the same size with its mtime kept (cp -p, rsync -a, touch -r)
+    # has the old size and mtime, but no tool can set ctime: any write or replacement moves it.
+    ctime_ns: int
 
 
 def discover_sources(inputs: Iterable[str]) -> list[SourceFile]:
-    """Expand files and directories into a de-duplicated list of files, in a stable order."""
+    """Expand files and directories into a de-duplicated list of files, in a stable order.
+
+    Everything a directory holds is either read or refused, never skipped in silence: a
+    sub-directory that cannot be listed, a link to nothing, or something that is no regular
+    file (a FIFO would block the extraction forever, a device would stream without end) ends
+    the run with a ``DataError`` naming it, before anything is written. Hidden entries are the
+    one deliberate exception (module docstring)."""
     found: list[SourceFile] = []
     seen: set[str] = set()
     for given in inputs:
@@ -51,14 +62,55 @@ def discover_sources(inputs: Iterable[str]) -> list[SourceFile]:
             if real in seen:  # a file listed twice would put one document in two splits
                 continue
             seen.add(real)
-            st = os.stat(real)
-            found.append(SourceFile(os.path.abspath(path), st.st_size, st.st_mtime_ns))
+            st = _stat_source(path, real, given)
+            found.append(SourceFile(os.path.abspath(path), st.st_size, st.st_mtime_ns,
+                                    st.st_ctime_ns))
     return found
 
 
+def _stat_source(path: str, real: str, given: str) -> os.stat_result:
+    """``os.stat`` of one file to read; what cannot be read as a text file is refused."""
+    where = f"input {path} (in input directory {given})" if path != given else f"input {path}"
+    try:
+        st = os.stat(real)
+    except FileNotFoundError:
+        if os.path.islink(path):
+            raise DataError(f"{where}: a symbolic link to {os.readlink(path)}, which does not "
+                            "exist; fix the link or remove it") from None
+        raise DataError(f"{where}: no such file or directory") from None
+    except OSError as exc:
+        raise DataError(f"{where}: cannot read ({exc.strerror or exc})") from None
+    if stat.S_ISREG(st.st_mode) and not os.access(real, os.R_OK):  # now, not mid-extraction
+        raise DataError(f"{where}: cannot read (Permission denied); make it readable (chmod) "
+                        "or leave it out")
+    if not stat.S_ISREG(st.st_mode):
+        fix = ("move it out of the directory, or list the text files as INPUTs"
+               if path != given else "write its text to a file and give that")
+        raise DataError(f"{where}: {_file_kind(st.st_mode)}, not a regular file, which is all "
+                        f"alma-data-prep reads (plain or .gz text); {fix}")
+    return st
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return kind
+    return "a special file"
+
+
 def _walk_sorted(root: str) -> list[str]:
+    """Every non-hidden file under ``root``, directories in sorted order (links followed).
+    A directory ``os.walk`` cannot list is refused: by default it would skip it, and a
+    corpus with one sub-directory unreadable would be prepared without it, exit 0."""
+    def refuse(exc: OSError) -> None:
+        where = exc.filename or root
+        raise DataError(f"input {root}: cannot read directory {where} "
+                        f"({exc.strerror or exc}); make it readable (chmod) or move it out of "
+                        f"{root}")
+
     files = []
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+    for dirpath, dirnames, filenames in os.walk(root, onerror=refuse, followlinks=True):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         files.extend(os.path.join(dirpath, f) for f in sorted(filenames) if not f.startswith("."))
     return files
@@ -82,12 +134,10 @@ def iter_lines(path: str) -> Iterator[str]:
         with opener(path, "rt", encoding="utf-8-sig") as f:
             for lineno, line in enumerate(f, start=1):
                 if "\0" in line:
-                    raise DataError(_binary_input(path, lineno))
+                    raise DataError(_compressed_input(path) or _binary_input(path, lineno))
                 yield line
     except UnicodeDecodeError as exc:
-        raise DataError(
-            f"input {path}: not valid UTF-8 near line {lineno + 1} ({exc.reason}); "
-            "convert it to UTF-8 (e.g. iconv) or leave it out") from None
+        raise DataError(_compressed_input(path) or _not_utf8(path, exc)) from None
     except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
         raise DataError(f"input {path}: unreadable .gz file ({exc}); "
                             "re-create it or leave it out") from None
@@ -95,11 +145,74 @@ def iter_lines(path: str) -> Iterator[str]:
         raise DataError(f"input {path}: cannot read ({exc.strerror or exc})") from None
 
 
+def _not_utf8(path: str, exc: UnicodeDecodeError) -> str:
+    """The message for bytes that are not UTF-8, with the exact line of the first bad one.
+
+    Why read the file again: the text layer decodes 8 KB at a time, so the line count it has
+    reached when a chunk fails is up to a chunk short of the bad byte. Read again as bytes,
+    line by line, the first line that does not decode is the one; this runs only on the way
+    to the error. A multi-byte UTF-8 character never contains a newline byte, so a line of
+    good text always decodes on its own."""
+    opener = gzip.open if is_gzip(path) else open
+    try:
+        with opener(path, "rb") as f:
+            for lineno, raw in enumerate(f, start=1):
+                try:
+                    raw.decode("utf-8")
+                except UnicodeDecodeError as bad:
+                    return (f"input {path}: not valid UTF-8 on line {lineno:,} (byte "
+                            f"{bad.start + 1} of the line: {bad.reason}); convert it to UTF-8 "
+                            "(e.g. iconv) or leave it out")
+    except (OSError, EOFError, zlib.error):
+        pass
+    return (f"input {path}: not valid UTF-8 ({exc.reason}); convert it to UTF-8 (e.g. iconv) "
+            "or leave it out")
+
+
 def _binary_input(path: str, lineno: int) -> str:
     shard = (" (a fairseq-preprocess output goes in --from-binarized DATA_BIN)"
              if path.endswith((".bin", ".idx")) else "")
     return (f"input {path}: holds a NUL byte on line {lineno}, so it is a binary file, not "
             f"text{shard}; leave it out, or strip NUL bytes (tr -d '\\000') if it is text")
+
+
+# The first bytes of compressed files that are not read as such: (magic, format, command).
+COMPRESSED_MAGIC = ((b"\x1f\x8b", "gzip", "gunzip"), (b"BZh", "bzip2", "bunzip2"),
+                    (b"\xfd7zXZ\x00", "xz", "unxz"), (b"\x28\xb5\x2f\xfd", "zstd", "unzstd"),
+                    (b"PK\x03\x04", "zip", "unzip"), (b"\x04\x22\x4d\x18", "lz4", "unlz4"))
+
+
+def _compressed_input(path: str) -> str | None:
+    """The message for a compressed file that is read as text, or None when it is not one.
+
+    Why: such a file fails as "not valid UTF-8", whose advice (iconv) is wrong for it. Only
+    ``.gz`` is decompressed, and only by its name: a gzip file named otherwise is told so."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(6)
+    except OSError:
+        return None
+    if is_gzip(path):  # the bytes inside the .gz are themselves compressed
+        try:
+            with gzip.open(path, "rb") as f:
+                head = f.read(6)
+        except (OSError, EOFError, zlib.error):
+            return None
+    for magic, name, command in COMPRESSED_MAGIC:
+        if not head.startswith(magic):
+            continue
+        if name == "gzip" and not is_gzip(path):
+            return (f"input {path}: a gzip file without the .gz ending, by which "
+                    "alma-data-prep knows to decompress it; rename it to end in .gz, or "
+                    f"decompress it ({command})")
+        if is_gzip(path):
+            return (f"input {path}: a .gz file whose content is {name}-compressed again; "
+                    f"decompress it fully ({command}) and gzip the text once, or leave it out")
+        article = "an" if name[0] in "aeioux" else "a"
+        return (f"input {path}: {article} {name}-compressed file; alma-data-prep reads plain "
+                f"UTF-8 text and .gz files only: decompress it ({command}) or recompress it "
+                "with gzip, or leave it out")
+    return None
 
 
 def iter_documents(lines: Iterable[str]) -> Iterator[list[str]]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import struct
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -80,7 +81,8 @@ def _prefix(data_bin: str, k: int) -> str:
 
 
 def find_shards(data_bin: str) -> list[str]:
-    """``DATA_BIN/train``, then ``train1``, ``train2``, ... while they exist (path prefixes)."""
+    """``DATA_BIN/train``, then ``train1``, ``train2``, ... while they exist (path prefixes),
+    each checked to be a whole mmap shard before anything reads it (``_check_index``)."""
     from fairseq.data import indexed_dataset
 
     prefixes = []
@@ -92,12 +94,53 @@ def find_shards(data_bin: str) -> list[str]:
             raise DataError(f"{path}: missing; --from-binarized reads the train split: run "
                             f"fairseq-preprocess --only-source --trainpref TEXT --destdir "
                             f"{data_bin}")
+    orphan = f"{_prefix(data_bin, len(prefixes))}.bin"
+    if prefixes and os.path.isfile(orphan):  # the shards end at the first .idx missing
+        raise DataError(f"{orphan[:-4]}.idx: missing, while {orphan} is there; copy it from the "
+                        f"--destdir of fairseq-preprocess, or remove {orphan} if that shard is "
+                        "not part of the data")
     for prefix in prefixes:
+        # fairseq's infer_dataset_impl says None for a .idx without its .bin: say it is gone.
+        if not os.path.isfile(f"{prefix}.bin"):
+            raise DataError(f"{prefix}.bin: missing, while {prefix}.idx is there; copy it from "
+                            f"the --destdir of fairseq-preprocess, or remove {prefix}.idx if "
+                            "that shard is not part of the data")
         impl = indexed_dataset.infer_dataset_impl(prefix)
         if impl != "mmap":
             raise DataError(f"{prefix}.idx: dataset-impl {impl or 'unknown'}, not mmap; re-run "
                             "fairseq-preprocess with --dataset-impl mmap (its default)")
+        _check_index(prefix)
     return prefixes
+
+
+MMAP_INDEX_HEADER = "<9sQBQ"  # magic, version, dtype code, lines: fairseq's mmap Index writer
+
+
+def _check_index(prefix: str) -> None:
+    """Refuse a damaged mmap ``.idx`` before fairseq reads it.
+
+    Why here: fairseq's reader trusts the header's line count, so a truncated file (a copy cut
+    short, a full disk) ends in a bare ``ValueError: buffer is smaller than requested size``,
+    or a ``struct.error`` and an "Exception ignored" from its ``__del__``, naming no file.
+    The header and the file's size say it all: two arrays of one entry per line follow."""
+    from fairseq.data import indexed_dataset
+
+    path = indexed_dataset.index_file_path(prefix)
+    header = struct.calcsize(MMAP_INDEX_HEADER)
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(header)
+    redo = "re-run fairseq-preprocess (or copy the file again)"
+    if len(head) < header:
+        raise DataError(f"{path}: truncated ({size:,} bytes, shorter than the {header}-byte "
+                        f"header of an mmap index); {redo}")
+    _, version, code, lines = struct.unpack(MMAP_INDEX_HEADER, head)
+    if version != 1 or code not in indexed_dataset._code_to_dtype:  # the reader's own table
+        raise DataError(f"{path}: damaged header (version {version}, dtype code {code}); {redo}")
+    needed = header + lines * (4 + 8)  # an int32 size and an int64 pointer per line
+    if size < needed:
+        raise DataError(f"{path}: truncated ({size:,} bytes; its header lists {lines:,} lines, "
+                        f"which need {needed:,}); {redo}")
 
 
 def load_source_dictionary(data_bin: str) -> Dictionary:
@@ -246,7 +289,7 @@ def _sources(prefixes: list[str]) -> list[SourceFile]:
         for ext in ("bin", "idx"):
             st = os.stat(f"{prefix}.{ext}")
             found.append(SourceFile(os.path.abspath(f"{prefix}.{ext}"), st.st_size,
-                                    st.st_mtime_ns))
+                                    st.st_mtime_ns, st.st_ctime_ns))
     return found
 
 
@@ -297,6 +340,7 @@ def prepare_from_binarized(options: PrepOptions, command: str) -> dict:
             labels, stats = assign_documents(docs.tokens, o.seed, o.num_megabatches,
                                              parse_size(o.valid_size), parse_size(o.eval_size),
                                              o.order, per_megabatch_size(o.eval_per_megabatch))
+            runner.changing_stream()  # every refusal is above: only now are shards replaced
             info = write_shards(prefixes, docs, labels, names, len(dictionary),
                                 dictionary.eos(), o.out)
             for name, split in info.items():
@@ -305,7 +349,7 @@ def prepare_from_binarized(options: PrepOptions, command: str) -> dict:
                                        f"counted {stats[name]['tokens']}")
             return {**info, "repeated_documents": found, "repeats_dropped": bool(found and drop)}
         outputs = [f"{name}.{ext}" for name in names for ext in ("bin", "idx")]
-        info = runner.ensure("cut", key, outputs, build)
+        info = runner.ensure("cut", key, outputs, build, checks_first=True)
         splits = {name: info[name] for name in [*names[2:], "eval", "valid"]}
         remove_stale_megabatches(o.out, names)
         remove_files(o.out, ["spm.model", "spm.vocab"])

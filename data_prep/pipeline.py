@@ -93,7 +93,7 @@ class Pipeline:
 
     def extract(self, need_outputs: bool = False) -> dict:
         key = {"version": PIPELINE_VERSION,
-               "sources": [[s.path, s.bytes, s.mtime_ns] for s in self.sources],
+               "sources": [[s.path, s.bytes, s.mtime_ns, s.ctime_ns] for s in self.sources],
                **repeats_key(self.o.keep_duplicates)}
         return self.runner.ensure(
             "extract", key, ["work/docs.txt"],
@@ -113,8 +113,12 @@ class Pipeline:
         def build() -> dict:
             self.extract(need_outputs=True)
             return train_sentencepiece(self.path("work/docs.txt"), o.out, o.vocab_size,
-                                       o.spm_sample_sentences, o.spm_threads, o.byte_fallback)
-        return self.runner.ensure("sentencepiece", key, ["spm.model", "spm.vocab"], build)
+                                       o.spm_sample_sentences, o.spm_threads, o.byte_fallback,
+                                       before_writing=self.runner.changing_stream)
+        # checks_first: a --vocab-size the corpus cannot give is refused before spm.model is
+        # replaced, so a refused re-run leaves the finished stream as it was.
+        return self.runner.ensure("sentencepiece", key, ["spm.model", "spm.vocab"], build,
+                                  checks_first=True)
 
     def _encode_key(self) -> dict:
         if self.gpt2 is None:

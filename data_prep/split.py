@@ -144,6 +144,12 @@ def carve(tokens: np.ndarray, num_megabatches: int, valid: SizeSpec,
     valid_target = valid.target(total)
     eval_target = eval_size.target(total)
     assert valid_target is not None, "the validation size cannot be 'megabatch'"
+    if eval_target is None and valid_target >= total:  # 'megabatch' is sized from the rest
+        raise DataError(
+            f"--valid-size ({valid_target:,} tokens) leaves nothing of the corpus's {total:,} "
+            f"tokens for the training mega-batches, nor for the evaluation mega-batch (--eval-size "
+            f"{SAME_AS_MEGABATCH}: as large as one of them); lower --valid-size, e.g. to a "
+            "fraction (0.05)")
     if valid_target + (eval_target or 0) >= total:
         raise DataError(
             f"--valid-size ({valid_target:,} tokens) and --eval-size "

@@ -22,13 +22,29 @@ from .progress_lines import log
 STAMP_DIR = ".stamps"
 
 
+def in_stream(rel: str) -> bool:
+    """Whether output ``rel`` (relative to DIR) is one of the stream's own files -- those lie
+    directly in DIR, where ``manifest.json`` describes them -- rather than work in progress
+    under ``DIR/work``, which no reader of the stream opens."""
+    return os.path.dirname(rel) == ""
+
+
 class StepRunner:
     def __init__(self, out_dir: str,
-                 before_first_build: Callable[[], None] | None = None) -> None:
-        """``before_first_build`` runs once, before this run changes any output (the pipeline
-        uses it to withdraw the manifest, which must never describe files being replaced)."""
+                 before_stream_change: Callable[[], None] | None = None) -> None:
+        """``before_stream_change`` runs once, right before this run first replaces one of the
+        stream's own files (``in_stream``): the pipeline uses it to withdraw the manifest, which
+        must never describe files being replaced.
+
+        Why not before the first build of any step, as it once ran: a re-run with other split
+        flags rebuilds work files first and may then be refused (a --valid-size the corpus
+        cannot give), and the finished stream it was pointed at lost its manifest for nothing.
+        Work files changing under a manifest harm no one: readers never open them, and reuse
+        is decided by the stamps alone, so an interrupted run still resumes to exactly what an
+        uninterrupted one gives."""
         self.out_dir = out_dir
-        self.before_first_build = before_first_build
+        self.before_stream_change = before_stream_change
+        self.stream_changed = False
         self.stamp_dir = os.path.join(out_dir, STAMP_DIR)
         os.makedirs(self.stamp_dir, exist_ok=True)
         self.seconds: dict[str, float] = {}  # time spent building each step in this run
@@ -36,6 +52,15 @@ class StepRunner:
         # task needs the extraction and the tokenizer finished by the job before it.
         self.frozen: dict[str, str] = {}
         self._nested = 0.0  # time spent in steps built from inside the current build
+
+    def changing_stream(self) -> None:
+        """Say that the stream's own files are about to change (``before_stream_change``, the
+        first time). A step whose build can still refuse its input after reading it calls this
+        itself, once its checks have passed (``ensure``'s ``checks_first``)."""
+        if self.before_stream_change is not None:
+            self.before_stream_change()
+            self.before_stream_change = None
+        self.stream_changed = True
 
     def _stamp_path(self, name: str) -> str:
         return os.path.join(self.stamp_dir, f"{name}.json")
@@ -55,12 +80,15 @@ class StepRunner:
         return True
 
     def ensure(self, name: str, key: dict, outputs: list[str], build: Callable[[], dict],
-               need_outputs: bool = True) -> dict:
+               need_outputs: bool = True, checks_first: bool = False) -> dict:
         """Return the step's facts, building it first unless its stamp says it is current.
 
         ``outputs`` are paths relative to the output directory; ``build`` writes them and
         returns the facts to stamp. With ``need_outputs=False`` a current key suffices (the
-        caller only needs the facts, e.g. a checksum of an intermediate file since cleaned)."""
+        caller only needs the facts, e.g. a checksum of an intermediate file since cleaned).
+        A step with outputs in the stream (``in_stream``) says so before its build runs, or,
+        with ``checks_first``, its build calls ``changing_stream`` itself after the checks
+        that may refuse the run and before its first write."""
         key = json.loads(json.dumps(key))  # compare as stored: tuples become lists, etc.
         stamp = self._read(name)
         if stamp is not None and stamp.get("key") == key and (
@@ -71,13 +99,15 @@ class StepRunner:
             return stamp["info"]
         if name in self.frozen:
             raise DataError(self.frozen[name])
-        if self.before_first_build is not None:
-            self.before_first_build()
-            self.before_first_build = None
+        in_dir = [rel for rel in outputs if in_stream(rel)]
+        if in_dir and not checks_first:
+            self.changing_stream()
         log(f"{name}: building")
         outer_nested, self._nested = self._nested, 0.0
         started = time.monotonic()
         info = build()
+        if in_dir and not self.stream_changed:  # a build that forgot: its outputs are written
+            raise RuntimeError(f"step {name} wrote {in_dir[0]} without calling changing_stream")
         elapsed = time.monotonic() - started
         self.seconds[name] = self.seconds.get(name, 0.0) + elapsed - self._nested
         self._nested = outer_nested + elapsed

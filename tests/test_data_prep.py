@@ -130,6 +130,10 @@ def test_manifest_describes_the_stream(prepared, corpus):
 # (A sentencepiece or fairseq upgrade that changes them needs a look, then new values.)
 PINNED_SHARDS = "9d76073c5486157ab498026b3b33e3c0dcfe443116701266c67c6cc92ddeac18"
 PINNED_DICT = "5f25ea26c81d1cce2baf3ce867ca336a233bfb81dbabd729634967345992387a"
+# spm.model too: it stores the trainer's spec, so an option passed with its default value (as
+# max_sentence_length once was, to count the lines it skips) changes the model's bytes and, by
+# its sha256 in the encode key, every stream prepared after it.
+PINNED_SPM = "74ce4b970ac71a3454f9fea7db2660eb3a472a357c02fa221241508c294b90c8"
 
 
 def test_default_sentencepiece_outputs_are_unchanged(prepared):
@@ -137,6 +141,7 @@ def test_default_sentencepiece_outputs_are_unchanged(prepared):
     shards = {name: [s["bin_sha256"], s["idx_sha256"]] for name, s in manifest["splits"].items()}
     digest = hashlib.sha256(json.dumps(shards, sort_keys=True).encode()).hexdigest()
     assert (digest, manifest["dictionary"]["sha256"]) == (PINNED_SHARDS, PINNED_DICT)
+    assert manifest["sentencepiece"]["sha256"] == PINNED_SPM
     assert "tokenizer" not in manifest and manifest["options"]["bpe"] == "sentencepiece"
 
 
@@ -411,3 +416,30 @@ def test_demo_corpus_cli_is_deterministic_and_leaves_identical_files_alone(tmp_p
     assert target.read_bytes() == data and target.stat().st_mtime_ns == mtime
     text = gzip.decompress(data).decode("utf-8")
     assert len(text) >= 50_000 and text.count("\n\n") >= 20 and " the " in text
+
+
+def test_refused_rerun_leaves_the_finished_stream_as_it_was(forked_prep, prepared, corpus,
+                                                            tmp_path):
+    """A re-run refused at the split (a --valid-size beyond the corpus) or at the tokenizer (a
+    --vocab-size beyond it) withdrew manifest.json before its checks: the finished stream it
+    was pointed at no longer verified. Now nothing in it changes."""
+    stream = str(tmp_path / "stream")
+    shutil.copytree(prepared[0], stream)
+    args = [*corpus, "--out", stream, *ARGS]
+    _refused_and_unchanged(forked_prep, [*args, "--valid-size", "50k"], [stream],
+                           "--valid-size (50,000 tokens) leaves nothing",
+                           "--eval-size megabatch")
+    _refused_and_unchanged(forked_prep, [*args, "--vocab-size", "100000"], [stream],
+                           "--vocab-size 100000 is too large")
+    verify_stream_dir(stream, hashes=True)
+
+
+def test_fifo_in_an_input_directory_is_refused_not_waited_on(forked_prep, tmp_path):
+    """Its open blocked the extraction forever."""
+    root = tmp_path / "corpus"
+    root.mkdir()
+    (root / "a.txt").write_text("one document\n\nanother one\n")
+    os.mkfifo(root / "pipe")
+    _assert_one_line_error(forked_prep(str(root), "--out", str(tmp_path / "o")),
+                           f"input {root / 'pipe'} (in input directory {root}): a FIFO")
+    assert not os.path.exists(tmp_path / "o")

@@ -12,6 +12,8 @@ import hashlib
 import json
 import os
 import random
+import shutil
+import struct
 import subprocess
 import sys
 
@@ -515,3 +517,54 @@ def test_from_binarized_drops_repeated_documents(forked_prep, gpt2_stream, encod
                          *SPLIT_FLAGS)
     assert result.returncode == 0, result.stderr
     assert sum(s["documents"] for s in _load(kept)["splits"].values()) == NUM_DOCS + 5
+
+
+def _write_data_bin(root, num_docs: int = 30) -> str:
+    """A data-bin as fairseq-preprocess --only-source writes it (dict.txt, train.bin/.idx in
+    the mmap format: uint16 ids, a line per item ending in </s> = 2, an item of only </s>
+    after each document), written here without the seconds fairseq-preprocess costs."""
+    rng = random.Random(2)
+    root.mkdir()
+    (root / "dict.txt").write_text("".join(f"w{i} {100 - i}\n" for i in range(20)))
+    items = []
+    for _ in range(num_docs):
+        items += [[rng.randrange(4, 24) for _ in range(rng.randint(3, 8))] + [2]
+                  for _ in range(rng.randint(1, 3))] + [[2]]
+    sizes = np.array([len(item) for item in items], dtype=np.int32)
+    (root / "train.bin").write_bytes(np.array(sum(items, []), dtype=np.uint16).tobytes())
+    pointers = np.concatenate([[0], np.cumsum(sizes[:-1], dtype=np.int64) * 2])
+    header = b"MMIDIDX\x00\x00" + struct.pack("<QBQ", 1, 8, len(sizes))
+    (root / "train.idx").write_bytes(header + sizes.tobytes() + pointers.tobytes())
+    return str(root)
+
+
+def test_from_binarized_refused_rerun_and_damaged_shards(forked_prep, tmp_path):
+    """A re-run whose split is refused withdrew the finished stream's manifest first; a
+    truncated train.idx was fairseq's ValueError traceback; train1.idx without its .bin was
+    called 'not mmap'."""
+    data_bin = _write_data_bin(tmp_path / "bin")
+    cut = str(tmp_path / "cut")
+    flags = ["--valid-size", "0.1", "-B", "2"]
+    made = forked_prep("--from-binarized", data_bin, "--out", cut, *flags)
+    assert made.returncode == 0, made.stderr
+    before = _tree(cut)
+    _assert_one_line_error(forked_prep("--from-binarized", data_bin, "--out", cut, *flags,
+                                       "--valid-size", "50k"), "--valid-size (50,000 tokens)")
+    assert _tree(cut) == before
+    verify_stream_dir(cut, hashes=True)
+
+    out = ["--out", str(tmp_path / "o"), *flags]
+    truncated = tmp_path / "truncated"
+    shutil.copytree(data_bin, truncated)
+    (truncated / "train.idx").write_bytes((truncated / "train.idx").read_bytes()[:40])
+    _assert_one_line_error(forked_prep("--from-binarized", str(truncated), *out),
+                           f"{truncated / 'train.idx'}: truncated (40 bytes",
+                           "re-run fairseq-preprocess")
+    for present, missing in (("idx", "bin"), ("bin", "idx")):
+        half = tmp_path / f"train1_{present}"
+        shutil.copytree(data_bin, half)
+        shutil.copy(half / f"train.{present}", half / f"train1.{present}")
+        _assert_one_line_error(forked_prep("--from-binarized", str(half), *out),
+                               f"{half / f'train1.{missing}'}: missing, while "
+                               f"{half / f'train1.{present}'} is there")
+    assert not os.path.exists(tmp_path / "o")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import textwrap
+import time
 from itertools import pairwise
 
 import numpy as np
@@ -360,3 +361,161 @@ def test_aligned_offsets_cut_at_line_or_document_starts(tmp_path):
     # -> next document starts 9, 23 (the third target lies before 23 and is dropped).
     assert aligned_offsets(str(path), 4, at_blank_line=True) == [0, 9, 23, 26]
     assert aligned_offsets(str(path), 100, at_blank_line=True) == [0, 9, 12, 23, 26]
+
+
+def _unreadable_dir(path, monkeypatch) -> None:
+    """``path`` cannot be listed: ``chmod 000``, and where that does not stop this process
+    (root reads every directory) ``os.walk`` is shown the PermissionError others would get."""
+    path.chmod(0)
+    if os.access(path, os.R_OK):
+        real_scandir = os.scandir
+
+        def scandir(where="."):
+            if os.fspath(where) == str(path):
+                raise PermissionError(13, "Permission denied", os.fspath(where))
+            return real_scandir(where)
+        monkeypatch.setattr(os, "scandir", scandir)
+
+
+def test_discover_sources_refuses_what_a_directory_holds_but_cannot_be_read(tmp_path,
+                                                                            monkeypatch):
+    """Each of these was skipped in silence (exit 0, fewer documents), a traceback, or a hang
+    (a FIFO blocks the extraction's open forever): now one DataError naming it."""
+    def corpus(name: str):
+        root = tmp_path / name
+        (root / "sub").mkdir(parents=True)
+        (root / "a.txt").write_text("x\n")
+        (root / "sub" / "b.txt").write_text("y\n")
+        return root
+
+    locked = corpus("locked")
+    _unreadable_dir(locked / "sub", monkeypatch)
+    try:
+        with pytest.raises(DataError, match=f"cannot read directory {locked / 'sub'} "
+                                            r"\(Permission denied\); make it readable"):
+            discover_sources([str(locked)])
+    finally:
+        (locked / "sub").chmod(0o755)
+        monkeypatch.undo()
+
+    dangling = corpus("dangling")
+    os.symlink(tmp_path / "nowhere.txt", dangling / "sub" / "c.txt")
+    with pytest.raises(DataError, match=f"input {dangling / 'sub' / 'c.txt'} \\(in input "
+                                        f"directory {dangling}\\): a symbolic link to "
+                                        f"{tmp_path / 'nowhere.txt'}, which does not exist"):
+        discover_sources([str(dangling)])
+
+    fifo = corpus("fifo")
+    os.mkfifo(fifo / "sub" / "pipe")
+    with pytest.raises(DataError, match=f"input {fifo / 'sub' / 'pipe'} .*a FIFO \\(named "
+                                        "pipe\\), not a regular file.*move it out"):
+        discover_sources([str(fifo)])
+    with pytest.raises(DataError, match="a FIFO .* write its text to a file"):
+        discover_sources([str(fifo / "sub" / "pipe")])
+
+
+def test_extract_rereads_a_source_replaced_with_its_size_and_mtime_kept(tmp_path):
+    """cp -p, rsync -a or touch -r of a corrected file keeps size and mtime: the extraction
+    keyed by those alone was reused, and the old text prepared (its ctime moves)."""
+    from data_prep.options import PrepOptions
+    from data_prep.pipeline import Pipeline
+
+    source = tmp_path / "c.txt"
+    source.write_text("first doc\n\nsecond doc\n")
+    before = source.stat()
+    options = PrepOptions(inputs=[str(source)], out=str(tmp_path / "out"))
+    os.makedirs(tmp_path / "out" / "work")
+    Pipeline(options, None).extract(need_outputs=True)
+    time.sleep(0.05)  # past the file system's timestamp granularity
+    source.write_text("first doc\n\nsecond DOC\n")
+    os.utime(source, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (source.stat().st_size, source.stat().st_mtime_ns) == (before.st_size,
+                                                                  before.st_mtime_ns)
+    Pipeline(options, None).extract(need_outputs=True)
+    assert "second DOC" in (tmp_path / "out" / "work" / "docs.txt").read_text()
+
+
+def test_default_eval_size_is_named_as_what_it_is_when_valid_takes_everything():
+    with pytest.raises(DataError) as info:
+        carve(np.full(10, 10), 2, SizeSpec(tokens=500), SizeSpec())
+    message = str(info.value)
+    assert "--valid-size (500 tokens) leaves nothing of the corpus's 100 tokens" in message
+    assert "--eval-size megabatch" in message and "(0 tokens)" not in message
+
+
+def test_bad_utf8_names_its_exact_line_and_compressed_files_are_told_to_decompress(tmp_path):
+    """The text layer decodes 8 KB at a time: the line it had reached was up to a chunk short
+    of the bad byte. A compressed file was told to use iconv."""
+    import bz2
+    import gzip
+    import lzma
+
+    from data_prep.corpus import iter_lines
+
+    lines = [f"line {i} with some words to fill the chunk".encode() for i in range(1, 3001)]
+    lines[1499] = b"bad \xff byte"
+    text = b"\n".join(lines) + b"\n"
+    for name, data in [("bad.txt", text), ("bad.txt.gz", gzip.compress(text))]:
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(DataError, match=r"not valid UTF-8 on line 1,500 \(byte 5 of the "
+                                            r"line: invalid start byte\); convert it to UTF-8"):
+            list(iter_lines(str(tmp_path / name)))
+    good = b"plain text\n" * 50
+    for name, data, named in [("c.txt.bz2", bz2.compress(good), "a bzip2-compressed file"),
+                              ("c.txt.xz", lzma.compress(good), "an xz-compressed file"),
+                              ("c.txt", gzip.compress(good), "a gzip file without the .gz"),
+                              ("c2.txt.gz", gzip.compress(gzip.compress(good)),
+                               "content is gzip-compressed again")]:
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(DataError, match="decompress it") as info:
+            list(iter_lines(str(tmp_path / name)))
+        assert named in str(info.value) and "iconv" not in str(info.value)
+
+
+def test_lines_too_long_for_the_bpe_trainer_are_named(tmp_path, capsys):
+    """sentencepiece skips lines over 4192 bytes in silence: a corpus of one-line documents
+    failed with its internal '!sentences_.empty()', and a few long lines were left out of
+    the BPE training unsaid."""
+    from data_prep.bpe import train_sentencepiece
+
+    docs = tmp_path / "docs.txt"
+    long = " ".join(["word"] * 1000)  # 4,999 bytes
+    docs.write_text("".join(f"{long} {i}\n\n" for i in range(5)), encoding="utf-8")
+    with pytest.raises(DataError, match=r"every line of the corpus \(5\) is longer than 4,192 "
+                                        "bytes.*documents one per line"):
+        train_sentencepiece(str(docs), str(tmp_path), 60, 0, 1, byte_fallback=False)
+    assert not (tmp_path / "spm.model").exists()
+    short = "".join(f"alpha beta gamma {i % 7} delta\n\n" for i in range(200))
+    docs.write_text(short + f"{long}\n\n" * 3, encoding="utf-8")
+    withdrawn = []
+    train_sentencepiece(str(docs), str(tmp_path), 60, 0, 1, byte_fallback=False,
+                        before_writing=lambda: withdrawn.append(1))
+    assert "warning: 3 of 203 lines are longer than 4,192 bytes" in capsys.readouterr().err
+    assert withdrawn == [1] and (tmp_path / "spm.model").exists()
+
+
+def test_step_runner_withdraws_the_manifest_only_before_stream_files_change(tmp_path):
+    """Work files (DIR/work) change under a manifest harmlessly; a step writing stream files
+    with checks_first says when its checks have passed. A refused re-run withdrew nothing."""
+    withdrawn = []
+    runner = StepRunner(str(tmp_path), lambda: withdrawn.append(1))
+    (tmp_path / "work").mkdir()
+
+    def work() -> dict:
+        (tmp_path / "work" / "w.txt").write_text("w")
+        return {}
+    runner.ensure("w", {"a": 1}, ["work/w.txt"], work)
+    assert withdrawn == []
+
+    def refused() -> dict:
+        raise DataError("refused")
+    with pytest.raises(DataError):
+        runner.ensure("s", {"a": 1}, ["s.txt"], refused, checks_first=True)
+    assert withdrawn == []
+
+    def checked() -> dict:
+        runner.changing_stream()
+        (tmp_path / "s.txt").write_text("s")
+        return {}
+    runner.ensure("s", {"a": 1}, ["s.txt"], checked, checks_first=True)
+    assert withdrawn == [1]
