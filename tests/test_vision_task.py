@@ -284,3 +284,20 @@ def test_wait_auto_records_its_decisions_and_resumes_them_after_kill9(tmp_path):
     assert len(read(save)) < B + 1, "the run finished before the signal; nothing was resumed"
     run(cmd)
     assert comparable(read(save)) == comparable(records)
+
+
+def test_data_given_twice_and_differently_is_refused(tmp_path):
+    """DATA and --vision-data-path naming two existing datasets: --vision-data-path won without
+    a word.  DATA as a placeholder (``digits``, a name that is not there) stays accepted."""
+    from fairseq import tasks
+
+    from fairseq_alma.errors import UsageError
+
+    (tmp_path / "a.npz").write_bytes(b"")
+    cfg = parse("--vision-dataset", "npz", "--vision-data-path", str(tmp_path / "b.npz"),
+                "--save-dir", str(tmp_path / "run"))
+    cfg.task.data = str(tmp_path / "a.npz")
+    with pytest.raises(UsageError, match=r"--vision-data-path .*b.npz and fairseq-train's DATA "
+                                         r".*a.npz name different data"):
+        tasks.setup_task(cfg.task).build_model(cfg.model)
+    assert not (tmp_path / "run" / "stream.jsonl").exists()

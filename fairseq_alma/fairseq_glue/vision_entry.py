@@ -14,6 +14,7 @@ optimizer and checkpoints are never involved.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, NoReturn
 
 import torch
@@ -194,6 +195,12 @@ def vision_run(task_cfg: Any, model_cfg: Any, machine_checks: bool = True) -> Vi
     require(bool(dataset), f"--arch alma_vision needs --vision-dataset ({', '.join(DATASETS)})")
     require(dataset in DATASETS, f"--vision-dataset {dataset!r} is unknown; use one of {', '.join(DATASETS)}")
     data_path = None if dataset == "digits" else (model_cfg.vision_data_path or task_cfg.data)
+    # both naming data, each of its own: which one trains was not said (--vision-data-path won)
+    data, flag = str(task_cfg.data or ""), str(model_cfg.vision_data_path or "")
+    require(not (dataset != "digits" and flag and os.path.exists(data)
+                 and os.path.realpath(data) != os.path.realpath(flag)),
+            f"--vision-data-path {flag} and fairseq-train's DATA {data} name different data; "
+            f"give the data once (as DATA, or as --vision-data-path with DATA a placeholder)")
     where = (resolve_device if machine_checks else planned_device)
     device = where(_text(model_cfg.vision_device), bool(given(task_cfg, "common", "cpu")))
     augment = _text(model_cfg.vision_augment)
