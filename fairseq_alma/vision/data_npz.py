@@ -22,8 +22,11 @@ REQUIRED_ARRAYS = ("x_train", "y_train", "x_test", "y_test")
 LAYOUTS = ("(N, D) features, (N, H, W) grayscale, or (N, C, H, W) / (N, H, W, C) images with "
            "C in {1, 3}")
 _NPY_MAGIC = b"\x93NUMPY"  # numpy.save's files; numpy.savez writes a zip archive of them
-# what a damaged archive raises (zipfile: NotImplementedError for garbled compression flags)
-_READ_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error, NotImplementedError)
+# What reading a damaged archive raises.  zipfile reports a member whose (garbled) header names
+# a compression method it does not know as NotImplementedError("That compression method is not
+# supported"): the file's fault, not missing code of ours, so it is caught with the others.
+_READ_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error,
+                NotImplementedError)
 
 
 def _unreadable(path: str, err: Exception) -> DataError:
