@@ -317,7 +317,10 @@ def prepare_from_binarized(options: PrepOptions, command: str) -> dict:
         dict_info = runner.ensure("dictionary", {"version": PIPELINE_VERSION, "dict": dict_sha},
                                   ["dict.txt"], lambda: _copy_dictionary(dict_source, o.out))
         key = {"version": PIPELINE_VERSION, "dict": dict_sha,
-               "sources": [[s.path, s.bytes, s.mtime_ns] for s in sources], "seed": o.seed,
+               # ctime as in the text path's extract key (corpus.SourceFile): a shard corrected
+               # with its size and mtime kept (cp -p, rsync -a) would be reused stale.
+               "sources": [[s.path, s.bytes, s.mtime_ns, s.ctime_ns] for s in sources],
+               "seed": o.seed,
                "num_megabatches": o.num_megabatches, "eval_size": o.eval_size,
                "valid_size": o.valid_size, **order_key(o.order, o.eval_per_megabatch),
                **repeats_key(o.keep_duplicates)}

@@ -16,6 +16,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -276,6 +277,24 @@ def test_from_binarized_gives_the_text_paths_shards(gpt2_stream, encoded_text, t
     assert verify_stream_dir(out, hashes=True) == manifest
     again = run_prep("--from-binarized", data_bin, "--out", out, *SPLIT_FLAGS)
     assert again.returncode == 0 and "building" not in again.stderr, again.stderr
+    if reseparate:
+        return
+    # A shard corrected in place with its size and mtime kept (cp -p, rsync -a) is cut again:
+    # its ctime moved. Keyed on size and mtime alone, the stale cut was reused.
+    from fairseq.data.indexed_dataset import MMapIndexedDataset
+    dtype = MMapIndexedDataset(os.path.join(data_bin, "train"))._index.dtype
+    train_bin = os.path.join(data_bin, "train.bin")
+    before = os.stat(train_bin)
+    tokens = np.fromfile(train_bin, dtype=dtype)
+    i = next(i for i in range(len(tokens) - 1)
+             if tokens[i] != tokens[i + 1] and min(tokens[i], tokens[i + 1]) > 3)
+    tokens[[i, i + 1]] = tokens[[i + 1, i]]
+    time.sleep(0.05)  # past the file system's timestamp granularity
+    tokens.tofile(train_bin)
+    os.utime(train_bin, ns=(before.st_atime_ns, before.st_mtime_ns))
+    edited = run_prep("--from-binarized", data_bin, "--out", out, *SPLIT_FLAGS)
+    assert edited.returncode == 0 and "building" in edited.stderr, edited.stderr
+    assert _load(out)["splits"] != manifest["splits"]
 
 
 def test_from_binarized_periods_give_the_text_paths_shards(corpus, gpt2_files, encoded_text,
