@@ -161,7 +161,7 @@ def test_stop_after_stage_env_then_continue_under_another_expert_kernel(stream_d
 @pytest.mark.slow
 def test_growth_stream_copies_experts_and_reports_loss(stream_dir, tmp_path):
     save = tmp_path / "grow"
-    run(stream_cmd(stream_dir, save, "--moe-max-experts", "4", "--grow-experts", "2"))
+    proc = run(stream_cmd(stream_dir, save, "--moe-max-experts", "4", "--grow-experts", "2"))
     # by default a stream keeps its stage checkpoints and checkpoint_last.pt, nothing else
     assert sorted(p.name for p in save.glob("*.pt")) == [
         "checkpoint_last.pt", "checkpoint_stage1.pt", "checkpoint_stage2.pt"]
@@ -172,6 +172,10 @@ def test_growth_stream_copies_experts_and_reports_loss(stream_dir, tmp_path):
     records = [json.loads(line) for line in (save / "stream.jsonl").read_text().splitlines()]
     per_expert = (records[2]["params_active"] - records[1]["params_active"]) // 2
     assert per_expert > 0 and records[2]["params_active"] == growth[0]["params_active"]
+    # fairseq's own log says "num. expert model params: 0": ours says where the experts are
+    ffn = 2 * (per_expert - 64)  # two experts' FFNs: each grown expert brings a d-64 router row too
+    assert f"Switch experts: {ffn:,} parameters in 1 MoE block; {ffn:,} more in slots kept for " \
+        "--grow-experts" in proc.stdout + proc.stderr
     bad = run(stream_cmd(stream_dir, tmp_path / "bad", "--grow-experts", "2"), check=False)
     assert "--moe-max-experts must be >= 4" in bad.stderr
 

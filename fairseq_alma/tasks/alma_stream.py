@@ -197,6 +197,7 @@ class AlmaStreamTask(LanguageModelingTask):
                                   layers[0].num_experts if layers else 0, self.cfg.stage_init)
 
             self.training = StreamTraining(self)
+            _log_expert_parameters(layers)
         return model
 
     def check_growth_room(self, experts: Optional[int], slots: int) -> None:
@@ -389,3 +390,22 @@ class AlmaStreamTask(LanguageModelingTask):
         """Called by fairseq after it restored the model and the epoch iterator."""
         if self.training is not None:
             self.training.load_state_dict(state)
+
+
+def _log_expert_parameters(layers: List[Any]) -> None:
+    """fairseq's next line, "num. expert model params: 0", counts only parameters marked
+    ``expert`` (kept out of its data-parallel all-reduce and grad norm: here, only expert-parallel
+    shards). Say where the Switch experts are, so a user does not read 0 as "no experts"."""
+    from ..modules.expert_parallel import EXPERT_PARAMETERS
+
+    if not layers or any(getattr(getattr(layers[0], n), "expert", False) for n in EXPERT_PARAMETERS):
+        return
+    per_expert = [sum(getattr(layer, n)[0].numel() for n in EXPERT_PARAMETERS) for layer in layers]
+    active = sum(size * layer.num_experts for size, layer in zip(per_expert, layers))
+    slots = sum(size * layer.max_experts for size, layer in zip(per_expert, layers))
+    spare = f"; {slots - active:,} more in slots kept for --grow-experts" if slots > active else ""
+    blocks = f"{len(layers)} MoE block" + ("s" if len(layers) > 1 else "")
+    logger.info(f"Switch experts: {active:,} parameters in {blocks}{spare}; "
+                "fairseq counts them among its shared params below (its expert count is only "
+                "for expert-parallel shards)")
+
