@@ -332,6 +332,10 @@ LM_CASES = [
     Case("max experts below experts", lambda c: (lm(c, c.data, c.tmp / "r", "--moe-max-experts", "1"), []), r"--moe-max-experts"),
     Case("growth past the last stage", lambda c: (lm(c, c.data, c.tmp / "r", "--moe-max-experts", "4", "--grow-experts", "2", "--grow-at-stages", "3"), []),
          r"--grow-at-stages must list stages in \[2, 2\]"),
+    # --wait auto evaluates and records arrival 0 before fairseq builds the scheduler: the refusal
+    # left that record, and the corrected command's --save-dir was then "another run"
+    Case("warmup >= budget, wait auto", lambda c: (lm(c, c.data, c.tmp / "r", "--wait", "auto", "--warmup-updates", "3"), [c.tmp]),
+         r"--warmup-updates must be in \[0, 3\)"),
     Case("warmup negative", lambda c: (lm(c, c.data, c.tmp / "r", "--warmup-updates", "-1"), []), r"--warmup-updates must be in \[0, 3\)"),
     Case("restore-file of another run", lambda c: (lm(c, c.data, c.tmp / "r", "--restore-file", str(c.done / "checkpoint_last.pt")), [c.done]),
          r"--restore-file .*checkpoint_last.pt: an alma_stream run resumes only from its own --save-dir .*give that run's directory as --save-dir"),

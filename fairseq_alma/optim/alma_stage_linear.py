@@ -43,6 +43,17 @@ def stage_budget(updates_per_stage: int, wait: int, scale_updates_by_wait: bool)
     return updates_per_stage * (wait if scale_updates_by_wait else 1)
 
 
+def check_stage_warmup(warmup_updates: int, budget: int) -> None:
+    """Every stage warms up then decays within its budget. The stream checks this before it takes
+    its run directory (``train_flags.check_stream_start``): under ``--wait auto`` arrival 0 is
+    evaluated and recorded before fairseq builds this scheduler, and that record made the
+    corrected command's directory "another run"."""
+    require(
+        0 <= warmup_updates < budget,
+        f"--warmup-updates must be in [0, {budget}) (the stage's update budget); got {warmup_updates}",
+    )
+
+
 @register_lr_scheduler("alma_stage_linear", dataclass=AlmaStageLinearConfig)
 class AlmaStageLinearSchedule(FairseqLRScheduler):
     """Warmup + decay to 0 within each ALMA stage, peak per ``--stage-lr-schedule`` (use with
@@ -53,10 +64,7 @@ class AlmaStageLinearSchedule(FairseqLRScheduler):
         require(len(cfg.lr) == 1, "--lr must be a single value with --lr-scheduler alma_stage_linear")
         self.peak = cfg.lr[0]
         self.budget = stage_budget(cfg.updates_per_stage, cfg.wait, cfg.scale_updates_by_wait)
-        require(
-            0 <= cfg.warmup_updates < self.budget,
-            f"--warmup-updates must be in [0, {self.budget}) (the stage's update budget); got {cfg.warmup_updates}",
-        )
+        check_stage_warmup(cfg.warmup_updates, self.budget)
         self.warmup = cfg.warmup_updates
         self.schedule = str(getattr(cfg.stage_lr_schedule, "value", cfg.stage_lr_schedule))
         self.step_update(0)
