@@ -336,6 +336,8 @@ LM_CASES = [
     # left that record, and the corrected command's --save-dir was then "another run"
     Case("warmup >= budget, wait auto", lambda c: (lm(c, c.data, c.tmp / "r", "--wait", "auto", "--warmup-updates", "3"), [c.tmp]),
          r"--warmup-updates must be in \[0, 3\)"),
+    Case("two lrs, wait auto", lambda c: (lm(c, c.data, c.tmp / "r", "--wait", "auto", "--lr", "0.003,0.001"), [c.tmp]),
+         r"--lr must be a single value with --lr-scheduler alma_stage_linear"),
     Case("warmup negative", lambda c: (lm(c, c.data, c.tmp / "r", "--warmup-updates", "-1"), []), r"--warmup-updates must be in \[0, 3\)"),
     Case("restore-file of another run", lambda c: (lm(c, c.data, c.tmp / "r", "--restore-file", str(c.done / "checkpoint_last.pt")), [c.done]),
          r"--restore-file .*checkpoint_last.pt: an alma_stream run resumes only from its own --save-dir .*give that run's directory as --save-dir"),

@@ -223,11 +223,11 @@ def check_stream_start(task: Any, stages: int, save_dir: str | None, restart: bo
                          "(--updates-per-stage sets the budget; --max-epoch N stops after stage N)")
     check_whole_run_schedule(task.cfg, stages, task.budget)
     if component_name(task.cfg, "lr_scheduler") == "alma_stage_linear":
-        from ..optim.alma_stage_linear import check_stage_warmup
+        from ..optim.alma_stage_linear import check_stage_schedule
 
-        warmup = given(task.cfg, "lr_scheduler", "warmup_updates")
-        if warmup is not None:
-            check_stage_warmup(int(warmup), task.budget)
+        warmup, lr = given(task.cfg, "lr_scheduler", "warmup_updates"), given(task.cfg, "optimization", "lr")
+        if warmup is not None and lr is not None:
+            check_stage_schedule(list(lr), int(warmup), task.budget)
     data = str(task.cfg.data).split(os.pathsep)[0]
     subset = task.cfg.eval_subset
     missing = [f"{subset}{ext}" for ext in (".bin", ".idx") if not os.path.exists(os.path.join(data, subset + ext))]

@@ -43,11 +43,12 @@ def stage_budget(updates_per_stage: int, wait: int, scale_updates_by_wait: bool)
     return updates_per_stage * (wait if scale_updates_by_wait else 1)
 
 
-def check_stage_warmup(warmup_updates: int, budget: int) -> None:
-    """Every stage warms up then decays within its budget. The stream checks this before it takes
-    its run directory (``train_flags.check_stream_start``): under ``--wait auto`` arrival 0 is
-    evaluated and recorded before fairseq builds this scheduler, and that record made the
-    corrected command's directory "another run"."""
+def check_stage_schedule(lr: List[float], warmup_updates: int, budget: int) -> None:
+    """One peak LR, and every stage warms up then decays within its budget. The stream checks
+    this before it takes its run directory (``train_flags.check_stream_start``): under ``--wait
+    auto`` arrival 0 is evaluated and recorded before fairseq builds this scheduler, and that
+    record made the corrected command's directory "another run"."""
+    require(len(lr) == 1, "--lr must be a single value with --lr-scheduler alma_stage_linear")
     require(
         0 <= warmup_updates < budget,
         f"--warmup-updates must be in [0, {budget}) (the stage's update budget); got {warmup_updates}",
@@ -61,10 +62,9 @@ class AlmaStageLinearSchedule(FairseqLRScheduler):
 
     def __init__(self, cfg: AlmaStageLinearConfig, optimizer) -> None:  # noqa: ANN001
         super().__init__(cfg, optimizer)
-        require(len(cfg.lr) == 1, "--lr must be a single value with --lr-scheduler alma_stage_linear")
-        self.peak = cfg.lr[0]
         self.budget = stage_budget(cfg.updates_per_stage, cfg.wait, cfg.scale_updates_by_wait)
-        check_stage_warmup(cfg.warmup_updates, self.budget)
+        check_stage_schedule(list(cfg.lr), cfg.warmup_updates, self.budget)
+        self.peak = cfg.lr[0]
         self.warmup = cfg.warmup_updates
         self.schedule = str(getattr(cfg.stage_lr_schedule, "value", cfg.stage_lr_schedule))
         self.step_update(0)
