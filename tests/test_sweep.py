@@ -359,3 +359,158 @@ def test_status_from_run_directories_only(tmp_path, monkeypatch, capsys):
         "2    run2   running          1      eval_ppl 90           0         41_2\n"
         "3    run3   pending          -                -           0            -\n"
     )
+
+
+GB_ALIAS_CONFIG = f"""\
+include: {STREAM_EXAMPLE}
+global_batch: 16
+args: {{batch-size: null, max-sentences: 4}}
+"""
+
+
+@pytest.mark.parametrize("args, expected", [
+    # one value in two spellings would be two grid points training one run twice
+    (["--grid", "lr=1e-3,0.001"], "grid 'lr' lists 1e-3 and 0.001, the same value"),
+    (["--grid", "lr=5E-4,0.0005"], "grid 'lr' lists 5E-4 and 0.0005, the same value"),
+    (["--grid", "lr=0.001,'0.001'"], "grid 'lr' lists the value '0.001' twice"),
+    # fairseq's eval_str_list raises a SyntaxError argparse does not catch: was a traceback
+    (["--grid", "lr=0.001=2"], "--grid lr (grid point lr=0.001=2): fairseq-train rejects a "
+     "value: --lr '0.001=2' is not a valid value (SyntaxError"),
+    (["--seeds="], "--seeds '': write integers separated by commas"),  # was silently ignored
+    (["--grid", "adam-betas=(0.9, 0.98),(0.9, 0.999)"],
+     "--grid splits values at every comma, so a value holding one cannot be given here; list "
+     "the values under grid: in the config file"),
+    # every seed's value is checked (the largest), and --seeds is named, not the config file
+    (["--seeds", "1,99999999999999999999"], "--seeds: --seed must be in [0, 4294967295]"),
+    (["--chain-stages", "2", "--stages-per-link", "0"], "--stages-per-link 0: N must be >= 1"),
+    # the stream has 2 stages: link 1 trains stage 1, link 2 the rest, link 3 nothing
+    (["--chain-stages", "3", "--stages-per-link", "1"], "--chain-stages 3 --stages-per-link 1: "
+     "its runs train 2 stage(s), so link 3 of each chain would find nothing left to train; use "
+     "--chain-stages 2"),
+    (["--chain-stages", "5", "--stages-per-link", "3"], "links 2-5 of each chain would find "
+     "nothing left to train; leave out --chain-stages"),
+])
+def test_submit_refuses_in_one_line(stream_submit, tmp_path, capsys, args, expected):
+    assert stream_submit(*args, "--dry-run") == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("alma-sweep: error: ") and expected in err[-1], err
+    assert not (tmp_path / "sw").exists()
+
+
+def test_a_chain_link_needed_by_the_longest_runs_only_is_accepted(stream_submit, capsys):
+    """wait=2 trains 1 stage, wait=1 two: link 2 is idle for some runs, needed by others."""
+    assert stream_submit("--grid", "wait=1,2", "--chain-stages", "2", "--stages-per-link", "1",
+                         "--dry-run") == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config, expected", [
+    # two spellings of fairseq-train's --batch-size: the last would win silently
+    ("grid: {max-sentences: [2, 4]}\n", "(grid point max-sentences=2): 'batch-size' and "
+     "'max-sentences' are two spellings of fairseq-train's --batch-size"),
+    # --local_rank is fairseq-train's alias of the launcher's --device-id
+    ("args: {local_rank: 1}\n", "'local_rank' (fairseq-train's --device-id) cannot be set here: "
+     "slurm/launch_task.sh sets it from SLURM_LOCALID"),
+])
+def test_flag_aliases_are_one_flag(stream_submit, tmp_path, capsys, config, expected):
+    path = tmp_path / "alias.yaml"
+    path.write_text(f"include: {STREAM_EXAMPLE}\n{config}")
+    assert main(["submit", str(path), "--sweep-dir", "sw", "--dry-run"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith(f"alma-sweep: error: {path}") and expected in err[-1], err
+
+
+def test_global_batch_sets_the_batch_under_the_configs_spelling(stream_submit, tmp_path, capsys):
+    """max-sentences is --batch-size: global_batch sets it, not a second --batch-size that the
+    config's --max-sentences would override (4 x 2 sequences instead of 16)."""
+    path = tmp_path / "gb.yaml"
+    path.write_text(GB_ALIAS_CONFIG)
+    assert main(["submit", str(path), "--sweep-dir", "sw", "--dry-run"]) == 0
+    [command] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[0] ")]
+    argv = command.split()
+    assert "--batch-size" not in argv
+    assert int(argv[argv.index("--max-sentences") + 1]) * \
+        int(argv[argv.index("--update-freq") + 1]) == 16
+
+
+def _sweep_records(sweep_dir: Path, names: list[str]) -> None:
+    """jobs.json and submissions.json of a sweep whose runs are sweep_dir/NAME (job 41)."""
+    jobs = [{"index": i, "name": name, "run_dir": str(sweep_dir / name), "overrides": {},
+             "seed": i + 1, "argv": []} for i, name in enumerate(names)]
+    atomic_write_json(sweep_dir / "jobs.json", {"jobs": jobs})
+    atomic_write_json(sweep_dir / "submissions.json", [{"job_id": "41", "link": 1}])
+
+
+@pytest.mark.parametrize("command", ["status", "cancel", "score"])
+def test_a_copied_or_moved_sweep_is_refused_not_read_from_the_original(tmp_path, monkeypatch,
+                                                                      capsys, command):
+    """jobs.json names the original's run directories and Slurm jobs: a copy read them (status,
+    score and cancel of another directory's runs), a moved one said 'not started'."""
+    import shutil
+
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))
+    original = tmp_path / "real"
+    _sweep_records(original, ["seed1", "seed2"])
+    _jsonl(original / "seed2" / "stream.jsonl", [{"arrival": 1, "eval_ppl": 9.0}])
+    shutil.copytree(original, tmp_path / "copy")
+    assert main([command, str(tmp_path / "copy")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == (
+        f"alma-sweep: error: {tmp_path}/copy/jobs.json: its runs are in {original}, not here: "
+        f"{tmp_path}/copy is a copy of the sweep {original}, whose Slurm jobs and run directories "
+        f"its records name; use alma-sweep on {original}, or submit a new sweep with another "
+        "--sweep-dir"), err
+    original.rename(tmp_path / "moved")
+    assert main([command, str(tmp_path / "moved")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith(f"alma-sweep: error: {tmp_path}/moved/jobs.json: its runs are in "
+                              f"{original}, not here: the sweep was moved from {original}"), err
+    assert f"move it back to {original}" in err[-1]
+
+
+def test_resubmitting_a_moved_sweep_says_it_moved(stream_submit, tmp_path, capsys):
+    assert stream_submit() == 0
+    (tmp_path / "sw").rename(tmp_path / "sw2")
+    assert main(["submit", str(STREAM_EXAMPLE), "--sweep-dir", "sw2"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert f"the sweep was moved from {tmp_path}/sw" in err[-1], err
+    assert "delete" not in err[-1]
+
+
+def test_resubmit_on_another_process_count_is_refused(stream_submit, tmp_path, capsys):
+    """The run's task would refuse it after queueing (run.json's world size), advising flags
+    alma-sweep refuses; submit knows it from run.json and the profile."""
+    assert stream_submit() == 0
+    run = tmp_path / "sw" / "seed1"
+    atomic_write_json(run / "run.json", {"fingerprint": {"config": {
+        "distributed_training": {"distributed_world_size": 2}, "task": {}, "model": {}}}})
+    _jsonl(run / "stream.jsonl", [{"arrival": 1, "eval_ppl": 90.0}])
+    assert stream_submit() == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == (
+        f"alma-sweep: error: {run} trained on 2 process(es) (its run.json) and profile local-cpu "
+        "runs 1: a run continues on as many processes as it started on; resubmit with a profile "
+        "of 2 process(es) per run, or use a new --sweep-dir"), err
+    assert (tmp_path / "calls").read_text().count("sweep.sbatch") == 1  # not submitted again
+
+
+@pytest.mark.parametrize("in_queue, printed, cancelled", [
+    ("", "nothing to cancel: no job of {sw} is queued or running (its job(s) 41 have all left "
+         "the queue)", None),
+    ("41|41_0\n", "cancelled Slurm job(s) 41 of {sw}", "41"),
+])
+def test_cancel_says_what_it_cancelled(tmp_path, monkeypatch, capsys, in_queue, printed,
+                                       cancelled):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "squeue").write_text(f"#!/bin/sh\nprintf '{in_queue}'\n")
+    (bin_dir / "scancel").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/scancelled\n')
+    for tool in ("squeue", "scancel"):
+        (bin_dir / tool).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    sweep_dir = tmp_path / "sw"
+    _sweep_records(sweep_dir, ["seed1"])
+    assert main(["cancel", str(sweep_dir)]) == 0
+    assert capsys.readouterr().out.strip() == printed.format(sw=sweep_dir)
+    scancelled = tmp_path / "scancelled"
+    assert (scancelled.read_text().strip() if scancelled.exists() else None) == cancelled

@@ -49,7 +49,8 @@ def submit(args: argparse.Namespace) -> int:
           "fairseq's config of each point: under a second each)",
           file=sys.stderr, flush=True)
     _register_with_fairseq()
-    check_config_flags(config, profile)
+    stages = check_config_flags(config, profile)
+    train_submit.check_chain_length(request, stages)
     plan = train_submit.plan_submission(request, config, profile)
     print(sweep_text.submission_plan(plan), end="")
     if args.dry_run:
@@ -79,8 +80,15 @@ def status(args: argparse.Namespace) -> int:
 
 def cancel(args: argparse.Namespace) -> int:
     sweep_dir = Path(args.sweep_dir).resolve()
-    job_ids = sweep_status.cancel_sweep(sweep_dir)
-    print(f"cancelled Slurm job(s) {', '.join(job_ids)} of {sweep_dir}")
+    cancelled = sweep_status.cancel_sweep(sweep_dir)
+    if not cancelled.job_ids:
+        print(f"nothing to cancel: no job of {sweep_dir} is queued or running (its job(s) "
+              f"{', '.join(cancelled.submitted)} have all left the queue)")
+    elif cancelled.queue_unreachable:
+        print(f"asked Slurm to cancel job(s) {', '.join(cancelled.job_ids)} of {sweep_dir} "
+              "(squeue did not answer: those that had already ended were not running)")
+    else:
+        print(f"cancelled Slurm job(s) {', '.join(cancelled.job_ids)} of {sweep_dir}")
     return 0
 
 

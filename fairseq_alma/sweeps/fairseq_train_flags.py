@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import difflib
 import re
+import traceback
+from functools import lru_cache
 from typing import Mapping, NamedTuple, NoReturn
 
 from ..fairseq_glue.patches import precision_conflict
@@ -70,9 +72,88 @@ def _readable_parser_error(message: str) -> str:
     return f"{option}: invalid choice '{value}'{hint}"
 
 
-def argv_flag_problem(argv: list[str], flags: Mapping[str, object]) -> FlagProblem | None:
+def _failed_option(err: BaseException) -> tuple[argparse.Action, str] | None:
+    """The option (and its text) whose value made fairseq's parser raise ``err``: argparse turns a
+    ValueError of a value's type function into its own error, but not the SyntaxError (or
+    MemoryError...) of fairseq's ``eval_str_list`` (``ast.literal_eval``); argparse's frames
+    still hold the action it was converting."""
+    found = None
+    for frame, _ in traceback.walk_tb(err.__traceback__):
+        action = frame.f_locals.get("action")
+        text = frame.f_locals.get("arg_string")
+        if isinstance(action, argparse.Action) and isinstance(text, str):
+            found = (action, text)
+    return found
+
+
+def _config_spelling(action: argparse.Action, flags: Mapping[str, object]) -> str | None:
+    """The config flag that is one of ``action``'s spellings (its name or an alias)."""
+    return next((flag for flag in flags if f"--{flag}" in action.option_strings), None)
+
+
+def _crash_problem(err: Exception, flags: Mapping[str, object]) -> FlagProblem:
+    """A value fairseq's parser crashes on (module ``_failed_option``), as a one-line problem."""
+    failed = _failed_option(err)
+    reason = f"{type(err).__name__}: {err.msg if isinstance(err, SyntaxError) else err}"
+    if failed is None:
+        return FlagProblem(f"fairseq-train rejects a value ({reason})")
+    action, text = failed
+    flag = _config_spelling(action, flags)
+    return FlagProblem(f"fairseq-train rejects a value: {action.option_strings[0]} '{text}' "
+                       f"is not a valid value ({reason})", flag)
+
+
+def canonical_flag(action: argparse.Action) -> str:
+    """An option's name without dashes as fairseq-train's help lists it first (``batch-size``
+    for ``--max-sentences``, ``device-id`` for ``--local_rank``)."""
+    return next(s for s in action.option_strings if s.startswith("--"))[2:]
+
+
+@lru_cache(maxsize=None)
+def option_spellings(flag: str) -> tuple[str, ...]:
+    """Every option string of fairseq-train's ``--flag`` (``--batch-size`` ->
+    (``--batch-size``, ``--max-sentences``)), from its base parser (options every task and
+    model share); ``(--flag,)`` when it is not one of them."""
+    from fairseq import options
+
+    load_plugin()
+    action = options.get_training_parser()._option_string_actions.get(f"--{flag}")
+    return tuple(action.option_strings) if action is not None else (f"--{flag}",)
+
+
+def _spelling_problem(parser: argparse.ArgumentParser, flags: Mapping[str, object],
+                      refused: Mapping[str, str]) -> FlagProblem | None:
+    """Aliases are one flag (argparse's destination): ``max-sentences`` is ``batch-size``,
+    ``local_rank`` is ``device-id``. A flag set under two spellings (the last would win
+    silently), or a refused flag under another spelling, is a problem."""
+    actions = parser._option_string_actions
+    set_by_dest: dict[str, str] = {}
+    for flag, value in flags.items():
+        action = actions.get(f"--{flag}")
+        if action is None:
+            continue
+        canonical = canonical_flag(action)
+        for spelling in action.option_strings:
+            name = spelling.lstrip("-")
+            if name in refused:
+                alias = "" if name == flag else f" (fairseq-train's --{name})"
+                return FlagProblem(f"'{flag}'{alias} cannot be set here: {refused[name]}", flag)
+        if value is None or value is False:  # not on the command line
+            continue
+        other = set_by_dest.get(action.dest)
+        if other is not None:
+            return FlagProblem(f"'{other}' and '{flag}' are two spellings of fairseq-train's "
+                               f"--{canonical} (the last would win); set it once, as "
+                               f"'{canonical}'", flag)
+        set_by_dest[action.dest] = flag
+    return None
+
+
+def argv_flag_problem(argv: list[str], flags: Mapping[str, object],
+                      refused: Mapping[str, str] | None = None) -> FlagProblem | None:
     """Why fairseq-train would refuse ``argv``, or None when it accepts it and each config flag
-    is one of its options. ``flags`` are the flag: value pairs the config contributed to ``argv``.
+    is one of its options. ``flags`` are the flag: value pairs the config contributed to ``argv``;
+    ``refused`` maps a flag a config may not set to the reason, and covers its every spelling.
     """
     if "--arch" not in argv:
         return FlagProblem("fairseq-train needs an architecture: add 'arch: NAME' to args")
@@ -89,6 +170,8 @@ def argv_flag_problem(argv: list[str], flags: Mapping[str, object]) -> FlagProbl
             return FlagProblem(f"'{flag}' takes a value: write {flag}: VALUE", flag)
         readable = _readable_parser_error(message)
         return FlagProblem(f"fairseq-train rejects a value: {readable}", flag)
+    except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError) as err:
+        return _crash_problem(err, flags)
     actions = parser._option_string_actions
     known = sorted(option[2:] for option in actions if option.startswith("--"))
     for flag, value in flags.items():
@@ -102,6 +185,9 @@ def argv_flag_problem(argv: list[str], flags: Mapping[str, object]) -> FlagProbl
             return FlagProblem(f"'{flag}' is a switch: write {flag}: true or false", flag)
         if not is_switch and value is True:
             return FlagProblem(f"'{flag}' takes a value: write {flag}: VALUE", flag)
+    spelling = _spelling_problem(parser, flags, refused or {})
+    if spelling is not None:
+        return spelling
     if extra:
         return FlagProblem(f"fairseq-train does not accept: {' '.join(extra)}")
     if str(flags.get("wait", "")).strip().lower() == AUTO:

@@ -27,8 +27,9 @@ def per_step_layout(global_batch: int, workers: int, max_batch: int) -> tuple[in
     raise UsageError(f"global_batch {global_batch}: batch-size must be >= 1")  # max_batch < 1
 
 
-def _value(argv: list[str], flag: str) -> str | None:
-    return argv[argv.index(flag) + 1] if flag in argv else None
+def _spelling(argv: list[str], spellings: tuple[str, ...]) -> str | None:
+    """The one of ``spellings`` (an option and its aliases) that ``argv`` uses."""
+    return next((flag for flag in spellings if flag in argv), None)
 
 
 def _set(argv: list[str], flag: str, value: int) -> list[str]:
@@ -42,16 +43,25 @@ def _set(argv: list[str], flag: str, value: int) -> list[str]:
 
 def apply_global_batch(jobs: list[SweepJob], global_batch: int | None, workers: int,
                        source: str) -> list[SweepJob]:
-    """Every job's argv with the --batch-size / --update-freq that reach ``global_batch``."""
+    """Every job's argv with the --batch-size / --update-freq that reach ``global_batch``.
+
+    The batch may be set under any spelling of fairseq-train's --batch-size (``max-sentences``
+    is its alias): the one the config uses is the one changed, or the config's value would
+    win over the one set here (the check of the config refuses two spellings of one flag).
+    """
     if global_batch is None:
         return jobs
+    from .fairseq_train_flags import option_spellings  # fairseq's parser: only with global_batch
+
+    batch_spellings = option_spellings("batch-size")
     out = []
     for job in jobs:
-        given = _value(job.argv, "--batch-size")
-        if given is None:
+        flag = _spelling(job.argv, batch_spellings)
+        if flag is None:
             raise UsageError(f"{source}: global_batch counts sequences: set batch-size (the most "
                              f"sequences one GPU holds), not max-tokens")
-        batch, update_freq = per_step_layout(global_batch, workers, int(given))
-        argv = _set(_set(job.argv, "--batch-size", batch), "--update-freq", update_freq)
+        batch, update_freq = per_step_layout(global_batch, workers,
+                                             int(job.argv[job.argv.index(flag) + 1]))
+        argv = _set(_set(job.argv, flag, batch), "--update-freq", update_freq)
         out.append(SweepJob(job.index, job.name, job.overrides, job.seed, job.run_dir, argv))
     return out

@@ -91,10 +91,11 @@ def check_model_values(model_cfg: Any) -> tuple[int | None, int] | None:
     return None  # another plugin's MoE model: its experts are known once built
 
 
-def check_stream_start_values(task: Any, moe: tuple[int | None, int] | None) -> None:
+def check_stream_start_values(task: Any, moe: tuple[int | None, int] | None) -> int:
     """What a training run of the ``alma_stream`` ``task`` checks after building its model and
     before it takes the run directory (``AlmaStreamTask.build_model``, ``StreamTraining``);
-    ``moe``: ``check_model_values``'s answer."""
+    ``moe``: ``check_model_values``'s answer.  Returns the stages the run trains (all of the
+    stream's, fewer with ``--max-epoch``), with no ``ALMA_STOP_AFTER_STAGE``."""
     from ..fairseq_glue.train_flags import check_stream_start
     from ..lm.growth import check_growth_schedule
     from ..stream.stop import stage_limit
@@ -106,6 +107,7 @@ def check_stream_start_values(task: Any, moe: tuple[int | None, int] | None) -> 
                               experts or 0, task.cfg.stage_init)
     limit = stage_limit(task.plan.max_stages, task.cfg.max_epoch or None, env={})
     check_stream_start(task, limit, None, bool(task.cfg.restart_stream))
+    return limit
 
 
 def check_vision_values(cfg: Any) -> None:
@@ -122,10 +124,11 @@ def check_vision_values(cfg: Any) -> None:
     check_amp(run.training.amp, torch.device(run.device))
 
 
-def check_run_values(argv: list[str], profile: ResourceProfile) -> None:
+def check_run_values(argv: list[str], profile: ResourceProfile) -> int | None:
     """Raise the ``AlmaError`` a task of ``profile`` running fairseq-train ``argv`` would end
     with before training (module doc).  ``argv`` must already pass the flag check
-    (``fairseq_train_flags.argv_flag_problem``)."""
+    (``fairseq_train_flags.argv_flag_problem``).  Returns the stages the run trains when its
+    stream is at hand (an ``alma_stream`` task whose data exists), else None."""
     from fairseq import tasks
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
@@ -142,12 +145,11 @@ def check_run_values(argv: list[str], profile: ResourceProfile) -> None:
     check_training_flags(cfg, machine_checks=False)
     if str(given(cfg, "model", "_name") or "") == "alma_vision":
         check_vision_values(cfg)
-        return
+        return None
     data = str(given(cfg, "task", "data") or "").split(os.pathsep)[0]
     stream = str(given(cfg, "task", "_name") or "") == "alma_stream"
     # the stream's manifest and dictionary, read as fairseq-train reads them; data not there
     # (yet: a --dry-run): train_submit.runs_to_submit refuses it before anything is submitted
     task = tasks.setup_task(cfg.task) if stream and data and os.path.exists(data) else None
     moe = check_model_values(cfg.model)
-    if task is not None:
-        check_stream_start_values(task, moe)
+    return check_stream_start_values(task, moe) if task is not None else None

@@ -79,6 +79,7 @@ class RunConfig:
     sources: tuple[Path, ...] = ()
     global_batch: int | None = None  # sequences per update (global_batch.py)
     command_line_grid: tuple[str, ...] = ()  # grid flags given with --grid (with_grid)
+    command_line_seeds: bool = False  # seeds given with --seeds (with_seeds)
 
     def grid_points(self) -> list[dict[str, Scalar]]:
         """Every combination of grid values, first grid key varying slowest (config order)."""
@@ -120,14 +121,17 @@ class RunConfig:
 
     def with_seeds(self, seeds: list[int]) -> "RunConfig":
         """A copy with ``seeds`` instead of the config's seeds."""
-        return replace(self, seeds=_check_seeds(seeds, "--seeds"))
+        return replace(self, seeds=_check_seeds(seeds, "--seeds"), command_line_seeds=True)
 
     def flag_origin(self, flag: str) -> Path:
-        """The file that sets ``flag`` (the last of the include chain that mentions it)."""
+        """The file that sets ``flag`` (the last of the include chain that mentions it);
+        ``seed`` comes from a file's ``seeds:``."""
         origin = self.path
         for source in self.sources:
             data = read_yaml_mapping(source, "run config")
-            if flag in (data.get("args") or {}) or flag in (data.get("grid") or {}):
+            if flag == "seed" and "seeds" in data:
+                origin = source
+            elif flag in (data.get("args") or {}) or flag in (data.get("grid") or {}):
                 origin = source
         return origin
 
@@ -151,22 +155,41 @@ def _check_scalar(flag: str, value: Any, where: str) -> None:
         )
 
 
+def _grid_value_key(value: Scalar) -> tuple[str, Any]:
+    """What fairseq-train sees of a grid value: 0.1 and 0.10, 4 and 4.0, and the text 1e-3 (YAML
+    keeps it text; --grid reads '0.001' as text) and the number 0.001 are one value to it."""
+    if isinstance(value, bool):
+        return ("bool", value)
+    if isinstance(value, (int, float)):
+        number = float(value)
+    else:
+        try:
+            number = float(str(value))
+        except ValueError:
+            return ("text", value)
+    return ("number", number) if number == number else ("text", "nan")  # nan != nan
+
+
 def _check_grid_values(flag: str, values: Any, where: str) -> None:
     if not isinstance(values, list) or not values:
         raise UsageError(f"{where}: grid '{flag}' must be a non-empty list of values")
-    seen: set[tuple[str, Any]] = set()
+    seen: dict[tuple[str, Any], Scalar] = {}
     for value in values:
         _check_scalar(flag, value, where)
         if value is None:
             raise UsageError(f"{where}: grid '{flag}' has an empty (null) value; remove it")
-        # 0.1 and 0.10, or 4 and 4.0, are one value to fairseq: two points would train one run
-        # twice (two tasks on one run directory, or two directories of the same run)
-        key = ("bool", value) if isinstance(value, bool) else \
-            ("number", float(value)) if isinstance(value, (int, float)) else ("text", value)
+        # one value twice would be two points training one run twice (two tasks on one run
+        # directory, or two directories of the same run)
+        key = _grid_value_key(value)
         if key in seen:
-            raise UsageError(f"{where}: grid '{flag}' lists the value {value!r} twice; list each "
-                             f"value once")
-        seen.add(key)
+            first = seen[key]
+            if str(first) == str(value):
+                raise UsageError(f"{where}: grid '{flag}' lists the value {value!r} twice; list "
+                                 f"each value once")
+            raise UsageError(f"{where}: grid '{flag}' lists {first} and {value}, the same value "
+                             f"to fairseq-train (two points would train one run twice); list it "
+                             f"once")
+        seen[key] = value
 
 
 def _check_seeds(seeds: Any, where: str) -> tuple[int, ...]:
@@ -243,7 +266,20 @@ def load_run_config(path: str | Path, check_flags: bool = True) -> RunConfig:
     return config
 
 
-def check_config_flags(config: RunConfig, profile: ResourceProfile | None = None) -> None:
+def refused_flags(config: RunConfig) -> dict[str, str]:
+    """Flags ``config`` may not set, with the reason, checked against every spelling of a flag
+    (``fairseq_train_flags``: ``local_rank`` is ``device-id``)."""
+    refused = dict(LAUNCHER_FLAGS)
+    if config.global_batch is not None:
+        for flag in ("update-freq", "max-tokens"):
+            refused[flag] = (f"global_batch: {config.global_batch} sets "
+                             f"{flag.replace('max-tokens', 'the batch')} for every profile "
+                             f"(batch-size is the most sequences one GPU holds)")
+    return refused
+
+
+def check_config_flags(config: RunConfig,
+                       profile: ResourceProfile | None = None) -> list[tuple[dict, int | None]]:
     """Parse every grid point of ``config`` with fairseq-train's parser (fairseq_train_flags.py);
     raise ``UsageError`` naming the file (and grid point) that sets the flag at fault.
 
@@ -252,31 +288,44 @@ def check_config_flags(config: RunConfig, profile: ResourceProfile | None = None
     error, naming the file (and grid point) that sets the flag it names.  Without a profile the
     values are not checked: the processes of a run and its device (``--cpu``) come from it.
     A vision grid's values are checked on its ``covering_points`` only: each point costs about
-    a second (point_values.py) and such grids run to hundreds of points.
+    a second (point_values.py) and such grids run to hundreds of points.  The values are those
+    of the largest seed: seeds are checked >= 0 when read, so it is the one out of range if any.
+
+    Returns each checked point with the stages its runs train (None when not known here: no
+    profile, a vision stream, or data not there yet), for the chain check of ``alma-sweep
+    submit``.
     """
     if profile is not None:
         from .point_values import check_run_values  # imports fairseq's training code
     covering = config.covering_points()
+    refused = refused_flags(config)
+    stages: list[tuple[dict, int | None]] = []
     for point in config.grid_points():
-        argv = config.to_argv(point, config.seeds[0], "alma-sweep-flag-check")
+        argv = config.to_argv(point, max(config.seeds), "alma-sweep-flag-check")
         flags = {**config.args, **point}
-        problem = argv_flag_problem(argv, flags)
+        problem = argv_flag_problem(argv, flags, refused)
         if problem is not None:
             raise UsageError(f"{_origin(config, problem.flag, point)}: {problem.message}")
         if profile is None or (flags.get("arch") == "alma_vision" and point not in covering):
             continue
         try:
-            check_run_values(argv, profile)
+            stages.append((point, check_run_values(argv, profile)))
         except AlmaError as err:
-            flag = next((name for name in _FLAG.findall(str(err)) if name in flags), None)
+            names = _FLAG.findall(str(err))
+            flag = next((name for name in names if name in flags),
+                        "seed" if "seed" in names else None)
             raise type(err)(f"{_origin(config, flag, point)}: {err}") from None
+    return stages
 
 
 def _origin(config: RunConfig, flag: str | None, point: dict) -> str:
     """Where ``flag`` was set: the command line's ``--grid FLAG`` (not a file that also
     mentions it), or the file of the include chain that sets it; with the grid point."""
-    where = f"--grid {flag}" if flag in config.command_line_grid else \
-        str(config.flag_origin(flag) if flag else config.path)
+    if flag == "seed" and config.command_line_seeds:
+        where = "--seeds"
+    else:
+        where = f"--grid {flag}" if flag in config.command_line_grid else \
+            str(config.flag_origin(flag) if flag else config.path)
     if not point:
         return where
     shown = ", ".join(f"{k}={v}" for k, v in point.items())

@@ -50,3 +50,18 @@ def query_queue(array_job_ids: set[str]) -> dict[int, tuple[str, str]] | None:
         if index not in queue or state == "RUNNING":  # a running link outranks a pending one
             queue[index] = (state, parts[3])
     return queue
+
+
+def queued_jobs(job_ids: set[str]) -> set[str] | None:
+    """Which of ``job_ids`` (array or plain job ids) still have a task in squeue; None if it
+    could not be asked."""
+    try:
+        out = run_slurm(["squeue", "-h", "-r", "-u", getpass.getuser(), "-o", "%F|%i"], 30)
+    except ClusterError:
+        return None
+    found = set()
+    for line in out.splitlines():
+        parts = line.strip().split("|")
+        found.update(part for part in parts[:1] if part in job_ids)
+        found.update(part.split("_")[0] for part in parts[1:] if part.split("_")[0] in job_ids)
+    return found

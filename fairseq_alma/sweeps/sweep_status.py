@@ -13,7 +13,7 @@ from typing import Any
 
 from ..errors import UsageError
 from .score_plan import load_plan, task_state
-from .slurm_commands import query_queue, run_slurm
+from .slurm_commands import query_queue, queued_jobs, run_slurm
 from .train_records import RunStatus, load_jobs, load_submissions, run_status
 
 
@@ -73,12 +73,27 @@ def _task_status(task: dict[str, Any], last: dict[str, Any] | None,
     return ScoreTaskStatus(task["index"], task["name"], task["mode"], state, job)
 
 
-def cancel_sweep(sweep_dir: Path) -> list[str]:
-    """scancel every job submitted from ``sweep_dir`` (training and scoring); their ids."""
+@dataclass(frozen=True)
+class Cancelled:
+    """What ``cancel_sweep`` did: ``job_ids`` it asked Slurm to cancel (those still in the
+    queue, or all of the sweep's when the queue did not answer), ``submitted`` all of them."""
+
+    job_ids: list[str]
+    submitted: list[str]
+    queue_unreachable: bool
+
+
+def cancel_sweep(sweep_dir: Path) -> Cancelled:
+    """scancel every job submitted from ``sweep_dir`` (training and scoring) that is still
+    queued or running: a finished sweep has nothing to cancel, and saying it cancelled its
+    jobs would be false."""
     load_jobs(sweep_dir)
     job_ids = [str(s["job_id"]) for s in load_submissions(sweep_dir)]
     job_ids += [str(s["job_id"]) for s in (load_plan(sweep_dir) or {}).get("submissions", [])]
     if not job_ids:
         raise UsageError(f"{sweep_dir}: nothing was submitted from this sweep directory")
-    run_slurm(["scancel", *job_ids])
-    return job_ids
+    queued = queued_jobs(set(job_ids))
+    to_cancel = job_ids if queued is None else [job for job in job_ids if job in queued]
+    if to_cancel:
+        run_slurm(["scancel", *to_cancel])
+    return Cancelled(to_cancel, job_ids, queued is None)

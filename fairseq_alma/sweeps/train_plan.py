@@ -74,12 +74,25 @@ def parse_grid_option(text: str) -> tuple[str, list[Scalar]]:
     if not sep or not flag or not values_text.strip():
         raise UsageError(f"--grid '{text}': write --grid FLAG=VALUE1,VALUE2 (e.g. wait=1,3)")
     values: list[Scalar] = []
-    for item in values_text.split(","):
+    items = values_text.split(",")
+    if len(items) > 1 and any(_split_inside(item) for item in items):
+        raise UsageError(f"--grid '{text}': --grid splits values at every comma, so a value "
+                         f"holding one cannot be given here; list the values under grid: in "
+                         f"the config file (quoted: {flag}: ['(0.9, 0.98)', ...])")
+    for item in items:
         value = parse_yaml_scalar(item.strip()) if item.strip() else None
         if value is None or isinstance(value, (list, dict)):
             raise UsageError(f"--grid '{text}': value '{item}' is not a single value")
         values.append(value)
     return flag, values
+
+
+def _split_inside(item: str) -> bool:
+    """Whether a comma-split piece of a --grid value is half of a value holding a comma: an
+    unclosed bracket or quote, ``(0.9`` of ``(0.9, 0.98)``."""
+    pairs = ("()", "[]", "{}")
+    return any(item.count(a) != item.count(b) for a, b in pairs) or \
+        item.count("'") % 2 == 1 or item.count('"') % 2 == 1
 
 
 def parse_seeds_option(text: str) -> list[int]:

@@ -9,6 +9,7 @@ works from files alone, and uses the queue only to tell running from pending.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +49,45 @@ def read_json(path: Path, what: str) -> Any:
 
 
 def load_jobs(sweep_dir: Path) -> dict[str, Any]:
-    return read_json(sweep_dir / "jobs.json", "job table")
+    """``DIR/jobs.json``, refused when its runs are not ``DIR/NAME`` (``check_sweep_location``)."""
+    table = read_json(sweep_dir / "jobs.json", "job table")
+    check_sweep_location(sweep_dir, table)
+    return table
+
+
+def _same_dir(a: Path, b: Path) -> bool:
+    try:
+        return a == b or os.path.samefile(a, b)
+    except OSError:  # one of them is gone
+        return False
+
+
+def check_sweep_location(sweep_dir: Path, table: Mapping[str, Any]) -> None:
+    """Refuse a sweep directory moved or copied from where it was submitted.
+
+    Why refuse rather than read ``DIR/NAME``: a sweep's records name more than its run
+    directories. ``submissions.json`` names the Slurm jobs that train (and requeue) into the
+    original's runs, ``sweep.sbatch`` writes there, and every run's ``slurm_events.jsonl`` was
+    logged by those jobs. A copy reading ``DIR/NAME`` would still report the original's queued
+    jobs as its own runs' states, and ``cancel`` would cancel them; refusing is the only way
+    that never reports, scores or cancels another directory's runs."""
+    jobs = table.get("jobs") if isinstance(table, Mapping) else None
+    for job in jobs if isinstance(jobs, list) else []:
+        if not isinstance(job, Mapping) or "run_dir" not in job or "name" not in job:
+            continue
+        recorded = Path(str(job["run_dir"]))
+        if recorded == sweep_dir / str(job["name"]) or _same_dir(recorded.parent, sweep_dir):
+            continue
+        origin = recorded.parent
+        where = f"{sweep_dir / 'jobs.json'}: its runs are in {origin}, not here"
+        if (origin / "jobs.json").is_file():
+            raise UsageError(f"{where}: {sweep_dir} is a copy of the sweep {origin}, whose Slurm "
+                             f"jobs and run directories its records name; use alma-sweep on "
+                             f"{origin}, or submit a new sweep with another --sweep-dir")
+        raise UsageError(f"{where}: the sweep was moved from {origin}, which its records "
+                         f"(Slurm jobs, sweep.sbatch, run directories) name; move it back to "
+                         f"{origin} to use alma-sweep on it, or submit a new sweep with another "
+                         f"--sweep-dir")
 
 
 def load_submissions(sweep_dir: Path) -> list[dict[str, Any]]:

@@ -22,6 +22,7 @@ from pathlib import Path
 from ..errors import UsageError
 from ..out_paths import check_dir_path
 from ..stream.atomic import atomic_write_json, atomic_write_text
+from ..stream.run_view import RunView
 from .global_batch import apply_global_batch
 from .resource_profile import ResourceProfile, resolve_profile
 from .run_config import RunConfig, load_run_config
@@ -95,14 +96,16 @@ def load_sweep_config(request: SubmitRequest) -> RunConfig:
     check_max_parallel(request.max_parallel)
     if request.chain_stages < 1:
         raise UsageError("--chain-stages must be >= 1")
-    if request.chain_stages > 1 and not request.stages_per_link:
+    if request.stages_per_link is not None and request.stages_per_link < 1:
+        raise UsageError(f"--stages-per-link {request.stages_per_link}: N must be >= 1 (each "
+                         "job of a chain trains N more stages)")
+    if request.chain_stages > 1 and request.stages_per_link is None:
         raise UsageError(
             f"--chain-stages {request.chain_stages} needs --stages-per-link N "
             "(each job trains N more stages; the last one runs to the end)"
         )
-    if request.stages_per_link is not None and (request.chain_stages == 1
-                                                or request.stages_per_link < 1):
-        raise UsageError("--stages-per-link N needs N >= 1 and --chain-stages K > 1")
+    if request.stages_per_link is not None and request.chain_stages == 1:
+        raise UsageError("--stages-per-link N needs --chain-stages K > 1")
     grid: dict[str, list] = {}
     for text in request.grid:
         flag, values = parse_grid_option(text)
@@ -110,9 +113,37 @@ def load_sweep_config(request: SubmitRequest) -> RunConfig:
             raise UsageError(f"--grid {flag} given twice; list all its values in one --grid")
         grid[flag] = values
     config = load_run_config(request.config, check_flags=False).with_grid(grid)
-    if request.seeds:
+    if request.seeds is not None:  # --seeds= (empty) is refused, not the config's seeds
         config = config.with_seeds(parse_seeds_option(request.seeds))
     return config
+
+
+def check_chain_length(request: SubmitRequest, stages: list[tuple[dict, int | None]]) -> None:
+    """Refuse a chain with links that can never train anything: link k of K starts after stage
+    (k-1) x N, so when every run trains at most S stages, the links after the ceil(S / N)-th
+    would start, find every stream trained and exit (a queue slot and a job each).  ``stages``:
+    each grid point with the stages its runs train (``run_config.check_config_flags``); nothing
+    is refused when a point's is not known here (None: a vision grid, data not there yet).
+    A link idle for some runs only (a grid over --wait) is not refused: the longer runs need it.
+    """
+    links, per_link = request.chain_stages, request.stages_per_link
+    if links == 1 or per_link is None or not stages or any(n is None for _, n in stages):
+        return
+    point, most = max(stages, key=lambda item: item[1] or 0)
+    assert most is not None
+    if (links - 1) * per_link < most:
+        return
+    useful = -(-most // per_link)
+    runs = "its runs train" if len(stages) == 1 else \
+        "its longest runs (grid point " + ", ".join(f"{k}={v}" for k, v in point.items()) + \
+        ") train"
+    idle = f"link {links}" if useful + 1 == links else f"links {useful + 1}-{links}"
+    advice = (f"use --chain-stages {useful}" if useful > 1 else
+              "leave out --chain-stages (one job trains it all), or use a smaller "
+              "--stages-per-link")
+    raise UsageError(f"--chain-stages {links} --stages-per-link {per_link}: {runs} {most} "
+                     f"stage(s), so {idle} of each chain would find nothing left to train; "
+                     f"{advice}")
 
 
 def resolve_program(text: str) -> list[str]:
@@ -182,7 +213,29 @@ def runs_to_submit(plan: TrainSubmission) -> list[int]:
                 "wait (alma-sweep status) or alma-sweep cancel first"
             )
     submitted = bool(load_submissions(sweep_dir)) if sweep_dir.exists() else False
-    return [job.index for job in jobs if run_status(job.to_json(), submitted, {}).state != "done"]
+    todo = [job.index for job in jobs if run_status(job.to_json(), submitted, {}).state != "done"]
+    for index in todo:
+        check_world_size(jobs[index], plan.profile)
+    return todo
+
+
+def check_world_size(job: SweepJob, profile: ResourceProfile) -> None:
+    """Refuse to resume a run on another number of processes: its task would refuse it
+    (``run.json``'s fingerprint holds the world size), but only after queueing, with advice
+    (another --save-dir, --restart-stream) that alma-sweep does not take."""
+    view = RunView(job.run_dir)
+    if not (view.stream_log.is_file() or view.last_checkpoint.is_file()
+            or view.stage_checkpoints()):
+        return  # nothing trained there yet: any profile may start it
+    fingerprint = view.fingerprint or {}
+    trained = ((fingerprint.get("config") or {}).get("distributed_training") or {}).get(
+        "distributed_world_size")
+    if isinstance(trained, int) and trained != profile.world_size:
+        raise UsageError(
+            f"{job.run_dir} trained on {trained} process(es) (its run.json) and profile "
+            f"{profile.name} runs {profile.world_size}: a run continues on as many processes "
+            f"as it started on; resubmit with a profile of {trained} process(es) per run, or "
+            f"use a new --sweep-dir")
 
 
 def submit_links(plan: TrainSubmission, todo: list[int]) -> Iterator[Submitted]:
