@@ -127,6 +127,29 @@ def test_ctrl_c_is_one_line_then_the_same_command_resumes(stream_dir, reference_
 
 
 @pytest.mark.slow
+def test_restart_stream_moves_a_finished_run_aside_once_then_its_requeue_continues(
+        stream_dir, reference_run, tmp_path):
+    """--restart-stream trains a finished run again; the same command after a stop (a requeue,
+    or "run the same command to continue") continues that new run. It moved the new run's own
+    progress aside too, and started it from update 0 at every preemption."""
+    import os
+
+    save = tmp_path / "run"
+    shutil.copytree(reference_run[0], save)
+    cmd = stream_cmd(stream_dir, save, *RESUMABLE, "--restart-stream")
+    os.environ["ALMA_STOP_AFTER_STAGE"] = "1"
+    try:
+        run(cmd)
+    finally:
+        del os.environ["ALMA_STOP_AFTER_STAGE"]
+    assert len(list(save.glob("replaced-*"))) == 1 and not (save / "checkpoint_stage2.pt").exists()
+    proc = run(cmd)
+    assert "holds this run, unfinished: continuing it" in proc.stdout + proc.stderr
+    assert len(list(save.glob("replaced-*"))) == 1
+    assert_same_stream(save, reference_run[0])
+
+
+@pytest.mark.slow
 def test_stop_after_stage_env_then_continue_under_another_expert_kernel(stream_dir, reference_run, tmp_path):
     """ALMA_STOP_AFTER_STAGE=1, then the command again with ``--moe-expert-kernel segments``.
     The expert kernel says how a run computes, not what (run_dir.EXECUTION_SETTINGS), so the run

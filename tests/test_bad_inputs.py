@@ -646,7 +646,7 @@ TOOL_CASES = [
     Case("prep from-binarized missing", lambda c: ([tool("alma-data-prep"), "--from-binarized", str(c.tmp / "nowhere"), "--out", str(c.tmp / "o")], [c.tmp]),
          r"nowhere", prog="alma-data-prep"),
     Case("sweep restart-stream", lambda c: (sweep(c, "--grid", "restart-stream=true"), [c.tmp]),
-         r"'restart-stream' cannot be set here: every requeue and every chained job of a run would move its progress aside", prog="alma-sweep"),
+         r"'restart-stream' cannot be set here: a sweep trains each of its run directories once", prog="alma-sweep"),
     Case("sweep grid value twice", lambda c: (sweep(c, "--grid", "lr=0.1,0.10"), [c.tmp]),
          r"grid 'lr' lists the value 0.1 twice; list each value once", prog="alma-sweep"),
     Case("sweep max-parallel 0", lambda c: (sweep(c, "--max-parallel", "0"), [c.tmp]), r"--max-parallel must be >= 1 \(got 0\)", prog="alma-sweep"),
@@ -679,7 +679,8 @@ TOOL_CASES = [
     Case("report json unreadable", lambda c: ([tool("alma-report"), str(_file(c, "s.json", "{")), "--out", str(c.tmp / "o")], [c.tmp]), r"s.json", prog="alma-report"),
     Case("demo out is a file", lambda c: ([tool("alma-demo"), "--out", str(c.tmp / "x.txt")], [c.tmp]), r"--out .*x.txt: exists and is not a directory", prog="alma-demo"),
     Case("demo few updates", lambda c: ([tool("alma-demo"), "--out", str(c.tmp / "d"), "--updates-per-stage", "5"], []), r"--updates-per-stage must be >= 20", prog="alma-demo"),
-    Case("demo corpus 0", lambda c: ([tool("alma-demo"), "--out", str(c.tmp / "d"), "--corpus-mb", "0"], []), r"--corpus-mb must be > 0", prog="alma-demo"),
+    Case("demo corpus 0", lambda c: ([tool("alma-demo"), "--out", str(c.tmp / "d"), "--corpus-mb", "0"], []), r"--corpus-mb must be a finite number > 0", prog="alma-demo"),
+    Case("demo corpus inf", lambda c: ([tool("alma-demo"), "--out", str(c.tmp / "d"), "--corpus-mb", "inf"], []), r"--corpus-mb must be a finite number > 0 \(got inf\)", prog="alma-demo"),
     Case("demo vocab 0", lambda c: ([tool("alma-demo"), "--out", str(c.tmp / "d"), "--vocab-size", "0"], []), r"--vocab-size must be >= 1", prog="alma-demo"),
     Case("demo workers 0", lambda c: ([tool("alma-demo"), "--out", str(c.tmp / "d"), "--workers", "0"], []), r"--workers must be >= 1", prog="alma-demo"),
 ]

@@ -104,6 +104,11 @@ class StreamSession:
         """Refuse another run here (every rank; nothing written); then, unless the directory
         holds this run already ``finished()`` (the same command on a finished run changes no
         byte of it), make it this run's."""
+        if restart and self._holds_unfinished(fingerprint, finished):
+            logger.warning("--restart-stream: %s holds this run, unfinished: continuing it (the "
+                           "same command after a preemption or a crash must not start it over; "
+                           "to start it over, move the directory away)", self.run_dir.path)
+            restart = False
         self.run_dir.check_fingerprint(fingerprint, restart)
         old = None if restart else self.run_dir.read_fingerprint()
         if old is not None and old != fingerprint and same_run(old, fingerprint):
@@ -120,6 +125,23 @@ class StreamSession:
         if not self.finished:
             self.run_dir.claim(fingerprint, restart)  # --restart-stream moves the old run aside
             self.resuming = self.run_dir.last_checkpoint.exists()
+
+    def _holds_unfinished(self, fingerprint: dict[str, Any],
+                          finished: Callable[[], bool] | None) -> bool:
+        """Whether the directory holds this run (``same_run``), trained and not ``finished()``.
+
+        Why: ``--restart-stream`` moves another run, or a finished one, aside. A command that
+        carries it is also the command a requeued job (or a user told "run the same command
+        to continue") runs again: moving this run's own progress aside there restarted it from
+        update 0 at every preemption, so a run longer than one job never finished."""
+        old = self.run_dir.read_fingerprint()
+        if old is None or not same_run(old, fingerprint) or self.run_dir.never_trained():
+            return False
+        if finished is None:  # a vision stream: finished when every arrival is recorded
+            from .run_view import RunView
+
+            return RunView(self.run_dir.path).finished_records(self.plan.num_megabatches) is None
+        return not finished()
 
     def close(self) -> None:
         self.run_dir.close()

@@ -47,8 +47,8 @@ LAUNCHER_FLAGS = {
     "distributed-no-spawn": "slurm/launch_task.sh starts one process per task",
     "distributed-port": "slurm/launch_task.sh derives the port from the job id",
     "cpu": "the resource profile decides (a profile without GPUs adds --cpu)",
-    "restart-stream": "every requeue and every chained job of a run would move its progress "
-                      "aside and start it over; use a new --sweep-dir for a fresh sweep (or "
+    "restart-stream": "a sweep trains each of its run directories once and resubmits only "
+                      "the unfinished ones; use a new --sweep-dir for a fresh sweep (or "
                       "fairseq-train --restart-stream on one run by hand)",
 }
 
