@@ -197,6 +197,8 @@ LM_CASES = [
     Case("bad stop-after-stage", lambda c: (lm(c, c.data, c.tmp / "r"), []), r"ALMA_STOP_AFTER_STAGE must be a stage number", env={"ALMA_STOP_AFTER_STAGE": "first"}),
     Case("growth without slots", lambda c: (lm(c, c.data, c.tmp / "r", "--grow-experts", "2"), []), r"--moe-max-experts must be >= 4"),
     Case("growth not integers", lambda c: (lm(c, c.data, c.tmp / "r", "--grow-experts", "two"), []), r"--grow-experts/--grow-at-stages take comma-separated integers"),
+    Case("growth stages without growth", lambda c: (lm(c, c.data, c.tmp / "r", "--moe-max-experts", "4", "--grow-at-stages", "2"), [c.tmp]),
+         r"--grow-at-stages 2 without --grow-experts grows nothing"),
     Case("growth at stage 1", lambda c: (lm(c, c.data, c.tmp / "r", "--moe-max-experts", "4", "--grow-experts", "2", "--grow-at-stages", "1"), []),
          r"--grow-at-stages must list stages in \[2, 2\]"),
     Case("no experts", lambda c: (lm(c, c.data, c.tmp / "r", "--moe-experts", "0"), []), r"--moe-experts must be an integer >= 1"),

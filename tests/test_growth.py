@@ -57,7 +57,8 @@ def test_growth_schedule_is_checked_step_by_step():
     check_growth_schedule("2,4", "2,4", 4, 2)
     for flags, stages, experts, needle in ((("2,5", "2,3"), 3, 2, "stage 3 would copy 5 experts but the model has 4"),
                                            (("1,1", "3,2"), 3, 2, "--grow-at-stages 3,2 must list each stage once"),
-                                           (("2", ""), 1, 2, "--grow-experts 2 has no stage to grow at")):
+                                           (("2", ""), 1, 2, "--grow-experts 2 has no stage to grow at"),
+                                           (("", "2"), 3, 2, "--grow-at-stages 2 without --grow-experts grows nothing")):
         try:
             check_growth_schedule(*flags, stages, experts)
         except UsageError as exc:

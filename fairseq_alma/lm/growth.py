@@ -175,8 +175,14 @@ def check_growth_schedule(grow_experts: str, grow_at_stages: str, num_stages: in
     * ``--stage-init scratch``: each stage starts from a freshly initialised model, so the
       experts a growth step copies (and the validation losses that chose them, which its record
       reports) would be thrown away at once.
+    * ``--grow-at-stages`` without ``--grow-experts``: no step to take, so the run trained an SM
+      model with its stages recorded as a growth schedule in ``run.json``.
     ``experts``: experts per MoE block before the first growth."""
     if not grow_experts.strip():
+        if grow_at_stages.strip():
+            raise UsageError(f"--grow-at-stages {grow_at_stages} without --grow-experts grows "
+                             f"nothing; add --grow-experts k (experts copied per MoE block at each "
+                             f"of those stages), or drop --grow-at-stages")
         return
     if str(getattr(stage_init, "value", stage_init)) == "scratch":
         raise UsageError(f"--grow-experts {grow_experts} with --stage-init scratch: every stage starts "
