@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 CMD = [sys.executable, "-m", "fairseq_alma.cli.vision_sweep"]  # as alma-vision-sweep
 
 
@@ -33,6 +35,7 @@ def test_sweep_table_summary_and_resume(tmp_path, capsys):
     ]
     first = run(*args)
     assert first.returncode == 0, first.stderr
+    assert first.stderr == ""  # --quiet: only the table (no per-stage INFO lines)
     lines = first.stdout.strip().splitlines()
     assert lines[0].split()[:4] == ["method", "model", "replay", "w"] and len(lines) == 4
     assert set(lines[1]) <= {"-", " "}  # the rule under the header
@@ -48,6 +51,37 @@ def test_sweep_table_summary_and_resume(tmp_path, capsys):
     assert main(args) == 0  # the same sweep again, in process: nothing is re-run
     assert capsys.readouterr().out == first.stdout
     assert os.stat(jsonl).st_mtime_ns == stamp
+    # other settings into the same --out: refused before anything trains, nothing changed (the
+    # run directory's name has no epochs or optimizer: these runs were once reused as they were)
+    summary_text = (tmp_path / "summary.json").read_text()
+    epochs = args.index("--epochs-per-stage") + 1
+    for changed, shown in (
+        (args[:epochs] + ["2"] + args[epochs + 1:], "--epochs-per-stage: 1 -> 2"),
+        (args + ["--optimizer", "sgd"], "--vision-lr: 1.0 -> 0.01; "
+                                        "--vision-optimizer: 'adadelta' -> 'sgd'"),
+        (args + ["--members", "3"], "learner.members: 5 -> 3"),
+    ):
+        assert main(changed) == 2
+        captured = capsys.readouterr()
+        assert captured.out == ""
+        assert captured.err == (f"alma-vision-sweep: error: {tmp_path / 'sm_mlp4_w1_s1'} holds a "
+                                f"run with other settings ({shown}); use another --out\n")
+    assert os.stat(jsonl).st_mtime_ns == stamp
+    assert (tmp_path / "summary.json").read_text() == summary_text
+
+
+@pytest.mark.parametrize("flag, values", [("--seeds", ["1", "1"]), ("--waits", ["1", "auto", "1"]),
+                                          ("--widths", ["4", "4"]), ("--methods", ["sm", "sm"])])
+def test_sweep_refuses_repeated_values(tmp_path, capsys, flag, values):
+    """A repeated value was one run counted twice in the table ("seeds 2", spread 0.000)."""
+    from fairseq_alma.cli.vision_sweep import main
+
+    out = tmp_path / "out"
+    assert main(["--out", str(out), "--waits", "1", flag, *values, "--num-megabatches", "2"]) == 2
+    parsed = [v if v in ("sm", "auto") else int(v) for v in values]
+    assert capsys.readouterr().err == (f"alma-vision-sweep: error: {flag} {parsed} repeat a value; "
+                                       f"list each {flag[2:-1]} once\n")
+    assert not out.exists()
 
 
 def test_sweep_bad_flags_are_one_line(tmp_path):

@@ -11,7 +11,9 @@ width) and Fig. 2 (CER vs compute and memory) as PNGs.
 
 A run whose ``stream.jsonl`` holds all B + 1 arrivals is reused; an interrupted one is continued
 by the same command (fairseq resumes from its ``checkpoint_last.pt``), so re-running the demo
-only does the missing work.
+only does the missing work.  Either only when the run was made with these settings: an --out
+holding runs made with others (another --epochs-per-stage or --num-megabatches) is refused
+before anything trains; use another --out.
 """
 
 from __future__ import annotations
@@ -56,6 +58,9 @@ def check_args(args: argparse.Namespace) -> str | None:
             return f"{flag} must be >= 1, got {min(values)}"
     if min(args.seeds) < 0:
         return f"--seeds must be >= 0, got {min(args.seeds)}"
+    for flag, values in (("waits", args.waits), ("widths", args.widths), ("seeds", args.seeds)):
+        if len(set(values)) != len(values):  # as alma-vision-sweep and alma-sweep: never dropped
+            return f"--{flag} {values} repeat a value; list each {flag[:-1]} once"
     try:
         check_dir_path(args.out, "--out")
     except AlmaError as err:

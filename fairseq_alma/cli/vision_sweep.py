@@ -78,16 +78,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="where the learners train (default auto: the GPU when there is one)")
     parser.add_argument("--amp", default="off", choices=AMP_MODES,
                         help="mixed precision of the forward passes (fp16 needs CUDA)")
-    parser.add_argument("--quiet", action="store_true", help="only print the final table")
+    parser.add_argument("--quiet", action="store_true",
+                        help="only print the final table (and warnings, on stderr)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if not args.quiet:
-        logging.basicConfig(format="%(asctime)s | %(message)s", datefmt="%H:%M:%S", force=True,
-                            level=logging.WARNING)
-        logging.getLogger("fairseq_alma.vision.runner").setLevel(logging.INFO)
+    # importing fairseq left the root logger at INFO with a handler: without this, --quiet
+    # still printed the runner's per-stage lines
+    logging.basicConfig(format="%(asctime)s | %(message)s", datefmt="%H:%M:%S", force=True,
+                        level=logging.WARNING)
+    runner_logger = logging.getLogger("fairseq_alma.vision.runner")
+    runner_logger.setLevel(logging.WARNING if args.quiet else logging.INFO)
 
     def sweep() -> None:
         print(format_sweep_table(run_sweep(args)), end="")

@@ -3,7 +3,11 @@
 
 A run whose ``stream.jsonl`` holds all B + 1 arrivals is reused; an interrupted one is continued
 by the same command (fairseq resumes from its ``checkpoint_last.pt``), so re-running the demo
-only does the missing work.
+only does the missing work.  Both only when the run's ``run.json`` fingerprint is the one its
+``fairseq-train`` command would write (the run directory's name holds only width, wait and
+seed): a directory holding a run with other settings (``--epochs-per-stage``, B) is refused
+before anything trains (``stream/held_run.py``).  Each attempt at a run appends its output to
+``logs/<run>.log`` after a separator line, so the log of the training that made a run is kept.
 """
 
 from __future__ import annotations
@@ -16,16 +20,24 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..errors import AlmaError
 from ..fairseq_glue.user_dir import PLUGIN_DIR
 from ..report import figures, result_tables
 from ..stream.atomic import atomic_write_json
+from ..stream.held_run import held_run_records
 from ..stream.progress import AUTO, wait_order
 from ..stream.records import ArrivalRecord
 from ..stream.run_view import RunView
 from ..stream.series import ReportSeries, series_from_records
-from .steps import tool
+from .steps import ONE_THREAD, tool
+
+# where the demo's refusal of a run directory sends the user: the demo's own flag
+OTHER_OUT = "use another --out"
+# the line a fairseq-train refusal ends with (``console.error_line`` under fairseq-train)
+TOOL_ERROR = ("fairseq-alma: error: ", "fairseq-train: error: ")
+ATTEMPT_HEADER = "====="  # + time and run: one header line per attempt, as in demos/steps.py
 
 
 @dataclass(frozen=True)
@@ -68,28 +80,90 @@ def train_command(run: Run, settings: VisionDemoSettings, save_dir: Path) -> lis
     ]
 
 
-def run_stream(run: Run, settings: VisionDemoSettings, out: Path) -> list[ArrivalRecord]:
-    """Run (or reuse, or continue) one stream; return its records.  Exits on failure."""
-    save_dir = out / "runs" / run.name
-    done = RunView(save_dir).finished_records(settings.num_megabatches)
-    if done is not None:
+def command_fingerprint(cmd: list[str], data_sha256: dict[str, str]) -> dict[str, Any]:
+    """The fingerprint ``fairseq-train`` ``cmd`` would write to its ``run.json``: the command
+    parsed by fairseq-train's own parser into the ``VisionRun`` its task builds
+    (``vision_entry.vision_run``), so no flag's default is restated here.  ``data_sha256``
+    caches ``runner.data_digest`` per data set."""
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    from ..fairseq_glue.vision_entry import vision_run
+    from ..sweeps.fairseq_train_flags import parse_training_argv
+    from ..vision.data import load_vision_data
+    from ..vision.fingerprint import vision_fingerprint
+    from ..vision.runner import data_digest
+
+    _, args, _ = parse_training_argv(cmd[1:])
+    config = convert_namespace_to_omegaconf(args)
+    run = vision_run(config.task, config.model)
+    key = f"{run.dataset}:{run.data_path}"
+    if key not in data_sha256:
+        data_sha256[key] = data_digest(load_vision_data(run.dataset, run.data_path))
+    return vision_fingerprint(run, data_sha256[key])
+
+
+def held_runs(runs: list[Run], settings: VisionDemoSettings,
+              out: Path) -> dict[Run, list[ArrivalRecord] | None]:
+    """Run -> its records when ``runs/<run>`` holds it finished (reused), None when it is to be
+    trained or continued; one line (``UsageError``) for the first directory holding a run
+    with other settings.  Every run is checked before the first one trains."""
+    held: dict[Run, list[ArrivalRecord] | None] = {}
+    data_sha256: dict[str, str] = {}
+    for run in runs:
+        save_dir = Path(settings.out) / "runs" / run.name  # as the user named it, for the message
+        if not save_dir.is_dir():
+            held[run] = None  # nothing to compare: the command below makes the run
+            continue
+        fingerprint = command_fingerprint(train_command(run, settings, out / "runs" / run.name),
+                                          data_sha256)
+        held[run] = held_run_records(save_dir, fingerprint, settings.num_megabatches, OTHER_OUT)
+    return held
+
+
+def run_stream(run: Run, settings: VisionDemoSettings, out: Path,
+               reused: list[ArrivalRecord] | None = None) -> list[ArrivalRecord]:
+    """Reuse (``reused``: the records ``held_runs`` found), or run or continue one stream;
+    return its records.  The command's output is appended to ``logs/<run>.log``.  Exits on
+    failure, with fairseq-train's one-line error when it gave one."""
+    if reused is not None:
         print(f"   {run.name}: complete, reused", flush=True)
-        return done
+        return reused
+    save_dir = out / "runs" / run.name
     cmd = train_command(run, settings, save_dir)
     log = out / "logs" / f"{run.name}.log"
-    print(f"   {run.name}: $ {' '.join(shlex.quote(c) for c in cmd)}", flush=True)
+    shown = " ".join(shlex.quote(c) for c in cmd)
+    print(f"   {run.name}: $ {shown}", flush=True)
     started = time.time()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    with open(log, "w", encoding="utf-8") as handle:
+    env = {**os.environ, **ONE_THREAD}
+    separator = "\n" if log.is_file() and log.stat().st_size else ""
+    with open(log, "a", encoding="utf-8") as handle:  # an earlier attempt's output stays
+        handle.write(f"{separator}{ATTEMPT_HEADER} {time.strftime('%Y-%m-%d %H:%M:%S')} "
+                     f"alma-vision-demo run {run.name}\n$ {shown}\n")
+        handle.flush()
+        offset = log.stat().st_size
         proc = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, check=False)
     records = RunView(save_dir).finished_records(settings.num_megabatches)
     if proc.returncode != 0 or records is None:
-        text = log.read_text(encoding="utf-8", errors="replace")
-        tail = "\n".join(text.splitlines()[-10:])
-        raise AlmaError(f"{run.name} failed (exit {proc.returncode}, stream.jsonl incomplete); "
-                        f"log: {log}\n{tail}")
+        attempt = log.read_bytes()[offset:].decode("utf-8", errors="replace")
+        raise AlmaError(_failure(run, proc.returncode, attempt, log))
     print(f"   {run.name}: done in {time.time() - started:.0f}s", flush=True)
     return records
+
+
+def _failure(run: Run, status: int, attempt: str, log: Path) -> str:
+    """Why ``run``'s command failed: fairseq-train's own one-line error if this ``attempt`` (its
+    output) ended in one, else the attempt's last lines (a traceback: a bug)."""
+    lines = attempt.splitlines()
+    refusals = [line for line in lines if line.startswith(TOOL_ERROR)]
+    if refusals:
+        reason = refusals[-1].split(": error: ", 1)[1]
+        # "holds another run (...); use another --save-dir, or add --restart-stream": flags the
+        # demo sets itself (a run made between held_runs' check and this command)
+        reason, own_advice, _ = reason.partition("; use another --save-dir")
+        return (f"{run.name}: fairseq-train refused it (exit {status}): {reason}"
+                f"{'; ' + OTHER_OUT if own_advice else ''} (log: {log})")
+    tail = "\n".join(lines[-10:])
+    return f"{run.name} failed (exit {status}, stream.jsonl incomplete); log: {log}\n{tail}"
 
 
 def _mean_lists(lists: list[list[float]]) -> list[float]:
@@ -184,14 +258,16 @@ def write_report(settings: VisionDemoSettings, out: Path, results: dict[Run, lis
 def run_vision_demo(settings: VisionDemoSettings) -> None:
     """Every (width, wait, seed) stream, ``settings.jobs`` at a time, then the report."""
     out = Path(settings.out).resolve()
-    (out / "logs").mkdir(parents=True, exist_ok=True)
     runs = [Run(w, h, s) for h in sorted(set(settings.widths))
             for w in sorted(set(settings.waits), key=wait_order)
             for s in sorted(set(settings.seeds))]
+    held = held_runs(runs, settings, out)  # before anything trains or is printed
+    (out / "logs").mkdir(parents=True, exist_ok=True)
     print(f"== {len(runs)} streams on the embedded digits (B={settings.num_megabatches}, "
           f"{settings.epochs_per_stage} epochs per stage), {settings.jobs} at a time", flush=True)
     started = time.time()
     with ThreadPoolExecutor(max_workers=settings.jobs) as pool:
-        results = dict(zip(runs, pool.map(lambda r: run_stream(r, settings, out), runs), strict=True))
+        results = dict(zip(runs, pool.map(lambda r: run_stream(r, settings, out, held[r]), runs),
+                           strict=True))
     write_report(settings, out, results)
     print(f"total {time.time() - started:.0f}s")

@@ -41,6 +41,7 @@ from .data import load_vision_data
 from .dataset import VisionData
 from .devices import check_amp
 from .evaluation import evaluate
+from .fingerprint import vision_fingerprint
 from .learner_builder import build_learner
 from .learners import LearnerSpec
 from .stage_trainer import StageTrainConfig
@@ -288,7 +289,7 @@ def run_vision_session(run: VisionRun, session: StreamSession, data: VisionData 
     data = data if data is not None else load_vision_data(run.dataset, run.data_path)
     stream = _VisionStream(run, session, data)  # checks the flags against the data first
     session.learner = stream
-    session.claim({"settings": run.settings(), "data": data_digest(data)}, restart)
+    session.claim(vision_fingerprint(run, data_digest(data)), restart)
     stream.resume()
     session.stage_boundary(stream.stages_done)
     if run.plan.adaptive:

@@ -10,8 +10,11 @@ the vision data sets (default: the embedded digits, nothing downloaded):
         --waits 1 2 5 10 20 --num-megabatches 20 --epochs-per-stage 20 --seeds 1 2 3
 
 Each run writes ``<out>/<method>_<arch><width>_w<w>[_replay]_s<seed>/stream.jsonl`` (the task's
-record format, so ``alma-score`` reads it); a run whose file is complete is not run again, so an
-interrupted sweep continues where it stopped.  ``summary.json`` holds the table.
+record format, so ``alma-score`` reads it); a finished run is not run again, so an interrupted
+sweep continues where it stopped.  The directory name holds only a few settings: a run is reused
+or continued only when its ``run.json`` fingerprint is the one this sweep would write (epochs,
+optimizer, members, data, ...); a directory holding a run with other settings is refused before
+anything trains (``stream/held_run.py``).  ``summary.json`` holds the table.
 """
 
 from __future__ import annotations
@@ -27,16 +30,18 @@ import torch
 from ..errors import UsageError
 from ..out_paths import check_dir_path
 from ..stream.atomic import atomic_write_json
+from ..stream.held_run import held_run_records
 from ..stream.metrics import cumulative, cumulative_error_rate
 from ..stream.progress import AUTO, StreamPlan, wait_order
+from ..stream.records import ArrivalRecord
 from ..stream.run_dir import RunDirectory
-from ..stream.run_view import RunView
 from ..text_table import format_table as layout
 from .data import load_vision_data
 from .dataset import VisionData
 from .devices import resolve_device
+from .fingerprint import vision_fingerprint
 from .learners import LearnerSpec
-from .runner import VisionRun, run_vision_stream
+from .runner import VisionRun, data_digest, run_vision_stream
 from .stage_trainer import OptimizerSpec, StageTrainConfig
 
 
@@ -61,10 +66,26 @@ def run_name(run: VisionRun) -> str:
     return f"{spec.method}_{spec.arch}{spec.width}_w{run.plan.wait}{replay}_s{spec.seed}"
 
 
-def run_or_reuse(data: VisionData, run: VisionRun, out_dir: str, quiet: bool = False) -> RunSummary:
-    """Run (or continue) one stream in ``out_dir/<run>``; a finished one is only read."""
+# where a sweep's refusal of a run directory sends the user: the sweep's own flag
+OTHER_OUT = "use another --out"
+
+
+def held_records(run: VisionRun, out_dir: str, data_sha256: str) -> list[ArrivalRecord] | None:
+    """The records of ``run`` when ``out_dir/<run>`` holds it finished; None when it is to be
+    trained (or continued); one line when that directory holds a run with other settings."""
+    return held_run_records(os.path.join(out_dir, run_name(run)),
+                            vision_fingerprint(run, data_sha256), run.plan.num_megabatches,
+                            OTHER_OUT)
+
+
+def run_or_reuse(data: VisionData, run: VisionRun, out_dir: str, quiet: bool = False,
+                 data_sha256: str | None = None) -> RunSummary:
+    """Run (or continue) one stream in ``out_dir/<run>``; a finished one with this run's
+    fingerprint is only read, one with another is refused (``held_records``).  ``data_sha256``:
+    ``runner.data_digest(data)``, when the caller has it."""
+    digest = data_sha256 if data_sha256 is not None else data_digest(data)
     with RunDirectory.for_training(os.path.join(out_dir, run_name(run))) as run_dir:
-        records = RunView(run_dir.path).finished_records(run.plan.num_megabatches)
+        records = held_records(run, out_dir, digest)  # again, now that the directory is ours
         if records is None:
             records = run_vision_stream(run, run_dir, data)
     errors = [r.test_error for r in records]
@@ -110,6 +131,11 @@ def _check_lists(args: argparse.Namespace) -> None:
                          f"({args.num_megabatches}), got {args.waits}")
     if min(args.seeds) < 0:
         raise UsageError(f"--seeds must all be >= 0, got {args.seeds}")
+    for flag, values in (("methods", args.methods), ("widths", args.widths),
+                         ("waits", args.waits), ("seeds", args.seeds)):
+        # a repeated value would be one run counted twice: "seeds 2, ± 0.000" from one stream
+        if len(set(values)) != len(values):
+            raise UsageError(f"--{flag} {values} repeat a value; list each {flag[:-1]} once")
     if args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
     if args.members < 1:
@@ -140,7 +166,11 @@ def run_sweep(args: argparse.Namespace) -> list[RunSummary]:
     _check_lists(args)
     torch.set_num_threads(args.threads)
     data = load_vision_data(args.dataset, args.data_path)
-    runs = [run_or_reuse(data, run, args.out, args.quiet) for run in _runs(args, data)]
+    digest = data_digest(data)
+    planned = _runs(args, data)
+    for run in planned:  # every directory checked before the first run trains
+        held_records(run, args.out, digest)
+    runs = [run_or_reuse(data, run, args.out, args.quiet, digest) for run in planned]
     atomic_write_json(os.path.join(args.out, "summary.json"), {
         "dataset": data.name, "epochs": args.epochs_per_stage,
         "num_megabatches": args.num_megabatches, "runs": [run.__dict__ for run in runs]})
