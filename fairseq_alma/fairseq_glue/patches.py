@@ -80,6 +80,11 @@ CONSOLE_COMMANDS = {"fairseq_cli.train": "fairseq-train", "fairseq_cli.eval_lm":
 ERROR_PROG = "fairseq-alma"
 # A run that diverged is no usage error (2) and no preemption (75, which Slurm requeues).
 DIVERGED_EXIT_STATUS = 1
+# Nor is a run whose other process died: retrying may work (a lost node) or not (an OOM kill).
+PEER_LOST_EXIT_STATUS = 1
+# What gloo and NCCL raise in a collective when another rank's process is gone
+PEER_LOST_MESSAGES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                      "NCCL communicator was aborted")
 
 
 def _mark(function: Any) -> Any:
@@ -161,6 +166,12 @@ class _ConsoleMain:
                 print(f"{ERROR_PROG}: error: {err}; give the path of a checkpoint file (--path)",
                       file=sys.stderr, flush=True)
                 raise SystemExit(2) from None
+            if _peer_lost(err):
+                sys.stdout.flush()
+                print(f"{ERROR_PROG}: error: another process of this distributed run stopped "
+                      f"({_first_line(err)}); its own output says why; what was saved is intact: "
+                      f"run the same command on every rank to continue", file=sys.stderr, flush=True)
+                raise SystemExit(PEER_LOST_EXIT_STATUS) from None
             save_dir = _save_dir(args[0] if args else kwargs.get("cfg"))
             if not _disk_full(err, save_dir):
                 raise
@@ -210,6 +221,23 @@ def _save_dir(cfg: Any) -> str:
         return str(cfg.checkpoint.save_dir)
     except AttributeError:
         return "."
+
+
+def _peer_lost(err: BaseException) -> bool:
+    """Did a collective fail because another rank's process is gone (killed, out of memory, its
+    node lost)?  Then this rank's traceback says nothing about the cause, which is in the other
+    rank's output; only with more than one process, and only for gloo's and NCCL's messages."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    return any(message in str(err) for message in PEER_LOST_MESSAGES)
+
+
+def _first_line(err: BaseException) -> str:
+    """``err``'s message without the backend's source location prefix, on one line."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return text.split("] ", 1)[1] if text.startswith("[") and "] " in text else text
 
 
 def _disk_full(err: BaseException, directory: str, slack: int = 64 << 20) -> bool:
