@@ -25,6 +25,12 @@ Runs go through the vision sweep's in-process path (``vision/sweep_runs.py``, th
 reused, so an interrupted benchmark continues.  About 1 minute for digits and 10 for the LM
 stream on 2 CPU cores.
 
+The committed results (``benchmarks/results/adaptive_wait``, shown in the README) are this
+protocol's, and the default ``--out`` is written only by it: ``--quick`` (the test suite's
+mode) writes to a fresh scratch directory unless ``--out`` says where, and a run with any other
+protocol flag (``--seeds``, ``--replay``, ``--no-lm``, ``--mnist``, ``--cifar10``) needs an
+``--out`` of its own; both are refused there, before any run.
+
 Usage: python benchmarks/adaptive_wait.py [--out DIR] [--mnist DIR] [--cifar10 DIR] [--quick]
 """
 
@@ -35,18 +41,22 @@ import json
 import logging
 import statistics
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from adaptive_wait_lm import run_lm
+from adaptive_wait_lm import lm_stream_problem, run_lm
 
 from fairseq_alma.cli.vision_sweep import build_parser as sweep_parser
+from fairseq_alma.console import OneLineArgumentParser
 from fairseq_alma.stream.progress import AUTO, wait_order
 from fairseq_alma.stream.run_view import RunView
 from fairseq_alma.text_table import format_table
 from fairseq_alma.vision.sweep_runs import RunSummary, run_sweep
 
 REPO = Path(__file__).resolve().parent.parent
+COMMITTED = REPO / "benchmarks" / "results" / "adaptive_wait"  # the README's results
+PROTOCOL_SEEDS = [1, 2, 3]
 
 
 @dataclass(frozen=True)
@@ -181,20 +191,59 @@ def plot(results: dict, path: Path) -> None:
     plt.close(figure)
 
 
+def protocol_changes(args: argparse.Namespace) -> list[str]:
+    """The flags by which this run's protocol differs from the committed results' (module doc)."""
+    changes = [flag for flag, given in (("--quick", args.quick), ("--replay", args.replay),
+                                        ("--no-lm", args.no_lm), ("--mnist", args.mnist),
+                                        ("--cifar10", args.cifar10)) if given]
+    if args.seeds != PROTOCOL_SEEDS:
+        changes.append("--seeds " + " ".join(map(str, args.seeds)))
+    return changes
+
+
+def output_dir(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Path:
+    """``--out``, never the committed results for another protocol (module doc); exits 2."""
+    changes = protocol_changes(args)
+    committed = COMMITTED.relative_to(REPO)
+    if args.out is None:
+        if not changes:
+            return COMMITTED
+        if args.quick:
+            scratch = Path(tempfile.mkdtemp(prefix="adaptive_wait_quick."))
+            print(f"--quick: results go to the scratch directory {scratch} (--out sets another; "
+                  f"{committed} holds the committed results)", flush=True)
+            return scratch
+        parser.error(f"{', '.join(changes)}: not the protocol of the committed results in "
+                     f"{committed}; pass --out DIR for this run's results")
+    out = Path(args.out)
+    if changes and out.resolve() == COMMITTED.resolve():
+        parser.error(f"--out {args.out} holds the committed results of the protocol in this "
+                     f"script's docstring, and {', '.join(changes)} changes that protocol; pass "
+                     f"another --out")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "adaptive_wait"))
+    parser = OneLineArgumentParser(prog="adaptive_wait.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=None,
+                        help=f"results and run directories (default: {COMMITTED.relative_to(REPO)}, "
+                        "the committed results, for this protocol only; --quick: a new scratch "
+                        "directory)")
     parser.add_argument("--mnist", default=None, help="MNIST IDX directory (B = 500)")
     parser.add_argument("--cifar10", default=None, help="CIFAR-10 python batches (B = 100)")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--seeds", type=int, nargs="+", default=PROTOCOL_SEEDS)
     parser.add_argument("--replay", action="store_true", help="the replay variant")
     parser.add_argument("--no-lm", action="store_true", help="skip the LM stream")
-    parser.add_argument("--quick", action="store_true", help="tiny run for the test suite")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny run for the test suite (never into the committed results)")
     args = parser.parse_args(argv)
+    out = output_dir(args, parser)
+    args.out = str(out)
+    if not args.no_lm and (problem := lm_stream_problem(out / "lm", args.quick)):
+        parser.error(problem)
     logging.getLogger().setLevel(logging.WARNING)  # importing fairseq set the root logger to DEBUG
     if args.quick:
         args.seeds = args.seeds[:2]
-    out = Path(args.out)
     results = {}
     for stream in streams(args):
         runs = run_stream(stream, args)

@@ -9,14 +9,18 @@ lr 0.003 with ``alma_stage_linear``; w in {1, 2, 4, 8} and auto; seeds 1, 2, 3. 
 the mean over arrivals 1..B of the evaluation mega-batch's cross-entropy (bits per token) of
 the model the learner has then (the initialised one before its first stage), as ``alma-score``
 computes it.
+
+Not a script: ``python benchmarks/adaptive_wait.py`` runs this stream (``--no-lm`` skips it).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import statistics
 import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,17 +50,45 @@ class LmRun:
         return f"sm_{self.size}_w{self.wait}_s{self.seed}"
 
 
+def stream_shape(quick: bool) -> tuple[int, int]:
+    """(mega-batches, vocabulary) of the stream: the protocol's, or ``--quick``'s tiny one."""
+    return (4, 500) if quick else (B, 1000)
+
+
+def lm_stream_problem(out: Path, quick: bool) -> str | None:
+    """One line when ``out/data`` holds a stream of the other mode (``--quick`` or not): it
+    would be reused, and the finished runs of that mode, named alike, with it."""
+    manifest = out / "data" / "manifest.json"
+    if not manifest.is_file():
+        return None
+    try:
+        fields = json.loads(manifest.read_text(encoding="utf-8"))
+        found = (int(fields["num_megabatches"]), int(fields["sentencepiece"]["vocab_size"]))
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"{manifest}: unreadable ({err}); use another --out"
+    wanted = stream_shape(quick)
+    if found == wanted:
+        return None
+    return (f"{manifest.parent} holds an LM stream of B={found[0]}, vocabulary {found[1]}, and this "
+            f"run{' (--quick)' if quick else ''} needs B={wanted[0]}, vocabulary {wanted[1]}; "
+            f"use another --out")
+
+
 def prepare(out: Path, quick: bool) -> Path:
-    """The stream, once (a finished one is reused)."""
+    """The stream, once (a finished one of the same shape is reused)."""
     data = out / "data"
+    problem = lm_stream_problem(out, quick)
+    if problem:
+        raise RuntimeError(problem)
     if (data / "manifest.json").is_file():
         return data
     out.mkdir(parents=True, exist_ok=True)
     corpus = out / "corpus.txt"
+    megabatches, vocab_size = stream_shape(quick)
     subprocess.run([tool("alma-demo-corpus"), "--out", str(corpus), "--max-mb",
                     "0.3" if quick else "1.5"], check=True, capture_output=True)
     subprocess.run([tool("alma-data-prep"), str(corpus), "--out", str(data), "--vocab-size",
-                    "500" if quick else "1000", "--num-megabatches", str(4 if quick else B),
+                    str(vocab_size), "--num-megabatches", str(megabatches),
                     "--eval-size", "0.04", "--valid-size", "0.02", "--workers", "1"],
                    check=True, capture_output=True)
     return data
@@ -73,7 +105,7 @@ def train(run: LmRun, data: Path, out: Path, updates: int, megabatches: int) -> 
     log = out / "logs" / f"{run.name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    with open(log, "w") as handle:
+    with open(log, "a") as handle:  # an earlier attempt's log is kept
         proc = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env)
     records = RunView(save).finished_records(megabatches)
     if proc.returncode != 0 or records is None:
@@ -116,3 +148,15 @@ def run_lm(out: Path, seeds: list[int], quick: bool) -> dict:
                 "seeds": len(group)}
         table[size] = rows
     return table
+
+
+if __name__ == "__main__":
+    # Imported by adaptive_wait.py, which runs this stream; run directly it would do nothing.
+    MESSAGE = ("adaptive_wait_lm.py is the LM stream of benchmarks/adaptive_wait.py, not a script: "
+               "run python benchmarks/adaptive_wait.py (--no-lm skips this stream, --quick runs a "
+               "tiny one; --help lists the rest)")
+    if sys.argv[1:] in (["--help"], ["-h"]):
+        print(MESSAGE)
+        sys.exit(0)
+    print(f"adaptive_wait_lm.py: error: {MESSAGE}", file=sys.stderr)
+    sys.exit(2)

@@ -13,11 +13,13 @@ version's stdlib, and re-running writes nothing when the content is unchanged.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import gzip
 import hashlib
 import inspect
 import io
+import math
 import os
 import sys
 import sysconfig
@@ -25,7 +27,7 @@ import tokenize
 from collections.abc import Iterator
 
 from fairseq_alma.console import OneLineArgumentParser, run_console
-from fairseq_alma.errors import DataError
+from fairseq_alma.errors import DataError, UsageError
 from fairseq_alma.stream.atomic import atomic_output
 
 DEFAULT_FILE_NAME = "demo_corpus.txt"
@@ -137,8 +139,8 @@ def write_demo_corpus(out: str, max_mb: float) -> tuple[str, bool]:
     """Write the corpus to ``out`` (a file, ``.gz`` compressed, or a directory); return
     (path, written). Identical content already there is left untouched, so its mtime, and with
     it ``alma-data-prep``'s reuse of finished steps, survives a re-run of ``make demo``."""
-    if max_mb <= 0:
-        raise DataError(f"--max-mb must be positive, got {max_mb}")
+    if not (math.isfinite(max_mb) and max_mb > 0):
+        raise UsageError(f"--max-mb must be a finite number > 0 (got {max_mb:g}); the default is 5")
     path = _resolve_output(out)
     text, n_docs, n_files = build_demo_corpus(int(max_mb * 1e6))
     if n_docs == 0:
@@ -160,6 +162,18 @@ def write_demo_corpus(out: str, max_mb: float) -> tuple[str, bool]:
     return path, True
 
 
+def finite_mb(text: str) -> float:
+    """``--max-mb``: a size, so finite and > 0 (``float`` alone takes inf and nan, and the
+    corpus then fails converting them to a byte count, with a traceback)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0 (got {text}); the default is 5")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineArgumentParser(
         prog="alma-demo-corpus",
@@ -171,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, metavar="FILE_OR_DIR",
                         help=f"output file (.gz to compress) or existing directory (the file is "
                         f"then DIR/{DEFAULT_FILE_NAME})")
-    parser.add_argument("--max-mb", type=float, default=5.0,
+    parser.add_argument("--max-mb", type=finite_mb, default=5.0,
                         help="stop after the source file that takes the corpus past this many "
                         "MB of UTF-8 text (default: 5; the whole Python 3.11 stdlib gives about "
                         "3.3 MB, enough for a 4-mega-batch stream with a 2000-piece BPE)")

@@ -5,6 +5,8 @@ the layer's speed there is bounded by launches: benchmarks/switch_ffn.py, README
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,11 +24,17 @@ COMPILED_LIMIT = {"aten_ops": 103, "generated_kernels": 35}
 LOGGING_EXTRA_LIMIT = 5
 
 
-def _bench(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def _bench(script: str, *args: str, timeout: int = 300, status: int = 0,
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=REPO)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+                          text=True, timeout=timeout, cwd=REPO, env={**os.environ, **(env or {})})
+    assert proc.returncode == status, (proc.stdout + proc.stderr)[-3000:]
     return proc
+
+
+def _committed_results() -> dict[str, bytes]:
+    folder = REPO / "benchmarks" / "results" / "adaptive_wait"
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir()) if path.is_file()}
 
 
 def test_switch_layer_op_count_does_not_grow(tmp_path):
@@ -77,15 +85,45 @@ def test_profile_lm_step_tiny_runs():
 
 def test_adaptive_wait_tiny_runs(tmp_path):
     """benchmarks/adaptive_wait.py --quick: every fixed w and auto on digits (two seeds) and on
-    an LM stream (fairseq-train, one seed), the tables, the verdicts and the figure."""
-    proc = _bench("adaptive_wait.py", "--quick", "--out", str(tmp_path))
-    results = json.loads((tmp_path / "adaptive_wait.json").read_text())
+    an LM stream (fairseq-train, one seed), the tables, the verdicts and the figure; without
+    --out, into a scratch directory, never over the committed results the README shows."""
+    committed = _committed_results()
+    proc = _bench("adaptive_wait.py", "--quick", env={"TMPDIR": str(tmp_path)})
+    assert _committed_results() == committed
+    wrote = Path(re.search(r"^wrote (\S+)/adaptive_wait\.json and ", proc.stdout, re.M).group(1))
+    assert wrote.parent == tmp_path and wrote.name.startswith("adaptive_wait_quick.")
+    results = json.loads((wrote / "adaptive_wait.json").read_text())
     vision, lm = results["digits"]["mlp4"], results["lm"]["d64"]
     assert list(vision["rows"]) == ["1", "2", "4", "auto"] and list(lm["rows"]) == ["1", "auto"]
     assert all(row["seeds"] == 2 and row["compute"] > 0 for row in vision["rows"].values())
     assert lm["rows"]["1"]["seeds"] == 1 and lm["rows"]["auto"]["compute"] > 0
     assert vision["verdict"] in proc.stdout and lm["verdict"] in proc.stdout
-    assert (tmp_path / "adaptive_wait.png").stat().st_size > 0
+    assert (wrote / "adaptive_wait.png").stat().st_size > 0
+
+
+def test_adaptive_wait_never_writes_another_protocol_over_the_committed_results(tmp_path):
+    """Refused before any run (exit 2, one line), the committed JSON/PNG untouched: --quick
+    into the committed folder, another protocol without an --out of its own, and an LM stream
+    of the other mode in --out (its finished runs would be reused under this mode)."""
+    committed = _committed_results()
+    proc = _bench("adaptive_wait.py", "--quick", "--out", "benchmarks/results/adaptive_wait", status=2)
+    assert "holds the committed results" in proc.stderr and "--quick" in proc.stderr
+    proc = _bench("adaptive_wait.py", "--seeds", "1", "--no-lm", status=2)
+    assert "--no-lm, --seeds 1: not the protocol of the committed results" in proc.stderr
+    (tmp_path / "lm" / "data").mkdir(parents=True)
+    (tmp_path / "lm" / "data" / "manifest.json").write_text(
+        json.dumps({"num_megabatches": 8, "sentencepiece": {"vocab_size": 1000}}))
+    proc = _bench("adaptive_wait.py", "--quick", "--out", str(tmp_path), status=2)
+    assert "holds an LM stream of B=8, vocabulary 1000" in proc.stderr
+    assert len(proc.stderr.splitlines()) == 1
+    assert _committed_results() == committed and sorted(p.name for p in tmp_path.iterdir()) == ["lm"]
+
+
+def test_adaptive_wait_lm_says_what_to_run():
+    """Not a script: run directly, it names the one that runs its stream (it printed nothing)."""
+    assert "python benchmarks/adaptive_wait.py" in _bench("adaptive_wait_lm.py", "--help").stdout
+    proc = _bench("adaptive_wait_lm.py", "--bogus", status=2)
+    assert proc.stderr.startswith("adaptive_wait_lm.py: error: ") and "adaptive_wait.py" in proc.stderr
 
 
 def test_adaptive_wait_synthetic_tiny_runs(tmp_path):

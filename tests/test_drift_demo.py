@@ -116,6 +116,24 @@ def test_alma_demo_drift_end_to_end(tmp_path):
     assert re.search(r"^(no_replay|replay_0\.25|full_replay) forgets least: ", text, re.M)
     assert "per unit of compute" in text
 
+    # Run again: the corpus, the stream and the three trainings are skipped, and said to be; the
+    # training logs keep the trainings; the matrices and verdict are the same.
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert again.stdout.count("   skipped: done earlier, its output reused") == 5, again.stdout
+    matrices = "== the stage x period matrices"
+    assert again.stdout[again.stdout.index(matrices):] == text[text.index(matrices):]
+    for name in ("no_replay", "replay_0.25", "full_replay"):
+        log = (out / "drift" / "logs" / f"train_{name}.log").read_text()
+        assert "done training" in log and "nothing to train" in log
+    # ... and with another --corpus-mb: refused in one line before step 1, OUT as it was
+    corpus = (out / "corpus" / "demo_corpus.txt").read_bytes()
+    other = subprocess.run([*cmd[:cmd.index("--corpus-mb") + 1], "0.4", *cmd[cmd.index("--corpus-mb") + 2:]],
+                           capture_output=True, text=True, timeout=300)
+    assert other.returncode == 2 and "--corpus-mb 0.3 (not 0.4)" in other.stderr, other.stderr
+    assert len(other.stderr.splitlines()) == 1 and "\n== 1/" not in other.stdout
+    assert (out / "corpus" / "demo_corpus.txt").read_bytes() == corpus
+
 
 def test_forgetting_below_one_is_called_progress_not_forgetting():
     gained = drift_verdict([_setting("a", 5.5, 6.0), _setting("b", 5.8, 6.0)])

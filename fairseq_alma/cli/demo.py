@@ -12,6 +12,12 @@ when its outputs already exist, so re-running after an interruption continues:
      stream averages (the paper's over trained arrivals, and the anytime one over all arrivals),
      CSV/JSON and the Fig. 5 plot (average perplexity vs cumulative compute and vs parameters).
 
+Re-running into the same --out reuses what is finished, but only with the flags it was made
+with: OUT/demo_flags.json records --corpus-mb, --vocab-size and --updates-per-stage, and other
+values are refused before step 1, with nothing in OUT changed (they would rebuild the corpus
+and stream under the finished runs): use another --out for them.  Each step's log under
+OUT/logs keeps every attempt.
+
 ``alma-demo --drift`` runs the drifting-stream variant instead (demos/drift.py): the same
 corpus cut in module order, trained without replay, with 25% replay and with full replay, each
 scored on every period, and a plain-words verdict on which forgets least per unit of compute.
@@ -21,10 +27,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 from pathlib import Path
 
 from ..console import OneLineArgumentParser, run_console
+from ..demos.demo_flags import DemoFlagsRecord
 from ..demos.drift import run_drift_demo
 from ..demos.lm_stream import LmDemoSettings
 from ..demos.table2 import run_table2_demo
@@ -48,21 +56,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def settings_of(args: argparse.Namespace) -> LmDemoSettings:
+    return LmDemoSettings(out=Path(args.out), corpus_mb=args.corpus_mb, vocab_size=args.vocab_size,
+                          updates_per_stage=args.updates_per_stage, workers=args.workers)
+
+
 def demo_problem(args: argparse.Namespace) -> str | None:
     """The first flag of the demo that cannot work, as one line (None: all can); checked
-    before anything is built, not when the step that uses it fails minutes later."""
+    before anything is built, not when the step that uses it fails minutes later.  That
+    includes an --out holding a demo made with other flags (``demos/demo_flags.py``): its
+    steps would rebuild the corpus and stream under its finished runs."""
     if args.updates_per_stage < 20:
         return f"--updates-per-stage must be >= 20 (got {args.updates_per_stage})"
-    if not args.corpus_mb > 0:
-        return f"--corpus-mb must be > 0 (got {args.corpus_mb:g}); the default is 3"
+    if not (math.isfinite(args.corpus_mb) and args.corpus_mb > 0):
+        return f"--corpus-mb must be a finite number > 0 (got {args.corpus_mb:g}); the default is 3"
     for flag in ("vocab_size", "workers"):
         if getattr(args, flag) < 1:
             return f"--{flag.replace('_', '-')} must be >= 1 (got {getattr(args, flag)})"
     try:
         check_dir_path(args.out, "--out")
+        return DemoFlagsRecord(Path(args.out), "drift" if args.drift else "main").problem(
+            settings_of(args).flag_values())
     except AlmaError as err:
         return str(err)
-    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     problem = demo_problem(args)
     if problem:
         parser.error(problem)
-    settings = LmDemoSettings(out=Path(args.out), corpus_mb=args.corpus_mb, vocab_size=args.vocab_size,
-                              updates_per_stage=args.updates_per_stage, workers=args.workers)
+    settings = settings_of(args)
     logging.getLogger().setLevel(logging.WARNING)  # the demo prints its own steps; no INFO lines
     demo = run_drift_demo if args.drift else run_table2_demo
     return run_console("alma-demo", lambda: demo(settings))

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from ..report.drift_verdict import DriftSetting, drift_verdict, format_drift_table
 from ..stream.period_matrix import PeriodMatrix, format_matrix
+from .demo_flags import DemoFlagsRecord, corpus_path, demo_root
 from .lm_stream import LmDemoSettings, prepare_stream, train_settings
 from .steps import step, tool
 
@@ -39,20 +40,21 @@ EVAL_PER_MEGABATCH = "0.1"
 
 
 def run_drift_demo(settings: LmDemoSettings) -> int:
-    """The drift demo's steps (module doc); a failed step raises with its log's tail."""
+    """The drift demo's steps (module doc); a failed step raises one line (``steps.failure_message``)."""
     out = Path(settings.out).resolve()
-    root = out / "drift"
+    root = demo_root(out, "drift")
     logs, data, runs, reports = root / "logs", root / "data", root / "runs", root / "report"
     for directory in (logs, reports):
         directory.mkdir(parents=True, exist_ok=True)
-    corpus = out / "corpus" / "demo_corpus.txt"
+    corpus = corpus_path(out)
     corpus.parent.mkdir(parents=True, exist_ok=True)
+    record = DemoFlagsRecord(out, "drift")
     total = 2 + 2 * len(REPLAY_SETTINGS) + 1
 
-    prepare_stream(settings, corpus, data, logs, total,
+    prepare_stream(settings, record, corpus, data, logs, total,
                    "a drifting 4-period stream (corpus order, a held-out slice per period)",
                    ("--order", "given", "--eval-per-megabatch", EVAL_PER_MEGABATCH))
-    train_settings(settings, data, runs, logs, REPLAY_SETTINGS, 3, total)
+    train_settings(settings, record, data, runs, logs, REPLAY_SETTINGS, 3, total)
     jsons = []
     for i, (name, _) in enumerate(REPLAY_SETTINGS, start=3 + len(REPLAY_SETTINGS)):
         target = reports / f"{name}.json"

@@ -1,23 +1,39 @@
 """Running a demo step: one real command, echoed before it runs, its output in a log file.
 
 The demos are meant to be copied: every step prints the exact command, so a user can re-run any
-of them by hand, and a failed step ends the demo with its log's tail (one ``AlmaError``).
+of them by hand.  Each attempt's output is appended to the step's log under a header line, so a
+re-run (where a finished training says only "nothing to train") keeps the log of the training
+that did the work.  A step whose outputs the tool found finished and left as they were says
+"skipped"; a failed step ends the demo with one ``AlmaError`` line: the tool's own error line
+(not the tail of a log that starts with fairseq's whole config), with advice in the demo's terms.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 
-from ..errors import AlmaError
+from ..errors import AlmaError, first_line
 
 # One intra-op thread unless the user says otherwise: the demos' models are tiny, and on a busy
 # machine OpenMP threads spin-waiting for each other slow them down many times over.
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# ``<prog>: error: ...``: the one line every console tool of the project ends a refusal with
+TOOL_ERROR = re.compile(r"^[\w.-]+: error: ")
+# the last line of a traceback: ``SomeError: message`` (a bug in a tool, not a refusal)
+EXCEPTION_LINE = re.compile(r"^\w+(\.\w+)*(Error|Exception|Interrupt)\b")
+# A tool's way out that names its own flags (another --save-dir, --restart-stream, --clean): the
+# demo chose those flags, so its user's way out is an alma-demo one (``demo_advice``)
+TOOL_ONLY_ADVICE = re.compile(r";\s*(?:move it aside or )?use another --save-dir\b.*$"
+                              r"|;\s*[^;]*--(?:restart-stream|clean)\b.*$")
+ERROR_LINE_LIMIT = 400
 
 
 def tool(name: str) -> str:
@@ -26,16 +42,49 @@ def tool(name: str) -> str:
     return str(candidate) if candidate.exists() else name
 
 
-def step(title: str, cmd: list[str], log: Path) -> str:
-    """Run one command, echoing it; output goes to ``log`` and is returned.  Exits on failure."""
-    print(f"\n== {title}\n$ {' '.join(shlex.quote(c) for c in cmd)}", flush=True)
+def step(title: str, cmd: list[str], log: Path,
+         product: Callable[[], object] | None = None) -> str:
+    """Run one command, echoing it; its output is appended to ``log`` and returned.  Raises
+    ``AlmaError`` on failure.  ``product`` gives the state of what the step makes (None: not
+    there yet); unchanged by the command, the step is reported as skipped."""
+    command = " ".join(shlex.quote(c) for c in cmd)
+    print(f"\n== {title}\n$ {command}", flush=True)
+    before = product() if product else None
     start = time.time()
     env = {**ONE_THREAD, **os.environ}
-    with open(log, "w", encoding="utf-8") as fh:
+    separator = "\n" if log.is_file() and log.stat().st_size else ""
+    with open(log, "a", encoding="utf-8") as fh:
+        fh.write(f"{separator}===== {datetime.now():%Y-%m-%d %H:%M:%S} alma-demo step "
+                 f"'{title}'\n$ {command}\n")
+        fh.flush()
+        offset = log.stat().st_size
         proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, text=True, env=env)
-    text = log.read_text(encoding="utf-8", errors="replace")
+    text = log.read_bytes()[offset:].decode("utf-8", errors="replace")
     if proc.returncode != 0:
-        tail = "\n".join(text.splitlines()[-15:])
-        raise AlmaError(f"step '{title}' failed (exit {proc.returncode}); log: {log}\n{tail}")
-    print(f"   done in {time.time() - start:.0f}s (log: {log})", flush=True)
+        raise AlmaError(failure_message(title, proc.returncode, text, log))
+    if before is not None and product() == before:
+        print(f"   skipped: done earlier, its output reused (log: {log})", flush=True)
+    else:
+        print(f"   done in {time.time() - start:.0f}s (log: {log})", flush=True)
     return text
+
+
+def failure_message(title: str, status: int, output: str, log: Path) -> str:
+    """One line: the step, the tool's error line(s) (or a traceback's last line, or the last
+    line of output), what to do in the demo's terms, and the log."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    errors = [line for line in lines if TOOL_ERROR.match(line)]
+    if not errors:
+        errors = [line for line in lines if EXCEPTION_LINE.match(line)][-1:] or lines[-1:]
+    shown = [TOOL_ONLY_ADVICE.sub("", line) for line in errors[-2:]]
+    reason = " / ".join(first_line(RuntimeError(line), ERROR_LINE_LIMIT) for line in shown)
+    return (f"step '{title}' failed (exit {status}): {reason or 'no output'}; "
+            f"{demo_advice(errors)} (log: {log})")
+
+
+def demo_advice(errors: list[str]) -> str:
+    """The next step for someone who ran alma-demo, not the tool inside it."""
+    if any(TOOL_ONLY_ADVICE.search(line) for line in errors):
+        return ("it holds what another alma-demo command made: use another --out, or the flags "
+                "that made it")
+    return "fix that and run the same alma-demo command again (finished steps are reused)"

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ..report.figures import plot_tradeoffs
 from ..report.result_tables import format_series_table, load_report_json, write_csv, write_json
+from .demo_flags import DemoFlagsRecord, corpus_path
 from .lm_stream import LmDemoSettings, prepare_stream, train_settings
 from .steps import step, tool
 
@@ -34,20 +35,22 @@ SCORES = [
 
 
 def run_table2_demo(settings: LmDemoSettings) -> int:
-    """The demo's steps (module doc); a failed step raises with its log's tail."""
+    """The demo's steps (module doc); a failed step raises one line (``steps.failure_message``)."""
     out = Path(settings.out).resolve()
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    corpus = out / "corpus" / "demo_corpus.txt"
+    corpus = corpus_path(out)
     corpus.parent.mkdir(parents=True, exist_ok=True)
+    record = DemoFlagsRecord(out, "main")
     data = out / "data"
     runs = out / "runs"
     reports = out / "report"
     reports.mkdir(parents=True, exist_ok=True)
     total = 2 + len(RUNS) + len(SCORES) + 1
 
-    prepare_stream(settings, corpus, data, logs, total, "a 4-mega-batch stream (BPE, seeded split, binarize, manifest)")
-    train_settings(settings, data, runs, logs, RUNS, 3, total)
+    prepare_stream(settings, record, corpus, data, logs, total,
+                   "a 4-mega-batch stream (BPE, seeded split, binarize, manifest)")
+    train_settings(settings, record, data, runs, logs, RUNS, 3, total)
     jsons = []
     for i, (setting, mode, dirs) in enumerate(SCORES, start=3 + len(RUNS)):
         target = reports / f"{setting.split()[0]}.json"
