@@ -9,13 +9,16 @@ a real run wrote.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .runner import VisionRun
+from typing import Any, Protocol
 
 
-def vision_fingerprint(run: VisionRun, data_sha256: str) -> dict[str, Any]:
+class _Settled(Protocol):
+    """A ``runner.VisionRun`` (named by shape: the runner imports this module)."""
+
+    def settings(self) -> dict[str, Any]: ...
+
+
+def vision_fingerprint(run: _Settled, data_sha256: str) -> dict[str, Any]:
     """``run.json``'s fingerprint of ``run`` on the data whose ``runner.data_digest`` is
     ``data_sha256``: the settings that change its results, and the data (not where it lives)."""
     return {"settings": run.settings(), "data": data_sha256}
