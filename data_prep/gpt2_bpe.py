@@ -111,6 +111,7 @@ def check_gpt2_files(encoder_json: str | None, vocab_bpe: str | None) -> dict:
             isinstance(v, int) and not isinstance(v, bool) for v in encoder.values()):
         raise DataError(f"{ENCODER_FLAG} {encoder_json}: not a JSON object of symbol -> "
                         "integer id; pass fairseq's GPT-2 encoder.json")
+    _check_distinct_ids(encoder, encoder_json)
     merges = _check_merges(vocab_text, vocab_bpe)
     # Every symbol the BPE works with: the bytes, each merge's two parts and what it makes.
     needed = dict.fromkeys([*bytes_to_unicode().values(),
@@ -124,6 +125,21 @@ def check_gpt2_files(encoder_json: str | None, vocab_bpe: str | None) -> dict:
             "encoder_json_sha256": sha256_file(encoder_json),
             "vocab_bpe_sha256": sha256_file(vocab_bpe),
             "vocab_size": len(set(encoder.values())), "merges": len(merges)}
+
+
+def _check_distinct_ids(encoder: dict, encoder_json: str) -> None:
+    """One id per symbol, none negative: two symbols under one id were encoded as one token (every
+    "the" became "a" in the stream, which verified, trained and scored without a word)."""
+    owner: dict[int, str] = {}
+    for symbol, index in encoder.items():
+        if index < 0:
+            raise DataError(f"{ENCODER_FLAG} {encoder_json}: {symbol!r} has the negative id "
+                            f"{index}; pass fairseq's GPT-2 encoder.json")
+        if index in owner:
+            raise DataError(f"{ENCODER_FLAG} {encoder_json}: id {index} is given to both "
+                            f"{owner[index]!r} and {symbol!r} (the stream would make them one "
+                            f"token); pass fairseq's GPT-2 encoder.json")
+        owner[index] = symbol
 
 
 def gpt2_vocabulary(encoder_json: str) -> list[str]:

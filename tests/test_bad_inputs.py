@@ -595,13 +595,18 @@ def _other_stream_run(ctx: Ctx) -> Path:
     return save
 
 
-def gpt2_flags(ctx: Ctx, vocab_bpe: str, extra_symbols: tuple[str, ...] = ()) -> list[str]:
-    """--bpe gpt2 with an encoder.json of every byte symbol (plus ``extra_symbols``) and the
-    given vocab.bpe text, both written to the case's scratch dir."""
+def gpt2_flags(ctx: Ctx, vocab_bpe: str, extra_symbols: tuple[str, ...] = (),
+               last_id: int | None = None) -> list[str]:
+    """--bpe gpt2 with an encoder.json of every byte symbol (plus ``extra_symbols``; the last
+    symbol gets ``last_id`` when given) and the given vocab.bpe text, both written to the case's
+    scratch dir."""
     from fairseq.data.encoders.gpt2_bpe_utils import bytes_to_unicode
 
     symbols = [*bytes_to_unicode().values(), *extra_symbols]
-    (ctx.tmp / "encoder.json").write_text(json.dumps({s: i for i, s in enumerate(symbols)}), encoding="utf-8")
+    encoder = {s: i for i, s in enumerate(symbols)}
+    if last_id is not None:
+        encoder[symbols[-1]] = last_id
+    (ctx.tmp / "encoder.json").write_text(json.dumps(encoder), encoding="utf-8")
     (ctx.tmp / "vocab.bpe").write_text(vocab_bpe, encoding="utf-8")
     return ["--bpe", "gpt2", "--gpt2-encoder-json", str(ctx.tmp / "encoder.json"), "--gpt2-vocab-bpe", str(ctx.tmp / "vocab.bpe")]
 
@@ -634,6 +639,8 @@ TOOL_CASES = [
          r"vocab.bpe: line 1 is not the '#version' header", prog="alma-data-prep"),
     Case("prep gpt2 merge part not in encoder", lambda c: (prep(c, c.tmp / "o", *gpt2_flags(c, "#version: 0.2\nĠth e\n", ("Ġthe",))), [c.tmp]),
          r"encoder.json: no id for 1 symbol\(s\) of the bytes and the merges in .*vocab.bpe \(first: 'Ġth'\)", prog="alma-data-prep"),
+    Case("prep gpt2 one id for two symbols", lambda c: (prep(c, c.tmp / "o", *gpt2_flags(c, "#version: 0.2\nĠ t\n", ("Ġt",), last_id=0)), [c.tmp]),
+         r"encoder.json: id 0 is given to both '!' and 'Ġt' \(the stream would make them one token\)", prog="alma-data-prep"),
     Case("prep out holds another stream", lambda c: (prep(c, c.copy(c.data, "d")), [c.tmp]),
          r"--out .*d holds another stream, prepared from .*corpus.txt .*add --clean to replace", prog="alma-data-prep"),
     Case("prep out holds other files", lambda c: (prep(c, c.tmp), [c.tmp]),
