@@ -136,3 +136,14 @@ def test_experts_not_divisible_by_group_size_is_a_one_line_error(tiny_lm_bin, tm
     assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-2000:]
     assert "--moe-experts (3) must be divisible by --moe-expert-parallel-size (2)" in errors[0]
     assert "Traceback" not in proc.stderr
+
+
+def test_umix_experts_stay_apart_under_torch_ddp(tiny_lm_bin, tmp_path):
+    """UMix's build_model did not list the expert shards for torch DDP to skip: DDP broadcast
+    rank 0's shards over rank 1's at wrap time (experts 0 == 1, 2 == 3: two per block, not four)
+    and then averaged different experts' gradients, exit 0."""
+    train_two_ranks(tiny_lm_bin, tmp_path / "umix", 1, "--arch", "umix_switch_transformer_lm_tiny",
+                    "--umix-members", "2", "--ddp-backend", "pytorch_ddp")
+    model = _load(tmp_path / "umix" / "checkpoint_last.pt")["model"]
+    experts = [value for key, value in model.items() if key.endswith("ffn.fc1_weight")]
+    assert experts and all(e.shape[0] == 4 and not torch.equal(e[0::2], e[1::2]) for e in experts)

@@ -25,6 +25,7 @@ from fairseq.models import (
 from torch import Tensor, nn
 
 from ..errors import require
+from ..fairseq_glue.expert_parallel import prepare_expert_parallel
 from ..modules.switch_ffn import SwitchFFN
 from .checkpoint_format import (
     UMIX_DECODER_UPGRADES,
@@ -137,6 +138,9 @@ class UMixSwitchTransformerLanguageModel(FairseqLanguageModel):
                 cfg, "tokens_per_sample", DEFAULT_MAX_TARGET_POSITIONS
             )
         model = cls(UMixSwitchDecoder(cfg, task.target_dictionary))
+        # torch DDP must skip the expert shards (each rank holds others): without this it
+        # broadcast rank 0's shards over the others' and averaged different experts' gradients
+        prepare_expert_parallel(model)
         model.log_parameter_counts()
         return model
 
