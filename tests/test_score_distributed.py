@@ -146,3 +146,39 @@ def test_backend_follows_the_device():
     assert choose_backend(use_cuda=True, override="gloo") == "gloo"
     with pytest.raises(UsageError, match="nccl needs CUDA"):
         choose_backend(use_cuda=False, override="nccl")
+
+
+@pytest.mark.slow
+def test_an_expert_parallel_runs_checkpoints_score_with_whole_experts_on_two_ranks(stream, tmp_path):
+    """A checkpoint of an expert-parallel run (full [E, ...] experts, moe_expert_parallel_size 2
+    in its config) was rebuilt sharded by two scoring ranks: a rank with one batch fewer waited
+    in all_to_all forever (--max-eval-tokens 96: 3 blocks of 32 over 2 ranks), and the numbers
+    differed from one process's. Scoring now builds every expert on every rank."""
+    import shutil
+
+    import torch
+
+    run = tmp_path / "ep"
+    shutil.copytree(stream / "ens1", run)
+    for path in run.glob("checkpoint_stage*.pt"):
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        state["cfg"]["model"]["moe_expert_parallel_size"] = 2  # as an expert-parallel run saves it
+        torch.save(state, path)
+    argv = [str(run), "--mode", "single", "--cpu", "--max-eval-tokens", "96"]
+    alone = _one_process([*argv, "--json", str(tmp_path / "one.json")])
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    port = str(_free_port())
+    procs = [subprocess.Popen([*SCORE, *argv, "--json", str(tmp_path / f"rank{rank}.json")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=_env(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank),
+                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+             for rank in (0, 1)]
+    try:
+        results = [(p.wait(timeout=120), *p.communicate()) for p in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    for rank, (code, _, err) in enumerate(results):
+        assert code == 0, f"rank {rank}:\n{err[-3000:]}"
+    assert json.loads((tmp_path / "rank0.json").read_text()) == \
+        json.loads((tmp_path / "one.json").read_text())

@@ -199,7 +199,12 @@ class CheckpointScorer:
         return self._datasets[self._keys[self._key(settings)]][2]
 
     def _load(self, path: str, settings: EvalSettings) -> tuple[Any, Any, Any, tuple]:
-        overrides = {"data": settings.data, "tokens_per_sample": settings.tokens_per_sample}
+        # experts whole on every rank (moe_expert_parallel_size 1): an expert-parallel run's
+        # checkpoint holds full [E, ...] experts, and scoring ranks run no collective in the
+        # forward. Sharded, a rank with one batch fewer waited in all_to_all forever, the
+        # numbers differed from one process's, and 3 ranks were refused naming training flags.
+        overrides = {"data": settings.data, "tokens_per_sample": settings.tokens_per_sample,
+                     "moe_expert_parallel_size": 1}
         try:
             models, _, own_task = checkpoint_utils.load_model_ensemble_and_task(
                 [path], arg_overrides=overrides
