@@ -197,6 +197,8 @@ LM_CASES = [
     Case("bad stop-after-stage", lambda c: (lm(c, c.data, c.tmp / "r"), []), r"ALMA_STOP_AFTER_STAGE must be a stage number", env={"ALMA_STOP_AFTER_STAGE": "first"}),
     Case("growth without slots", lambda c: (lm(c, c.data, c.tmp / "r", "--grow-experts", "2"), []), r"--moe-max-experts must be >= 4"),
     Case("growth not integers", lambda c: (lm(c, c.data, c.tmp / "r", "--grow-experts", "two"), []), r"--grow-experts/--grow-at-stages take comma-separated integers"),
+    Case("growth with expert parallelism", lambda c: (lm(c, c.data, c.tmp / "r", "--moe-max-experts", "4", "--grow-experts", "2", "--moe-expert-parallel-size", "2", "--distributed-world-size", "2", "--distributed-backend", "gloo", "--distributed-init-method", "tcp://127.0.0.1:9", "--distributed-rank", "0", "--distributed-no-spawn", "--ddp-backend", "legacy_ddp"), [c.tmp]),
+         r"--grow-experts does not support --moe-expert-parallel-size > 1"),
     Case("growth stages without growth", lambda c: (lm(c, c.data, c.tmp / "r", "--moe-max-experts", "4", "--grow-at-stages", "2"), [c.tmp]),
          r"--grow-at-stages 2 without --grow-experts grows nothing"),
     Case("growth at stage 1", lambda c: (lm(c, c.data, c.tmp / "r", "--moe-max-experts", "4", "--grow-experts", "2", "--grow-at-stages", "1"), []),

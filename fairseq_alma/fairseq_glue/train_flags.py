@@ -693,6 +693,12 @@ def check_sharding(node: Any, growth: bool, machine_checks: bool = True) -> None
             raise UsageError("--grow-experts cannot grow experts inside FSDP's flattened, sharded "
                              "parameters; use --ddp-backend legacy_ddp or pytorch_ddp with "
                              "--zero-sharding os")
+    if growth and int(given(node, "model", "moe_expert_parallel_size") or 1) > 1:
+        # lm/growth.py refused it at the first growth: after stage 1 had trained, and again at
+        # every retry of "the same command"
+        raise UsageError("--grow-experts does not support --moe-expert-parallel-size > 1 (a growth "
+                         "step copies whole experts, which expert-parallel ranks hold in shards); "
+                         "train with --moe-expert-parallel-size 1")
 
 
 # (section, key, refused when, the one line; {v} is the value): fairseq's flags that would end
