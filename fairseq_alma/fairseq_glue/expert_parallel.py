@@ -19,9 +19,12 @@ Limits, refused with a one-line error: ``--zero-sharding os`` (fairscale's OSS b
 whole parameter from one owner rank, which would merge the ranks' different experts),
 ``--fp16`` without ``--memory-efficient-fp16``
 (their flat fp32 copy mixes expert and shared gradients), sharded DDP backends, and
-``--no-last-checkpoints`` (rank 0 could then skip a save the other ranks join).  With
-``--clip-norm`` > 0 the norm is that of the shared gradients (fairseq's ``clip_grad_norm_`` leaves
-``param.expert`` out of it), as for fairseq's own expert layers.
+``--no-last-checkpoints`` (rank 0 could then skip a save the other ranks join).
+
+- Gradient norm.  fairseq's ``clip_grad_norm_`` leaves ``param.expert`` out of the norm (then
+  scales those gradients by the same factor): clipped by the shared gradients' norm alone, a run
+  drifted from one process's (``--clip-norm``), and its logged ``gnorm`` left the experts out.
+  ``norm_with_experts`` adds the squared norms of every rank's expert shards.
 """
 
 from __future__ import annotations
@@ -76,6 +79,23 @@ def check_training_setup(cfg: Any) -> None:
         "--moe-expert-parallel-size > 1 cannot be used with --no-last-checkpoints: "
         "every rank takes part in each save",
     )
+
+
+def norm_with_experts(layers: list[ExpertParallelSwitchFFN], shared_norm: torch.Tensor) -> torch.Tensor:
+    """The gradient norm one process holding every expert would compute, from fairseq's norm of
+    the shared gradients (``utils.clip_grad_norm_``'s ``aggregate_norm_fn``; the same scale as
+    ``p.grad``): each expert lives on one rank of its group (replicas hold equal, already
+    averaged gradients), so the shards' squared norms are summed over the group.  Collective:
+    fairseq's Trainer clips (or measures, at ``--clip-norm 0``) on every rank at every step."""
+    import torch.distributed as dist
+
+    squares = torch.zeros((), dtype=torch.float32, device=shared_norm.device)
+    for layer in layers:
+        for param in layer.expert_parameters():
+            if param.grad is not None:
+                squares += param.grad.detach().float().pow(2).sum().to(squares.device)
+    dist.all_reduce(squares, group=layers[0].groups.group)
+    return (shared_norm.float() ** 2 + squares).sqrt()
 
 
 def innermost_torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:

@@ -56,6 +56,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import errno
+import functools
 import importlib
 import logging
 import math
@@ -784,15 +785,17 @@ def install_stream_training_patches() -> None:
 
 # ---- expert parallelism and fairseq's Trainer --------------------------------------------
 def install_expert_parallel_trainer() -> None:
-    """Two Trainer members for models whose experts are sharded over ranks.
+    """Three Trainer members for models whose experts are sharded over ranks.
 
     Why: fairseq's Trainer assumes every rank holds the same parameters.  With expert shards
     (``modules/expert_parallel.py``), (1) ``state_dict()`` is a collective (the full [E, ...]
     expert tensors are gathered), so every rank must call it during a save, which fairseq does
     when ``always_call_state_dict_during_save_checkpoint`` is true (made for FSDP); and (2) the
     optimizer's state of a shard must be gathered on save and sliced on load, by hooks on the
-    torch optimizer that fairseq builds lazily in ``_build_optimizer``.  Models without shards
-    see fairseq's behaviour unchanged.
+    torch optimizer that fairseq builds lazily in ``_build_optimizer``; (3) the gradient norm
+    (``--clip-norm``, the logged ``gnorm``) takes in every rank's experts, as one process's does
+    (``expert_parallel.norm_with_experts``).  Models without shards see fairseq's behaviour
+    unchanged.
     """
     from fairseq.trainer import Trainer
 
@@ -800,6 +803,7 @@ def install_expert_parallel_trainer() -> None:
         check_training_setup,
         expert_parallel_layers,
         innermost_torch_optimizer,
+        norm_with_experts,
         register_optimizer_hooks,
     )
 
@@ -819,8 +823,18 @@ def install_expert_parallel_trainer() -> None:
         if layers:
             register_optimizer_hooks(innermost_torch_optimizer(self._optimizer), layers)
 
+    base_clip_grad_norm = Trainer.clip_grad_norm
+
+    def clip_grad_norm(self: Any, clip_norm: float) -> Any:
+        layers = expert_parallel_layers(self._model)
+        if not layers:
+            return base_clip_grad_norm(self, clip_norm)
+        return self.optimizer.clip_grad_norm(
+            clip_norm, aggregate_norm_fn=functools.partial(norm_with_experts, layers))
+
     Trainer.always_call_state_dict_during_save_checkpoint = property(always_call_state_dict)
     Trainer._build_optimizer = _mark(_build_optimizer)
+    Trainer.clip_grad_norm = _mark(clip_grad_norm)
 
 
 # ---- unreadable checkpoints ----------------------------------------------------------------
