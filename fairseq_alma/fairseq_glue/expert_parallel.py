@@ -13,7 +13,8 @@ break three of its assumptions, each fixed here at the point fairseq offers for 
   we make it true for models with expert shards.
 - Optimizer state.  Adam's moments of an expert shard live on its rank.  The optimizer's own
   state_dict hooks gather them to full [E, ...] tensors on save and keep this rank's rows on load,
-  so a resumed run continues exactly, with any number of ranks, or one.
+  so a resumed run continues exactly (an ``alma_stream`` run on the processes it started on:
+  their number is in its ``run.json`` fingerprint).
 
 Limits, refused with a one-line error: ``--zero-sharding os`` (fairscale's OSS broadcasts each
 whole parameter from one owner rank, which would merge the ranks' different experts),

@@ -25,8 +25,10 @@ The result equals the gradient of one process holding all experts and all tokens
 
 Checkpoints.  ``state_dict()`` gathers the full ``[E, ...]`` expert tensors (a collective: every
 rank of the group must call it, see fairseq_glue/expert_parallel.py), and loading takes this rank's
-rows.  A checkpoint thus has the layout of ``SwitchFFN``: a single process evaluates it and a
-run with any group size resumes from it; save -> load -> save is exact.
+rows.  A checkpoint thus has the layout of ``SwitchFFN``: a single process (or any number of
+scoring ranks) evaluates it, and a group of any size can load it; save -> load -> save is exact.
+An ``alma_stream`` run still resumes only on the processes it started on: their number is in
+its ``run.json`` fingerprint.
 """
 
 from __future__ import annotations
