@@ -182,3 +182,26 @@ def test_an_expert_parallel_runs_checkpoints_score_with_whole_experts_on_two_ran
         assert code == 0, f"rank {rank}:\n{err[-3000:]}"
     assert json.loads((tmp_path / "rank0.json").read_text()) == \
         json.loads((tmp_path / "one.json").read_text())
+
+
+@pytest.mark.slow
+def test_ranks_given_different_requests_are_refused(stream, tmp_path):
+    """Rank 0 printed its --max-eval-tokens slice's label over numbers partly from rank 1's
+    whole split: the ranks share the batches of what each was asked."""
+    port = str(_free_port())
+    argv = [str(stream / "ens1"), "--mode", "single", "--cpu"]
+    procs = [subprocess.Popen([*SCORE, *argv, *extra], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=_env(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank),
+                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+             for rank, extra in ((0, ["--max-eval-tokens", "96"]), (1, []))]
+    try:
+        results = [(p.wait(timeout=120), *p.communicate()) for p in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    for code, out, err in results:
+        lines = [line for line in err.splitlines() if line.startswith("alma-score: error:")]
+        assert code == 2 and out == "" and "Traceback" not in err, err[-3000:]
+        assert len(lines) == 1 and "scoring processes were given different requests " \
+            "(--max-eval-tokens: " in lines[0], err[-3000:]

@@ -120,6 +120,23 @@ def scoring_group(world: ScoreWorld, backend: str,
         dist.destroy_process_group()
 
 
+def check_same_request(settings: dict) -> None:
+    """Refuse, on every rank, scoring processes given different requests (``settings``: this
+    rank's, paths resolved).  Why: the ranks share the batches of what each was asked, so rank
+    0 printed the slice its own flags named under numbers partly from another rank's whole
+    split.  srun and torchrun give every rank one command line; a wrapper may not."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, settings)
+    for rank, other in enumerate(gathered):
+        if other != settings:
+            key = next(k for k in sorted(set(settings) | set(other))
+                       if settings.get(k) != other.get(k))
+            flag = "RUN_DIRS" if key == "run_dirs" else f"--{key.replace('_', '-')}"
+            raise UsageError(f"the {len(gathered)} scoring processes were given different "
+                             f"requests ({flag}: {settings.get(key)!r} here, {other.get(key)!r} "
+                             f"on rank {rank}); give every process the same alma-score flags")
+
+
 def _reduce_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
         else torch.device("cpu")

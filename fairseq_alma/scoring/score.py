@@ -11,7 +11,7 @@ import logging
 import os
 
 from ..errors import DataError, UsageError
-from ..lm.score_distributed import ScoreWorld, choose_backend, scoring_group
+from ..lm.score_distributed import ScoreWorld, check_same_request, choose_backend, scoring_group
 from . import LOGGER_NAME
 from .request import ScoreRequest
 from .rules import checkpoints_to_score
@@ -38,7 +38,20 @@ def score(request: ScoreRequest, world: ScoreWorld | None = None) -> list[Scored
                          f"{world.size} processes; run it as one process (no torchrun/srun)")
     backend = choose_backend(use_cuda, request.distributed_backend)
     with scoring_group(world, backend):
+        if world.size > 1:
+            check_same_request(_request_settings(request))
         return _score_runs(request, use_cuda)
+
+
+def _request_settings(request: ScoreRequest) -> dict:
+    """What ``request`` scores, paths resolved: the ranks of one scoring must agree on it."""
+    import dataclasses
+
+    settings = dataclasses.asdict(request)
+    settings["run_dirs"] = [os.path.realpath(d) for d in request.run_dirs]
+    if request.data is not None:
+        settings["data"] = os.path.realpath(request.data)
+    return settings
 
 
 def _score_runs(request: ScoreRequest, use_cuda: bool) -> list[ScoredSeries]:
