@@ -47,26 +47,41 @@ def step(title: str, cmd: list[str], log: Path,
     """Run one command, echoing it; its output is appended to ``log`` and returned.  Raises
     ``AlmaError`` on failure.  ``product`` gives the state of what the step makes (None: not
     there yet); unchanged by the command, the step is reported as skipped."""
-    command = " ".join(shlex.quote(c) for c in cmd)
-    print(f"\n== {title}\n$ {command}", flush=True)
+    print(f"\n== {title}\n$ {shown_command(cmd)}", flush=True)
     before = product() if product else None
     start = time.time()
-    env = {**ONE_THREAD, **os.environ}
-    separator = "\n" if log.is_file() and log.stat().st_size else ""
-    with open(log, "a", encoding="utf-8") as fh:
-        fh.write(f"{separator}===== {datetime.now():%Y-%m-%d %H:%M:%S} alma-demo step "
-                 f"'{title}'\n$ {command}\n")
-        fh.flush()
-        offset = log.stat().st_size
-        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, text=True, env=env)
-    text = log.read_bytes()[offset:].decode("utf-8", errors="replace")
-    if proc.returncode != 0:
-        raise AlmaError(failure_message(title, proc.returncode, text, log))
+    status, text = run_attempt(cmd, log, f"alma-demo step '{title}'", {**ONE_THREAD, **os.environ})
+    if status != 0:
+        raise AlmaError(failure_message(title, status, text, log))
     if before is not None and product() == before:
         print(f"   skipped: done earlier, its output reused (log: {log})", flush=True)
     else:
         print(f"   done in {time.time() - start:.0f}s (log: {log})", flush=True)
     return text
+
+
+def shown_command(cmd: list[str]) -> str:
+    return " ".join(shlex.quote(c) for c in cmd)
+
+
+def run_attempt(cmd: list[str], log: Path, header: str, env: dict[str, str]) -> tuple[int, str]:
+    """Run ``cmd`` with its output appended to ``log`` under one header line (``header`` and the
+    command), so an earlier attempt's output stays; (exit status, this attempt's output)."""
+    separator = "\n" if log.is_file() and log.stat().st_size else ""
+    with open(log, "a", encoding="utf-8") as fh:
+        fh.write(f"{separator}===== {datetime.now():%Y-%m-%d %H:%M:%S} {header}\n"
+                 f"$ {shown_command(cmd)}\n")
+        fh.flush()
+        offset = log.stat().st_size
+        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, check=False)
+    return proc.returncode, log.read_bytes()[offset:].decode("utf-8", errors="replace")
+
+
+def without_tool_advice(line: str) -> tuple[str, bool]:
+    """``line`` without a tool's way out that names the tool's own flags (``TOOL_ONLY_ADVICE``:
+    the demo chose those flags), and whether it had one."""
+    stripped = TOOL_ONLY_ADVICE.sub("", line)
+    return stripped, stripped != line
 
 
 def failure_message(title: str, status: int, output: str, log: Path) -> str:
@@ -76,7 +91,7 @@ def failure_message(title: str, status: int, output: str, log: Path) -> str:
     errors = [line for line in lines if TOOL_ERROR.match(line)]
     if not errors:
         errors = [line for line in lines if EXCEPTION_LINE.match(line)][-1:] or lines[-1:]
-    shown = [TOOL_ONLY_ADVICE.sub("", line) for line in errors[-2:]]
+    shown = [without_tool_advice(line)[0] for line in errors[-2:]]
     reason = " / ".join(first_line(RuntimeError(line), ERROR_LINE_LIMIT) for line in shown)
     return (f"step '{title}' failed (exit {status}): {reason or 'no output'}; "
             f"{demo_advice(errors)} (log: {log})")

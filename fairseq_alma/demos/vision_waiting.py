@@ -13,9 +13,7 @@ before anything trains (``stream/held_run.py``).  Each attempt at a run appends 
 from __future__ import annotations
 
 import os
-import shlex
 import statistics
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,13 +29,12 @@ from ..stream.progress import AUTO, wait_order
 from ..stream.records import ArrivalRecord
 from ..stream.run_view import RunView
 from ..stream.series import ReportSeries, series_from_records
-from .steps import ONE_THREAD, tool
+from .steps import ONE_THREAD, run_attempt, shown_command, tool, without_tool_advice
 
 # where the demo's refusal of a run directory sends the user: the demo's own flag
 OTHER_OUT = "use another --out"
 # the line a fairseq-train refusal ends with (``console.error_line`` under fairseq-train)
-TOOL_ERROR = ("fairseq-alma: error: ", "fairseq-train: error: ")
-ATTEMPT_HEADER = "====="  # + time and run: one header line per attempt, as in demos/steps.py
+FAIRSEQ_TRAIN_ERROR = ("fairseq-alma: error: ", "fairseq-train: error: ")
 
 
 @dataclass(frozen=True)
@@ -131,21 +128,13 @@ def run_stream(run: Run, settings: VisionDemoSettings, out: Path,
     save_dir = out / "runs" / run.name
     cmd = train_command(run, settings, save_dir)
     log = out / "logs" / f"{run.name}.log"
-    shown = " ".join(shlex.quote(c) for c in cmd)
-    print(f"   {run.name}: $ {shown}", flush=True)
+    print(f"   {run.name}: $ {shown_command(cmd)}", flush=True)
     started = time.time()
-    env = {**os.environ, **ONE_THREAD}
-    separator = "\n" if log.is_file() and log.stat().st_size else ""
-    with open(log, "a", encoding="utf-8") as handle:  # an earlier attempt's output stays
-        handle.write(f"{separator}{ATTEMPT_HEADER} {time.strftime('%Y-%m-%d %H:%M:%S')} "
-                     f"alma-vision-demo run {run.name}\n$ {shown}\n")
-        handle.flush()
-        offset = log.stat().st_size
-        proc = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, check=False)
+    status, attempt = run_attempt(cmd, log, f"alma-vision-demo run {run.name}",
+                                  {**os.environ, **ONE_THREAD})
     records = RunView(save_dir).finished_records(settings.num_megabatches)
-    if proc.returncode != 0 or records is None:
-        attempt = log.read_bytes()[offset:].decode("utf-8", errors="replace")
-        raise AlmaError(_failure(run, proc.returncode, attempt, log))
+    if status != 0 or records is None:
+        raise AlmaError(_failure(run, status, attempt, log))
     print(f"   {run.name}: done in {time.time() - started:.0f}s", flush=True)
     return records
 
@@ -154,14 +143,13 @@ def _failure(run: Run, status: int, attempt: str, log: Path) -> str:
     """Why ``run``'s command failed: fairseq-train's own one-line error if this ``attempt`` (its
     output) ended in one, else the attempt's last lines (a traceback: a bug)."""
     lines = attempt.splitlines()
-    refusals = [line for line in lines if line.startswith(TOOL_ERROR)]
+    refusals = [line for line in lines if line.startswith(FAIRSEQ_TRAIN_ERROR)]
     if refusals:
-        reason = refusals[-1].split(": error: ", 1)[1]
         # "holds another run (...); use another --save-dir, or add --restart-stream": flags the
         # demo sets itself (a run made between held_runs' check and this command)
-        reason, own_advice, _ = reason.partition("; use another --save-dir")
+        reason, tool_advice = without_tool_advice(refusals[-1].split(": error: ", 1)[1])
         return (f"{run.name}: fairseq-train refused it (exit {status}): {reason}"
-                f"{'; ' + OTHER_OUT if own_advice else ''} (log: {log})")
+                f"{'; ' + OTHER_OUT if tool_advice else ''} (log: {log})")
     tail = "\n".join(lines[-10:])
     return f"{run.name} failed (exit {status}, stream.jsonl incomplete); log: {log}\n{tail}"
 
