@@ -198,6 +198,10 @@ def test_report_draws_heatmap_and_summary_over_seeds(stream, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("alma-report: error: ") and "has no eval matrix" in err
     assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "r2").exists()  # a refused report creates nothing ...
+    before = {path.name: path.read_bytes() for path in out.iterdir()}
+    assert report_cli.main([str(tmp_path / "partial.json"), "--out", str(out)]) == 2
+    assert {path.name: path.read_bytes() for path in out.iterdir()} == before  # ... nor overwrites
 
 
 @pytest.mark.slow

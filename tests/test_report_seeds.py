@@ -20,16 +20,17 @@ from fairseq_alma.report.seeds import (
 from fairseq_alma.stream.series import ReportSeries
 
 
-def _lm_fingerprint(seed: int, wait: int = 1, replay: bool = False) -> dict:
+def _lm_fingerprint(seed: int, wait: int | None = 1, replay: bool = False) -> dict:
     return {"config": {"common": {"seed": seed, "fp16": False},
-                       "task": {"wait": wait, "replay": replay}},
+                       "task": {"wait": wait, "replay": replay}},  # None: --wait auto
             "data": {"manifest_sha256": "abc"}}
 
 
-def _run(seed: int, ppl: list[float | None], wait: int = 1, replay: bool = False,
-         fingerprint: bool = True) -> ReportedRun:
-    trained = [False] + [t % wait == 0 for t in range(1, len(ppl))]  # a stage every w arrivals
-    series = ReportSeries(f"SM_w{wait}" + (" replay" if replay else ""), "4", ppl,
+def _run(seed: int, ppl: list[float | None], wait: int | None = 1, replay: bool = False,
+         fingerprint: bool = True, trained: list[bool] | None = None) -> ReportedRun:
+    if trained is None:
+        trained = [False] + [t % wait == 0 for t in range(1, len(ppl))]  # a stage every w arrivals
+    series = ReportSeries(f"SM_w{wait or 'auto'}" + (" replay" if replay else ""), "4", ppl,
                           [float(t) * 1e12 for t in range(len(ppl))], [100] * len(ppl), trained)
     return ReportedRun(series, f"run{seed}", _lm_fingerprint(seed, wait, replay) if fingerprint
                        else None, (seed,))
@@ -125,3 +126,45 @@ def test_copies_are_refused_and_seeds_named_without_seed_groups():
     rows = group_by_seed([_run(1, [900.0, 30.0, 20.0]), _run(2, [900.0, 34.0, 22.0])], by_seed=False)
     assert [g.n for g in rows] == [1, 1]
     assert [g.first.setting.split(" ", 1)[1] for g in rows] == ["[seed=1]", "[seed=2]"]
+
+
+def test_seeds_of_wait_auto_group_though_they_trained_at_other_arrivals():
+    """--wait auto decides per seed, so its seeds train at different arrivals and are still one
+    setting (alma-report refused every multi-seed auto sweep); a fixed wait never does that."""
+    early = _run(1, [900.0, 30.0, 20.0, 15.0], wait=None, trained=[False, True, False, True])
+    late = _run(2, [900.0, 900.0, 22.0, 16.0], wait=None, trained=[False, False, True, True])
+    (group,) = group_by_seed([early, late])
+    assert group.n == 2 and group.seen == [False, True, True, True]
+    row = next(line for line in format_series_table([group]).splitlines() if "wauto" in line)
+    assert "465.00 ± 615.18" in row  # arrival 1: one seed trained, one waited (anytime's charge)
+    assert report_dict([group])["series"][0]["arrivals"][1]["trained"] is True
+    fixed = _run(3, [900.0, 30.0, 20.0, 15.0], trained=[False, True, False, True])
+    with pytest.raises(ValueError, match="fixed --wait but trained at different arrivals"):
+        SeedGroup([_run(4, [900.0, 30.0, 20.0, 15.0]), fixed])
+
+
+def test_rows_measured_on_different_splits_name_theirs_whatever_their_names():
+    """SM_w1 scored on valid beside SM_w1 replay on eval read as replay gaining 8 points where it
+    gained 0.4: every row names its split, and Fig. 4 never joins numbers measured apart."""
+    def scored(run: ReportedRun, split: str) -> ReportedRun:
+        run.scoring = {"split": split, "tokens": "all", "data": {"dictionary": "a"}}
+        return run
+
+    plain = scored(_run(1, [900.0, 30.0, 20.0]), "valid")
+    replayed = scored(_run(1, [900.0, 29.0, 19.0], replay=True), "eval")
+    groups = group_by_seed([plain, replayed])
+    assert [g.first.setting for g in groups] == ["SM_w1 [split=valid]", "SM_w1 replay [split=eval]"]
+    assert replay_pairs(groups) == []
+    alike = group_by_seed([scored(_run(1, [900.0, 30.0, 20.0]), "eval"),
+                           scored(_run(1, [900.0, 29.0, 19.0], replay=True), "eval")])
+    assert [g.first.setting for g in alike] == ["SM_w1", "SM_w1 replay"]  # no needless tags
+    assert len(replay_pairs(alike)) == 1
+
+
+def test_fig4_pairs_each_run_with_its_own_seed_without_seed_groups():
+    """--no-seed-groups: the last seed's run was paired with the last replay run, another
+    seed's, and the other seeds got no arrow."""
+    runs = [_run(seed, [900.0, 30.0 + seed, 20.0], replay=replay)
+            for seed in (1, 2, 3) for replay in (False, True) if (seed, replay) != (3, True)]
+    pairs = replay_pairs(group_by_seed(runs, by_seed=False))
+    assert [(a.seeds, b.seeds) for a, b in pairs] == [([(1,)], [(1,)]), ([(2,)], [(2,)])]

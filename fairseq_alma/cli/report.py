@@ -31,8 +31,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -61,7 +64,13 @@ def _file_tag(label: str) -> str:
 
 
 def write_report(args: argparse.Namespace) -> list[str]:
-    """Read, group, render; returns what was written, in order.  Bad input: ``UsageError``."""
+    """Read, group, check, render; returns what was written, in order.  Bad input:
+    ``UsageError``, before any file in --out changes.
+
+    Why every file is drawn into a scratch folder inside --out and moved into place only once
+    all of them are: a check that failed after the first file (seeds of one setting with and
+    without an eval matrix) overwrote the earlier report's table and figures and left its
+    Fig. 4 beside them, a mix that no command made."""
     from ..report import figures, matrix_table, result_tables
     from ..report.inputs import common_eval_slice, common_split, read_inputs
     from ..report.seeds import group_by_seed, replay_pairs
@@ -72,59 +81,68 @@ def write_report(args: argparse.Namespace) -> list[str]:
     try:
         groups = group_by_seed(runs, by_seed=not args.no_seed_groups)
         metric, _ = result_tables.same_shape(groups)
+        matrices = matrix_table.matrix_groups(groups)
+        table = result_tables.format_series_table(groups)
     except ValueError as err:
         raise UsageError(str(err)) from None
+    pairs = replay_pairs(groups)
     out = Path(args.out)
+    created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=".alma-report-", dir=out))
     except OSError as err:
         raise UsageError(f"--out {out}: cannot create ({err.strerror})") from None
     stem = "table2" if metric == "ppl" else "cer_table"
-    written: list[str] = []
+    names: list[str] = []
 
     def emit(name: str, write: Callable[[Path], object]) -> None:
         try:
-            write(out / name)
+            write(scratch / name)
         except OSError as err:
             raise UsageError(f"{out / name}: cannot write ({err.strerror or err})") from None
-        written.append(str(out / name))
+        names.append(name)
 
     note = "".join(f"{line}\n" for line in notes)  # under the table, and in the Markdown copy
-    print(result_tables.format_series_table(groups) + note, end="", flush=True)
-    emit(f"{stem}.md", lambda path: path.write_text(
-        result_tables.format_markdown(groups) + (f"\n{note}" if note else ""), "utf-8"))
-    emit(f"{stem}.csv", lambda path: result_tables.write_csv(groups, path))
-    emit(f"{stem}.json", lambda path: result_tables.write_json(groups, path))
-    if metric == "ppl":
-        emit("fig5_tradeoffs.png", lambda path: figures.plot_tradeoffs(groups, path))
-        emit("fig3_perplexity_curves.png", lambda path: figures.plot_error_curves(groups, path))
-    else:
-        emit("fig2_cer_tradeoffs.png", lambda path: figures.plot_cer_tradeoffs(groups, path))
-        sizes = list(dict.fromkeys(g.first.num_experts for g in groups))
-        for size in sizes:
-            name = "fig3_error_curves.png" if len(sizes) == 1 else \
-                f"fig3_error_curves_{_file_tag(size)}.png"
-            members = [g for g in groups if g.first.num_experts == size]
-            emit(name, lambda path, members=members: figures.plot_error_curves(members, path))
     try:
-        matrices = matrix_table.matrix_groups(groups)
-    except ValueError as err:
-        raise UsageError(str(err)) from None
+        emit(f"{stem}.md", lambda path: path.write_text(
+            result_tables.format_markdown(groups) + (f"\n{note}" if note else ""), "utf-8"))
+        emit(f"{stem}.csv", lambda path: result_tables.write_csv(groups, path))
+        emit(f"{stem}.json", lambda path: result_tables.write_json(groups, path))
+        if metric == "ppl":
+            emit("fig5_tradeoffs.png", lambda path: figures.plot_tradeoffs(groups, path))
+            emit("fig3_perplexity_curves.png", lambda path: figures.plot_error_curves(groups, path))
+        else:
+            emit("fig2_cer_tradeoffs.png", lambda path: figures.plot_cer_tradeoffs(groups, path))
+            sizes = list(dict.fromkeys(g.first.num_experts for g in groups))
+            for size in sizes:
+                name = "fig3_error_curves.png" if len(sizes) == 1 else \
+                    f"fig3_error_curves_{_file_tag(size)}.png"
+                members = [g for g in groups if g.first.num_experts == size]
+                emit(name, lambda path, members=members: figures.plot_error_curves(members, path))
+        if matrices:
+            emit("eval_matrix.md", lambda path: path.write_text(
+                matrix_table.format_summary(matrices, markdown=True), "utf-8"))
+            emit("eval_matrix.csv", lambda path: matrix_table.write_csv(matrices, path))
+            emit("eval_matrix.json", lambda path: matrix_table.write_json(matrices, path))
+            emit("fig_eval_matrix.png", lambda path: figures.plot_eval_matrix(matrices, path))
+        if pairs:
+            emit("fig4_replay.png", lambda path: figures.plot_replay(pairs, path))
+        for name in names:  # all drawn: only now does --out change
+            os.replace(scratch / name, out / name)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+        if created and not any(out.iterdir()):
+            out.rmdir()  # a report that failed leaves no empty --out behind
+    print(table + note, end="", flush=True)
     if matrices:
         print("\nEach stage on every period (alma-score --matrix; README, Streams that drift)\n"
               + matrix_table.format_summary(matrices), end="", flush=True)
-        emit("eval_matrix.md", lambda path: path.write_text(
-            matrix_table.format_summary(matrices, markdown=True), "utf-8"))
-        emit("eval_matrix.csv", lambda path: matrix_table.write_csv(matrices, path))
-        emit("eval_matrix.json", lambda path: matrix_table.write_json(matrices, path))
-        emit("fig_eval_matrix.png", lambda path: figures.plot_eval_matrix(matrices, path))
     elif metric == "ppl":
         print("eval matrix not drawn: no input was scored with alma-score --matrix", flush=True)
-    pairs = replay_pairs(groups)
-    if pairs:
-        emit("fig4_replay.png", lambda path: figures.plot_replay(pairs, path))
-    else:
-        print("Fig. 4 not drawn: no two runs differ only by --replay", flush=True)
+    if not pairs:
+        print("Fig. 4 not drawn: no two runs differ only by --replay (measured alike)", flush=True)
+    written = [str(out / name) for name in names]
     _remove_stale_outputs(out, written)
     return written
 

@@ -167,7 +167,7 @@ def mean_series(wait: int | str, width: int, per_seed: list[ReportSeries]) -> Re
         metric_by_arrival=_mean_lists([s.metric_by_arrival for s in per_seed]),
         train_flops_cum=_mean_lists([s.train_flops_cum for s in per_seed]),
         params_by_arrival=[round(p) for p in _mean_lists([s.params_by_arrival for s in per_seed])],
-        trained=per_seed[0].trained,
+        trained=[any(column) for column in zip(*(s.trained for s in per_seed), strict=True)],
         metric="error",
     )
 

@@ -26,7 +26,7 @@ from ..stream.atomic import atomic_write_bytes
 from ..stream.series import ReportSeries
 from .matrix_table import MatrixGroup
 from .result_tables import Rows, as_groups, same_shape
-from .seeds import SeedGroup, Stat
+from .seeds import SeedGroup, Stat, seeds_text
 
 _MARKERS = "osD^vP*Xph<>"
 
@@ -255,11 +255,22 @@ def plot_error_curves(rows: Rows, path: str | os.PathLike) -> None:
         ylabel, title = "test error rate", "Error rate over the stream (ALMA Fig. 3)"
     else:
         axis.set_yscale("log")
-        ylabel, title = "perplexity (evaluation mega-batch)", "Perplexity over the stream"
-    _style_axis(axis, "mega-batches arrived (t)", ylabel, None)
+        ylabel, title = f"perplexity ({_measured_on(as_groups(rows))})", "Perplexity over the stream"
+    _style_axis(axis, "mega-batches arrived (Table 2's t0 is 1)" if metric == "ppl" else
+                "arrival t (Eq. 1; t = 0: the untrained model)", ylabel, None)
     axis.legend(fontsize=8)
     figure.suptitle(title)
     _save(figure, path)
+
+
+def _measured_on(groups: Sequence[SeedGroup]) -> str:
+    """What the perplexities were measured on, for an axis: the evaluation mega-batch unless
+    every row was scored on one other split (rows of different splits name theirs)."""
+    splits = {(g.runs[0].scoring or {}).get("split") for g in groups}
+    if len(splits) > 1:
+        return "split in each row's name"
+    split = splits.pop()
+    return "evaluation mega-batch" if split in (None, "eval") else f"{split} split"
 
 
 def _cost_panels(axes: list[Any]) -> list[tuple[Any, str, str, float]]:
@@ -320,8 +331,10 @@ def plot_replay(pairs: Sequence[tuple[SeedGroup, SeedGroup]], path: str | os.Pat
             points.append((group.summary()["train_tflops_cum"].mean, score))
         (x0, s0), (x1, s1) = points
         xs_all += [x0, x1]
-        line = _errorbar(axis, [x0, x1], [s0, s1], marker=_MARKERS[i % len(_MARKERS)],
-                         label=f"{plain.first.setting} ({plain.first.num_experts})")
+        label = f"{plain.first.setting} ({plain.first.num_experts})"
+        if plain.seeds != replay.seeds:  # the two ends are other runs than each other's twins
+            label += f", {seeds_text(plain)} -> {seeds_text(replay).removeprefix('seeds ')}"
+        line = _errorbar(axis, [x0, x1], [s0, s1], marker=_MARKERS[i % len(_MARKERS)], label=label)
         axis.annotate("", xy=(x1, s1.mean), xytext=(x0, s0.mean),
                       arrowprops={"arrowstyle": "->", "color": line.get_color(), "lw": 1.5})
     _style_axis(axis, "cumulative training compute (TFLOPs)", ylabel, xs_all)

@@ -128,7 +128,7 @@ def _lm_rows(groups: list[SeedGroup], b: int, seeds: bool) -> tuple[list[str], l
     rows = []
     for g in groups:
         summary, ppl = g.summary(), g.by_arrival(lambda s: s.metric_by_arrival)
-        cells = [_cell(ppl[t]) if g.first.seen[t] else "*" for t in range(1, b + 1)]
+        cells = [_cell(ppl[t]) if g.seen[t] else "*" for t in range(1, b + 1)]
         rows.append(
             [g.first.setting, g.first.num_experts] + ([str(g.n)] if seeds else [])
             + [_millions(_mean(g.over_seeds(lambda s: s.params)))]
@@ -224,7 +224,7 @@ def mean_series(group: SeedGroup) -> ReportSeries:
         metric_by_arrival=means(group.by_arrival(lambda s: s.metric_by_arrival)),
         train_flops_cum=[_mean(v) for v in group.by_arrival(lambda s: s.train_flops_cum)],
         params_by_arrival=[round(_mean(v)) for v in group.by_arrival(lambda s: s.params_by_arrival)],
-        trained=list(first.trained), metric=first.metric, flops_convention=first.flops_convention)
+        trained=group.trained, metric=first.metric, flops_convention=first.flops_convention)
 
 
 def _group_entry(group: SeedGroup) -> dict[str, Any]:
@@ -296,7 +296,7 @@ def write_csv(rows: Rows, path: str | os.PathLike) -> None:
     writer.writerow(header)
     for g in groups:
         values = g.by_arrival(lambda s: s.metric_by_arrival)[first_arrival:]
-        shown = [v if metric == "error" or g.first.seen[t] else None
+        shown = [v if metric == "error" or g.seen[t] else None
                  for t, v in enumerate(values, start=first_arrival)]
         summary = g.summary()
         params = g.over_seeds(lambda s: s.params)

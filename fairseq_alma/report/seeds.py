@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..stream.progress import AUTO, wait_from_flag
 from ..stream.series import ReportSeries
 
 SEED_KEYS = frozenset({"seed", "--seed"})
@@ -62,6 +63,21 @@ def find_key(value: Any, keys: Iterable[str]) -> Any:
             if found is not None:
                 return found
     return None
+
+
+def waits_auto(fingerprint: Any) -> bool:
+    """Whether a run decided when to train (``--wait auto``): its seeds then train at
+    different arrivals by design, and are still seeds of one setting.  An LM's fingerprint
+    holds the task's ``wait`` (None for auto), a vision run's its ``--wait`` flag; an
+    ensemble's lists its members'."""
+    if not isinstance(fingerprint, Mapping):
+        return False
+    if "members" in fingerprint:  # an ensemble, as alma-score's JSON gives it
+        return any(waits_auto(member) for member in fingerprint["members"] or ())
+    task = (fingerprint.get("config") or {}).get("task") or {}
+    if "wait" in task:
+        return wait_from_flag(task["wait"]) == AUTO
+    return str((fingerprint.get("settings") or {}).get("--wait")) == AUTO
 
 
 def canonical(value: Any) -> str:
@@ -164,12 +180,18 @@ class SeedGroup:
 
     def __post_init__(self) -> None:
         first = self.runs[0].series
+        decides = waits_auto(self.runs[0].fingerprint)
         for run in self.runs[1:]:
             s = run.series
-            if (s.metric, s.num_megabatches, s.trained) != (first.metric, first.num_megabatches,
-                                                            first.trained):
+            if (s.metric, s.num_megabatches) != (first.metric, first.num_megabatches):
                 raise ValueError(f"{run.source} and {self.runs[0].source} share a fingerprint "
-                                 f"but not their stream (metric, B or trained arrivals)")
+                                 f"but not their stream (metric or B)")
+            if s.trained != first.trained and not decides:
+                # a fixed --wait trains at the same arrivals whatever the seed: files that say
+                # otherwise were edited or mixed, and their mean would average other schedules
+                raise ValueError(f"{run.source} and {self.runs[0].source} share a fixed --wait "
+                                 f"but trained at different arrivals, which training never does; "
+                                 f"score them again, or pass --no-seed-groups")
         # seeds of one setting are independent runs: two ensembles sharing a member are not
         # (the spread over them would be understated), nor is a run beside an ensemble of it
         owner: dict[str, str] = {}
@@ -196,6 +218,19 @@ class SeedGroup:
     @property
     def seeds(self) -> list[tuple[int, ...] | None]:
         return [run.seed for run in self.runs]
+
+    @property
+    def seen(self) -> list[bool]:
+        """Whether any seed had trained by each arrival: a cell is "*" (not yet trained) only
+        where none had.  Seeds of a ``--wait auto`` setting train where each decided, so one
+        arrival's mean may average trained and waiting seeds, which is what the anytime
+        metric charges; with a fixed wait every seed trains at the same arrivals."""
+        return [any(column) for column in zip(*(s.seen for s in self.members), strict=True)]
+
+    @property
+    def trained(self) -> list[bool]:
+        """Whether any seed trained at each arrival (``seen``'s rule)."""
+        return [any(column) for column in zip(*(s.trained for s in self.members), strict=True)]
 
     def over_seeds(self, number: Callable[[ReportSeries], float | None]) -> Stat | None:
         """``number(series)`` for every member, as a ``Stat``."""
@@ -255,18 +290,24 @@ def label_collisions(groups: Sequence[SeedGroup]) -> None:
     (``scoring``: split, block length, slice, precision) comes first, so a row scored on another
     split never hides it behind ``+N``; the seeds tell apart the rows of ``--no-seed-groups``
     that nothing else does; groups without a fingerprint are named by their source and the
-    scoring keys that differ."""
+    scoring keys that differ.
+
+    How the numbers were measured is named in EVERY row when it differs anywhere in the table
+    (``measured_apart``), whatever the names: ``SM_w1`` on the validation split beside
+    ``SM_w1 replay`` on the evaluation mega-batch read as replay gaining 8 perplexity points
+    where it gained 0.4."""
+    apart = measured_apart(groups)
     by_name: dict[tuple[str, str], list[SeedGroup]] = {}
     for group in groups:
         by_name.setdefault((group.first.setting, group.first.num_experts), []).append(group)
     for colliding in by_name.values():
-        if len(colliding) < 2:
+        if len(colliding) < 2 and not apart:
             continue
         known = all(g.runs[0].comparable is not None for g in colliding)
         flat = [flatten(g.runs[0].comparable if known else {"scoring": g.runs[0].scoring or {}})
                 | {"seed": _seeds_text(g)} for g in colliding]
-        keys = sorted({k for f in flat for k in f}, key=_label_order)
-        differing = [k for k in keys if len({canonical(f.get(k)) for f in flat}) > 1]
+        keys = sorted({k for f in flat for k in f} | set(apart), key=_label_order)
+        differing = [k for k in keys if k in apart or len({canonical(f.get(k)) for f in flat}) > 1]
         named = _telling_keys(differing, flat)
         for group, values in zip(colliding, flat, strict=True):
             shown = [f"{k.replace('scoring.', '').replace('run.', '')}={values.get(k)}" for k in named]
@@ -277,6 +318,16 @@ def label_collisions(groups: Sequence[SeedGroup]) -> None:
             tag = f"[{', '.join(shown + more)}]"
             for member in group.members:
                 member.setting = f"{member.setting} {tag}"
+
+
+def measured_apart(groups: Sequence[SeedGroup]) -> list[str]:
+    """The ``scoring.*`` keys (split, block length, slice, precision) whose values differ
+    between rows of one table; the stream's identity is left out (streams that differ are
+    refused, and an unverifiable one is a path)."""
+    flat = [flatten({"scoring": {k: v for k, v in (g.runs[0].scoring or {}).items() if k != "data"}})
+            for g in groups]
+    keys = sorted({k for f in flat for k in f})
+    return [k for k in keys if len({canonical(f.get(k)) for f in flat}) > 1]
 
 
 def _label_order(key: str) -> tuple[int, str]:
@@ -314,14 +365,32 @@ REPLAY_KEYS = frozenset({"replay", "--replay"})
 
 def replay_pairs(groups: Sequence[SeedGroup]) -> list[tuple[SeedGroup, SeedGroup]]:
     """(without replay, with replay) for every two groups whose fingerprints differ only by
-    replay (and seed): Fig. 4's arrows.  Groups without a fingerprint are never paired."""
-    by_key: dict[str, dict[bool, SeedGroup]] = {}
+    replay (and seed), measured alike (``scoring``): Fig. 4's arrows.  Groups without a
+    fingerprint are never paired.  Where one setting has several groups a side (a row per
+    run, ``--no-seed-groups``), a group is paired with the one of the same seeds: pairing the
+    last of each side drew one seed's run against another seed's replay and dropped the rest."""
+    by_key: dict[str, dict[bool, list[SeedGroup]]] = {}
     for group in groups:
         fingerprint = group.runs[0].fingerprint
         replay = find_key(fingerprint, REPLAY_KEYS) if fingerprint is not None else None
         if replay is None:
             continue
-        key = canonical([group.first.num_experts,
+        key = canonical([group.first.num_experts, group.runs[0].scoring or {},
                          without_keys(fingerprint, SEED_KEYS | REPLAY_KEYS)])
-        by_key.setdefault(key, {})[bool(replay)] = group
-    return [(pair[False], pair[True]) for pair in by_key.values() if len(pair) == 2]
+        by_key.setdefault(key, {False: [], True: []})[bool(replay)].append(group)
+    pairs = []
+    for sides in by_key.values():
+        plain, replayed = sides[False], sides[True]
+        if len(plain) == 1 and len(replayed) == 1:
+            pairs.append((plain[0], replayed[0]))  # one setting each: its seeds are named
+            continue
+        for group in plain:
+            twin = [other for other in replayed if other.seeds == group.seeds]
+            if len(twin) == 1:
+                pairs.append((group, twin[0]))
+    return pairs
+
+
+def seeds_text(group: SeedGroup) -> str:
+    """``seeds 1,2,3`` (for a legend whose two ends average different seeds)."""
+    return "seeds " + _seeds_text(group)
