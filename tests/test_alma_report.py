@@ -175,6 +175,28 @@ def test_vision_report_draws_figures_2_3_4_with_error_bars(vision_runs, tmp_path
     assert one["summary_std"]["cer"] == pytest.approx(statistics.stdev(cers))
 
 
+@pytest.mark.slow
+def test_vision_scores_keep_their_fingerprint_and_an_unfinished_run_is_refused(vision_runs, tmp_path):
+    """alma-score --from-log of vision runs: the JSON keeps each run's fingerprint (so its
+    seeds group as their directories do), and a run stopped part-way is refused, not printed
+    as a finished stream of a smaller B (CER 4.880 for a B = 10 run at arrival 5)."""
+    jsons = []
+    for seed in (1, 2):
+        jsons.append(tmp_path / f"s{seed}.json")
+        run([tool("alma-score"), str(vision_runs / "plain" / f"sm_mlp4_w1_s{seed}"), "--from-log",
+             "--json", str(jsons[-1])])
+        assert json.loads(jsons[-1].read_text())["series"][0]["scoring"]["fingerprints"][0]
+    _, written = _report_ok(*jsons, out=tmp_path / "r")
+    (row,) = json.loads((tmp_path / "r" / "cer_table.json").read_text())["series"]
+    assert row["seeds"] == [[1], [2]]
+    part = tmp_path / "part"
+    shutil.copytree(vision_runs / "plain" / "sm_mlp4_w1_s1", part)
+    lines = (part / "stream.jsonl").read_text().splitlines(keepends=True)
+    (part / "stream.jsonl").write_text("".join(lines[:2]))
+    refused = run([tool("alma-score"), str(part), "--from-log"], check=False)
+    assert refused.returncode == 2 and "training not finished: arrivals 0..1 of B = 3" in refused.stderr
+
+
 @pytest.mark.parametrize("case, needle", [
     ("missing", "no such file or directory"),
     ("not_a_run", "neither a run directory"),

@@ -92,6 +92,10 @@ def load_run(run_dir: str, data: str | None, from_log: bool) -> StreamRun:
     if run.metric == "error":
         if not from_log:
             raise UsageError(f"{view.path}: a vision stream (test_error): only --from-log reads it")
+        # as an LM's: a run stopped at arrival 5 of B = 10 printed a CER over 5 arrivals as the
+        # stream's, and its JSON (without the fingerprint) carried it into alma-report
+        run.fingerprint = view.fingerprint
+        view.require_finished()
         return run
     if not run.stages:
         raise UsageError(f"{view.stream_log}: no stage has trained yet; nothing to score")
