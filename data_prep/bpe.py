@@ -138,6 +138,9 @@ def _explain_spm_error(message: str, vocab_size: int) -> str:
     if too_low:
         return (f"--vocab-size {vocab_size} is too small: this corpus needs at least "
                 f"{too_low.group(2)} pieces for its characters alone; pass a larger --vocab-size")
+    if "insert_id" in message or "_id(" in message:  # no room left for <s>, </s>, <unk>
+        return (f"--vocab-size {vocab_size} is too small: sentencepiece needs room for its "
+                f"special pieces and this corpus's characters; pass a larger --vocab-size")
     first_line = message.strip().splitlines()[0] if message.strip() else "unknown error"
     return f"sentencepiece training failed ({first_line}); check --vocab-size and the inputs"
 

@@ -69,7 +69,12 @@ def submit_jobs(argv: list[str], option_strings: list[str], out: str, shards: in
     check_sbatch_path(cwd, "the current directory")
     logs = out_dir / "slurm" / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    common = [f"--chdir={cwd}", "--kill-on-invalid-dep=yes", *profile.sbatch_options()]
+    # the profile's early-warning signal is for training, which saves and requeues on it: data
+    # prep has no handler, so USR1's default action killed the job 60 s before its time limit
+    # with nothing in its log; without it Slurm's own limit stops the job and says so, and the
+    # same command continues from the steps done
+    options = [o for o in profile.sbatch_options() if not o.startswith("--signal=")]
+    common = [f"--chdir={cwd}", "--kill-on-invalid-dep=yes", *options]
     jobs = [
         ("prepare", shlex.join([*base, "--prepare-only"]), [f"--output={logs}/prepare-%j.out"]),
         ("shards", shlex.join([*base, "--shard-index"]) + ' "$SLURM_ARRAY_TASK_ID"',

@@ -153,6 +153,7 @@ def test_dry_run_writes_the_three_job_scripts(corpus, prep, tmp_path):
     assert merge.startswith("exec ") and merge.endswith("--num-shards 4")
     assert "--slurm-shards" not in merge and "--dry-run" not in merge
     assert "--prepare-only" in (out / "slurm" / "prepare.sbatch").read_text()
+    assert "--signal" not in shards  # no handler here: USR1 would kill the job before its limit
     assert not (out / "work").exists()  # nothing ran
 
 

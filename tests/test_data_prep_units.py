@@ -519,3 +519,13 @@ def test_step_runner_withdraws_the_manifest_only_before_stream_files_change(tmp_
         return {}
     runner.ensure("s", {"a": 1}, ["s.txt"], checked, checks_first=True)
     assert withdrawn == [1]
+
+
+def test_sentencepiece_errors_are_explained_in_the_flag_terms():
+    """--vocab-size 1 passed the parser and ended in sentencepiece's internal error text."""
+    from data_prep.bpe import _explain_spm_error
+
+    internal = ("Internal: src/trainer_interface.cc(758) [insert_id(trainer_spec_.bos_id(), "
+                "trainer_spec_.bos_piece())]")
+    assert _explain_spm_error(internal, 1).startswith("--vocab-size 1 is too small")
+    assert "342 pieces" in _explain_spm_error("smaller than required_chars. 4 vs 342.", 4)

@@ -126,8 +126,13 @@ def verify_stream_dir(data_dir: str, hashes: bool = False) -> dict:
             recorded = split.get(f"{ext}_sha256")
             if hashes and recorded and sha256_file(path) != recorded:
                 raise DataError(f"{path}: sha256 differs from {manifest_path} (the file was "
-                                "changed or damaged); re-run alma-data-prep")
+                                f"changed or damaged); {REBUILD_ADVICE}")
     return manifest
+
+
+# a re-run reuses every step whose files have the sizes it wrote (hashing a large stream at
+# every re-run would cost minutes), so a same-size damaged file must be deleted to be rebuilt
+REBUILD_ADVICE = "delete it and re-run alma-data-prep with the flags that made the stream"
 
 
 def verify_split_hashes(data_dir: str, names: list[str]) -> None:
@@ -152,8 +157,8 @@ def verify_split_hashes(data_dir: str, names: list[str]) -> None:
             recorded = split.get(f"{ext}_sha256")
             if recorded and sha256_file(path) != recorded:
                 raise DataError(f"{path}: sha256 differs from {manifest_path} (the file was "
-                                "changed or damaged); re-run alma-data-prep, or score on an "
-                                "intact copy with --data")
+                                f"changed or damaged); {REBUILD_ADVICE}, or score on an intact "
+                                f"copy with --data")
 
 
 def kept_repeats(manifest: dict) -> int:

@@ -122,6 +122,12 @@ def format_sweep_table(runs: Sequence[RunSummary]) -> str:
 
 
 def _check_lists(args: argparse.Namespace) -> None:
+    # in the sweep's own flag names, before any run directory is made (the learner's checks
+    # name fairseq-train's --vision-* flags, and ran after a run had taken its lock)
+    if args.dataset != "digits" and not args.data_path:
+        raise UsageError(f"--dataset {args.dataset} needs a path (--data-path)")
+    if args.amp == "fp16" and resolve_device(args.device) != "cuda":
+        raise UsageError("--amp fp16 needs a CUDA device; use --amp bf16 or off on CPU")
     if min(args.widths) < 1:
         raise UsageError(f"--widths must all be >= 1, got {args.widths}")
     if args.num_megabatches < 1:
