@@ -39,6 +39,7 @@ def test_sweep_table_summary_and_resume(tmp_path, capsys):
     lines = first.stdout.strip().splitlines()
     assert lines[0].split()[:4] == ["method", "model", "replay", "w"] and len(lines) == 4
     assert set(lines[1]) <= {"-", " "}  # the rule under the header
+    assert lines[2].split()[4:7][0] == "1" and lines[2].split()[6] == "-"  # one seed: no spread
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [r["wait"] for r in summary["runs"]] == [1, 3]
     # CER sums B + 1 = 4 error rates, so it lies in [0, 4]; w = B is untrained until the end.

@@ -110,9 +110,10 @@ def format_sweep_table(runs: Sequence[RunSummary]) -> str:
     for key in sorted(groups, key=lambda key: (*key[:4], wait_order(key[4]))):
         group = groups[key]
         cers = [run.cer for run in group]
-        spread = statistics.stdev(cers) if len(cers) > 1 else 0.0
+        # one seed measures no spread: "-", never a 0.000 that reads as "no variation"
+        spread = f"{statistics.stdev(cers):.3f}" if len(cers) > 1 else "-"
         rows.append([key[0], f"{key[1]}{key[2]}", "yes" if key[3] else "no", str(key[4]),
-                     str(len(group)), f"{statistics.mean(cers):.3f}", f"{spread:.3f}",
+                     str(len(group)), f"{statistics.mean(cers):.3f}", spread,
                      f"{statistics.mean(r.final_error for r in group):.3f}",
                      f"{statistics.mean(r.mem for r in group):.3g}",
                      f"{statistics.mean(r.comp for r in group):.3g}"])
