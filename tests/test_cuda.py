@@ -14,7 +14,7 @@ import re
 
 import pytest
 import torch
-from lm_fixtures import USER_DIR, run, stream_cmd, tool
+from lm_fixtures import USER_DIR, assert_same_stream, run, stream_cmd, tool
 from test_expert_parallel_train import train_cmd, train_losses, train_two_ranks
 
 from fairseq_alma.modules import SwitchFFN, SwitchFFNConfig
@@ -74,6 +74,23 @@ def test_bf16_stream_with_growth_scores_in_fp32(stream_dir, tmp_path, flag):
     stock = float(re.search(r"Perplexity: ([0-9.]+)", evaluated.stdout + evaluated.stderr).group(1))
     assert scored == pytest.approx(stock, rel=0.005)
     assert scored == pytest.approx(records[2]["eval_ppl"], rel=0.02)  # fp32 scoring of bf16 weights
+
+
+@pytest.mark.parametrize("flag", ["--fp16", "--bf16"])
+def test_fp16_and_bf16_streams_stopped_after_a_stage_resume_to_the_uninterrupted_run(
+        stream_dir, tmp_path, monkeypatch, flag):
+    """FP16Optimizer's fp32 master weights (and loss scaler) are checkpointed and restored
+    (fairseq_glue/fp16_master.py): a stream stopped with ALMA_STOP_AFTER_STAGE=1 and run again
+    equals the uninterrupted one bit for bit, records and stage checkpoints, growth included
+    (it copies master rows: lm/growth.py)."""
+    cmd = ("--moe-max-experts", "4", "--grow-experts", "2", flag)
+    run(gpu_cmd(stream_dir, tmp_path / "whole", *cmd))
+    monkeypatch.setenv("ALMA_STOP_AFTER_STAGE", "1")
+    run(gpu_cmd(stream_dir, tmp_path / "resumed", *cmd))
+    assert not (tmp_path / "resumed" / "checkpoint_stage2.pt").exists()
+    monkeypatch.delenv("ALMA_STOP_AFTER_STAGE")
+    run(gpu_cmd(stream_dir, tmp_path / "resumed", *cmd))
+    assert_same_stream(tmp_path / "resumed", tmp_path / "whole")
 
 
 def test_bf16_and_fsdp_is_refused(stream_dir, tmp_path):

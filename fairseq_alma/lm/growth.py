@@ -5,6 +5,8 @@ At a stage boundary, in every MoE block, the k experts with the largest total va
 weights, their router row, and their optimizer moments.  Slots were allocated up front
 (``--moe-max-experts``), so fairseq's optimizer and data-parallel gradient synchronisation
 already cover the new experts: they are the same parameter tensors, now with more active rows.
+Under ``--fp16``/``--bf16`` the rows are copied inside the fp32 master copy too, and nothing else
+in it changes: every other weight keeps the fp32 digits its half-precision value cannot hold.
 
 An exact copy of the router row would tie with its source: top-1 argmax always picks the lower
 index, so the copy would never receive a token and never train (a 2-rank test caught this).  The
@@ -27,7 +29,7 @@ from ..errors import UsageError
 from ..modules.switch_ffn import SwitchFFN
 from ..ranks import world
 from .nll import Batching, needs_lockstep, scored_batches
-from .stage_start import sync_master_params
+from .stage_start import master_param_like, optimizer_state_like
 
 logger = logging.getLogger(__name__)
 EXPERT_PARAMS = ("fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias")
@@ -82,8 +84,6 @@ def expert_validation_losses(model: Any, task: Any, dataset: Any, batch_size: in
 def _copy_optimizer_rows(optimizer: Any, param: torch.nn.Parameter, src: List[int], dst: List[int]) -> None:
     """Copy the optimizer state rows (Adam's moments) of expert ``src`` slots into ``dst``, in
     whatever layout the precision flags keep them (``stage_start.optimizer_state_like``)."""
-    from .stage_start import optimizer_state_like
-
     for value in optimizer_state_like(optimizer, param):
         value[dst] = value[src]
 
@@ -103,14 +103,22 @@ def copy_experts(layer: SwitchFFN, sources: List[int], optimizer: Any = None, se
         param.data[new] = param.data[sources]
         if optimizer is not None:
             _copy_optimizer_rows(optimizer, param, sources, new)
-    rows = layer.router.weight.data[sources].float()  # (k, d)
+            master = master_param_like(optimizer, param)
+            if master is not None:  # the model's rows are its rounding: copy the exact ones
+                master[new] = master[sources]
+    router = layer.router.weight
+    master = master_param_like(optimizer, router) if optimizer is not None else None
+    rows = (master if master is not None else router.data)[sources].float()  # (k, d)
     generator = torch.Generator().manual_seed(seed)  # same on every data-parallel rank
     noise = torch.randn(rows.shape, generator=generator).to(rows.device)
     noise = noise * ROUTER_TIE_BREAK * rows.pow(2).mean(dim=1, keepdim=True).sqrt()
-    layer.router.weight.data[new] = (rows + noise).to(layer.router.weight.dtype)
-    layer.router.weight.data[sources] = (rows - noise).to(layer.router.weight.dtype)
+    router.data[new] = (rows + noise).to(router.dtype)
+    router.data[sources] = (rows - noise).to(router.dtype)
+    if master is not None:
+        master[new] = rows + noise
+        master[sources] = rows - noise
     if optimizer is not None:
-        _copy_optimizer_rows(optimizer, layer.router.weight, sources, new)
+        _copy_optimizer_rows(optimizer, router, sources, new)
     layer.set_num_experts(start + len(sources))
     return new
 
@@ -125,8 +133,6 @@ def grow_experts(model: Any, task: Any, dataset: Any, k: int, batch_size: int, o
         top = torch.topk(layer_losses, min(k, layer.num_experts)).indices.tolist()
         copied[i] = top
         copy_experts(layer, top, optimizer, seed=seed * 1000 + i)
-    if optimizer is not None:
-        sync_master_params(optimizer, model)
     _, after = expert_validation_losses(model, task, dataset, batch_size)
     experts = model.moe_layers()[0].num_experts if model.moe_layers() else 0
     logger.info("grew to %d experts per MoE block (copied %s); valid nll %.4f -> %.4f", experts, copied, before, after)

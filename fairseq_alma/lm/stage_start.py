@@ -1,8 +1,12 @@
 """Stage-start actions that change weights or optimizer state under fairseq's feet.
 
 They act on the same parameter tensors fairseq's optimizer already holds (values only, never the
-parameter list), and resynchronise the fp32 master copy that --fp16/--bf16 training keeps, so the
-next optimizer step starts from the new values instead of overwriting them with stale ones.
+parameter list), and keep the fp32 master copy that --fp16/--bf16 training keeps in step with them,
+so the next optimizer step starts from the new values instead of overwriting them with stale ones:
+a fresh initialisation resynchronises the whole master copy from the model
+(``sync_master_params``); growth writes only the rows it changes, into the model and into the
+master copy alike (``master_param_like``), since the master copy's low bits are what mixed
+precision trains with.
 """
 
 from __future__ import annotations
@@ -35,7 +39,11 @@ def _torch_optimizer(optimizer: Any) -> Optional[torch.optim.Optimizer]:
 
 
 def sync_master_params(optimizer: Any, model: Any) -> None:
-    """Copy model weights into FP16Optimizer's fp32 master params (flat or per-parameter)."""
+    """Copy model weights into FP16Optimizer's fp32 master params (flat or per-parameter).
+
+    For a model whose every weight was just replaced (``--stage-init scratch``): it overwrites
+    every fp32 digit the half-precision weights cannot hold, so a change to a few rows (growth)
+    writes those rows into the master copy instead (``master_param_like``)."""
     master = getattr(optimizer, "fp32_params", None)
     if master is None:
         return
@@ -71,20 +79,13 @@ def optimizer_state_like(optimizer: Any, param: torch.Tensor) -> list[torch.Tens
     inner = _torch_optimizer(optimizer)
     if inner is None:
         return []
-    master, ordered = getattr(optimizer, "fp32_params", None), getattr(optimizer, "fp16_params", None)
-    if master is None or ordered is None:
+    if getattr(optimizer, "fp32_params", None) is None or getattr(optimizer, "fp16_params", None) is None:
         key, offset = param, None
     else:
-        index = next((i for i, p in enumerate(ordered) if p is param), None)
-        if index is None:
+        slot = _master_slot(optimizer, param)
+        if slot is None:
             return []
-        if isinstance(master, (list, tuple)):
-            key, offset = master[index], None
-        else:  # {device: flat}: offsets of the parameters that live on the same device
-            flats = list(master.values())
-            key = flats[0] if len(flats) == 1 else master[param.device.index]
-            same = [p for p in ordered[:index] if len(flats) == 1 or p.device == param.device]
-            offset = sum(p.numel() for p in same)
+        key, offset = slot
     state = inner.state.get(key) or {}
     views = []
     for value in state.values():
@@ -93,6 +94,43 @@ def optimizer_state_like(optimizer: Any, param: torch.Tensor) -> list[torch.Tens
         views.append(value.view(param.shape) if offset is None
                      else value[offset : offset + param.numel()].view(param.shape))
     return views
+
+
+def _master_slot(optimizer: Any, param: torch.Tensor) -> Optional[tuple[torch.Tensor, Optional[int]]]:
+    """Where FP16Optimizer keeps ``param``'s fp32 master copy: (the master tensor, the offset of
+    ``param`` in it when it is flat, else None); None when ``param`` is not one it optimizes.
+
+    The master copy is one flat tensor of every trainable parameter in order (``fp16_params``) per
+    device ({device: flat}), or one copy per parameter with ``--fp16-no-flatten-grads`` (and
+    fairseq's own ``--bf16`` layout)."""
+    master, ordered = optimizer.fp32_params, optimizer.fp16_params
+    index = next((i for i, p in enumerate(ordered) if p is param), None)
+    if index is None:
+        return None
+    if isinstance(master, (list, tuple)):
+        return master[index], None
+    if torch.is_tensor(master):
+        master = {None: master}
+    flats = list(master.values())  # {device: flat}: offsets of the parameters on the same device
+    key = flats[0] if len(flats) == 1 else master[param.device.index]
+    same = [p for p in ordered[:index] if len(flats) == 1 or p.device == param.device]
+    return key, sum(p.numel() for p in same)
+
+
+def master_param_like(optimizer: Any, param: torch.Tensor) -> Optional[torch.Tensor]:
+    """A view, shaped like ``param``, of its fp32 master copy under ``--fp16``/``--bf16``
+    (FP16Optimizer); None where there is none (fp32 training, ``--memory-efficient-fp16``, AMP).
+
+    Writing into it changes what the next optimizer step starts from: the half-precision model
+    is only the rounding of the master copy, which fairseq copies back after every step."""
+    if getattr(optimizer, "fp32_params", None) is None or getattr(optimizer, "fp16_params", None) is None:
+        return None
+    slot = _master_slot(optimizer, param)
+    if slot is None:
+        return None
+    key, offset = slot
+    data = key.data
+    return data.view(param.shape) if offset is None else data[offset : offset + param.numel()].view(param.shape)
 
 
 def reset_optimizer_state(optimizer: Any, model: Any = None) -> None:
