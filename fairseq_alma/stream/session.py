@@ -259,8 +259,9 @@ class StreamSession:
         counted updates is complete (the trainer ends the stage there, however many skipped)."""
         clock = self.clock
         assert clock is not None
+        skipped_before = clock.skipped
         done = clock.attempt(num_updates)
-        if clock.skipped and num_updates == clock.expected_updates() and not done:
+        if clock.skipped > skipped_before:  # this attempt, not an earlier one of the stage
             logger.info("stage %d: update %d skipped by the trainer (%d skipped in this stage)",
                         clock.stage, num_updates + 1, clock.skipped)
         return done

@@ -20,6 +20,7 @@ are fixed by its slot, so the replayed counted updates follow from them (``strea
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -63,13 +64,25 @@ class StageClock:
                               f"not belong to this stream's position (use --restart-stream)")
         return self.done
 
+    def can_finish(self, slots: int) -> bool:
+        """Whether the stage can still get its budget of counted updates from ``slots`` update
+        slots (the batches of its list, in updates): every skipped step used one up."""
+        return self.skipped + self.budget <= slots
+
     def next_stage(self, stage: int) -> None:
-        """Start ``stage`` after the previous one finished its budget."""
+        """Start ``stage`` after the previous one finished its budget.
+
+        A training process stops (and saves) mid-stage before a stage's batches run out
+        (``tasks/alma_stream.py``), so a stage that ended short comes from a checkpoint that an
+        earlier release saved at such a stage's end: fairseq's iterator there is past the
+        stage, which cannot be continued."""
         if stage != self.stage + 1 or not self.done:
             raise RunDirError(
                 f"stage {self.stage} ended after {self.counted} of {self.budget} counted updates "
-                f"({self.skipped} steps skipped, e.g. fp16 overflows): its data ran out; lower "
-                f"--fp16-init-scale or raise --min-loss-scale, and restart the stream")
+                f"({self.skipped} steps skipped, e.g. fp16 overflows): its batches ran out and "
+                f"checkpoint_last.pt was saved after them, so the run cannot continue that stage; "
+                f"train the stream again in another --save-dir (a lower --fp16-init-scale skips "
+                f"fewer steps)")
         self.stage, self.counted, self.skipped = stage, 0, 0
 
     def state_dict(self) -> dict[str, Any]:
@@ -86,6 +99,16 @@ class StageClock:
                                                                            "skipped"))
         self.skipped_by_stage = {int(k): int(v) for k, v in state["skipped_by_stage"].items()}
         self.skipped_slots = {int(k): [int(u) for u in v] for k, v in state["skipped_slots"].items()}
+
+
+def counted_slots(budget: int, skipped_slots: Iterable[int]) -> list[int]:
+    """The update slots (0-based attempt numbers) whose batches a finished stage's ``budget``
+    counted updates trained on: the first ``budget`` that ``skipped_slots`` (``StageClock``)
+    does not hold.  Why: a skipped step's batches were not trained (its gradients were thrown
+    away), and the next slot's were trained in its place, so the stage's trained tokens are
+    these slots' tokens, wherever the skips fell and whichever process took them."""
+    skipped = set(skipped_slots)
+    return [slot for slot in range(budget + len(skipped)) if slot not in skipped]
 
 
 def stage_position(num_updates: int, budget: int) -> tuple[int, int]:

@@ -43,6 +43,7 @@ from ..ranks import all_ranks_stop
 from ..stream.manifest import expected_splits, kept_repeats
 from ..stream.progress import StreamPlan, auto_wait_conflict, wait_flag, wait_from_flag
 from ..stream.replay import check_replay_budget, slot_pattern
+from ..stream.stage_clock import counted_slots
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +133,9 @@ class AlmaStreamTask(LanguageModelingTask):
         check_replay_budget(self.plan.replay_ratio, self.budget)
         self.growth_plan = parse_growth_plan(cfg.grow_experts, cfg.grow_at_stages, self.plan.max_stages)
         self.model: Any = None
-        self.stage_tokens: Dict[int, int] = {}
+        self.slot_tokens: Dict[int, List[int]] = {}  # stage -> tokens of each update slot
+        self.stage_slots: Dict[int, int] = {}  # stage -> update slots of the list fairseq trains
+        self.batches_ran_out = False  # stop (and save) mid-stage: see after_update
 
     @property
     def plan(self) -> StreamPlan:
@@ -271,42 +274,74 @@ class AlmaStreamTask(LanguageModelingTask):
                            shard_id: int = 0, num_workers: int = 0, epoch: int = 1, data_buffer_size: int = 0,
                            **kwargs: Any) -> iterators.EpochBatchIterator:
         if dataset is not self.datasets.get("train"):
+            # every block of a split scored: fairseq's batch_by_size with a batch multiple of 8
+            # (its default) leaves out the last blocks that fill no multiple, so fairseq-validate
+            # printed 361.41 at --batch-size 4 and 361.97 at 1 for a split whose perplexity is
+            # 361.92 (the stream's records and fairseq-eval-lm batch their own way)
             return super().get_batch_iterator(
                 dataset, max_tokens=max_tokens, max_sentences=max_sentences, max_positions=max_positions,
-                ignore_invalid_inputs=ignore_invalid_inputs, required_batch_size_multiple=required_batch_size_multiple,
+                ignore_invalid_inputs=ignore_invalid_inputs, required_batch_size_multiple=1,
                 seed=seed, num_shards=num_shards, shard_id=shard_id, num_workers=num_workers, epoch=epoch,
                 data_buffer_size=data_buffer_size, **kwargs)
         stage = min(epoch, self.plan.num_stages)
+        slots = self.budget + spare_updates(self.budget) + self._skips_before_this_process(stage)
         batches = self._stage_batches(stage, dataset, max_tokens, max_sentences, required_batch_size_multiple,
-                                      seed, num_shards)
+                                      seed, num_shards, slots)
         if epoch <= self.plan.num_stages:  # fairseq also builds the epoch after the last one
-            self._log_stage(stage)
+            self.stage_slots[stage] = slots
+            self._log_stage(stage, slots)
         return iterators.EpochBatchIterator(
             dataset=dataset, collate_fn=dataset.collater, batch_sampler=batches, seed=seed,
             num_shards=num_shards, shard_id=shard_id, num_workers=num_workers, epoch=epoch,
             buffer_size=data_buffer_size, disable_shuffling=True)
 
-    def _log_stage(self, stage: int) -> None:
+    def _log_stage(self, stage: int, slots: int) -> None:
         """Say what the stage trains on, and why fairseq's progress counts past its updates (the
         spare batches): a stage that ended at 100 of 120 looked cut short."""
-        info, spares = self.plan.stage(stage), spare_updates(self.budget)
+        info, spares = self.plan.stage(stage), slots - self.budget
         of = "" if self.cfg.wait is None else f" of {self.plan.num_stages}"  # --wait auto: not known yet
         replay = f" (replayed updates from {','.join(map(str, info.replay_megabatches))})" \
             if info.replay_megabatches else ""
         logger.info("alma_stream: stage %d%s (arrival %d) trains on mega-batch%s %s%s: %d updates; fairseq's "
                     "progress counts to %d (%d spares for steps an fp16 overflow skips)", stage, of, info.arrival,
                     "es" if len(info.train_megabatches) > 1 else "", ",".join(map(str, info.train_megabatches)),
-                    replay, self.budget, self.budget + spares, spares)
+                    replay, self.budget, slots, spares)
+
+    def _skips_before_this_process(self, stage: int) -> int:
+        """Steps of ``stage`` skipped before this process started it: a run that resumes
+        mid-stage gives the stage that many more batches, so a stage whose skips used up its
+        spares (``after_update`` then stopped and saved) continues.  Its list is built before
+        fairseq hands the task its checkpointed state, so that state's clock is read from
+        ``checkpoint_last.pt`` first (memory-mapped: the weights are not read).  Why this is
+        exact: a longer list starts with the same batches (``lm/budget.py``), so where a run
+        stopped changes how far its list reaches, never what it trains."""
+        session = self.training.session if self.training is not None else None
+        if session is None or session.clock is None:
+            return 0
+        if session.live:  # --wait auto restored the state before fairseq's load
+            clock = session.clock
+            return clock.skipped if clock.stage == stage else 0
+        if not session.resuming:
+            return 0
+        import torch
+
+        try:
+            state = torch.load(session.run_dir.last_checkpoint, map_location="cpu", mmap=True,
+                               weights_only=False)
+            clock = ((state.get("extra_state") or {}).get(type(self).__name__) or {}).get("clock") or {}
+        except Exception:  # noqa: BLE001 - fairseq's own load of the file says why, in one line
+            return 0
+        return int(clock.get("skipped", 0)) if int(clock.get("stage", 0)) == stage else 0
 
     def _stage_batches(self, stage: int, dataset: Any, max_tokens: Optional[int], max_sentences: Optional[int],
-                       multiple: int, seed: int, num_shards: int) -> List[np.ndarray]:
-        """The stage's batch list: budget x update_freq x workers batches, then spares for the
-        steps fairseq may skip (fp16 overflow); the stage ends after its budget of counted
-        updates (``stream/stage_clock.py``), wherever that falls in the list.  With
-        --replay-ratio the replay slots (``stream/replay.py``) take their batches from the
-        earlier mega-batches, which follow the new ones in ``dataset``."""
+                       multiple: int, seed: int, num_shards: int, slots: int) -> List[np.ndarray]:
+        """The stage's batch list, ``slots`` update slots of update_freq x workers batches: its
+        budget, then spares for the steps fairseq may skip (fp16 overflow); the stage ends after
+        its budget of counted updates (``stream/stage_clock.py``), wherever that falls in the
+        list.  With --replay-ratio the replay slots (``stream/replay.py``) take their batches
+        from the earlier mega-batches, which follow the new ones in ``dataset``.  Keeps each
+        slot's tokens (``train_tokens``)."""
         per_slot = self.update_freq(stage) * num_shards
-        needed = self.budget * per_slot
         new_examples = sum(len(self._megabatch(k)) for k in self.plan.stage(stage).train_megabatches)
 
         def make_batches(order: np.ndarray) -> List[np.ndarray]:
@@ -320,11 +355,11 @@ class AlmaStreamTask(LanguageModelingTask):
             return fixed_budget_batches(len(dataset) - new_examples, lambda order: make_batches(order + new_examples),
                                         count, seed, stage, source=1)
 
-        slots = slot_pattern(self.budget + spare_updates(self.budget), self.budget,
-                             self.plan.replay_slots(stage, self.budget))
-        batches = interleave_slots(slots, per_slot, new_batches, replay_batches)
-        # compute of the counted updates only: steps fairseq skips (fp16 overflow) do not count
-        self.stage_tokens[stage] = int(sum(dataset.sizes[b].sum() for b in batches[:needed]))
+        pattern = slot_pattern(slots, self.budget, self.plan.replay_slots(stage, self.budget))
+        batches = interleave_slots(pattern, per_slot, new_batches, replay_batches)
+        tokens = [int(dataset.sizes[b].sum()) for b in batches]
+        if len(self.slot_tokens.get(stage, ())) < slots:  # a longer list starts with the same slots
+            self.slot_tokens[stage] = [sum(tokens[u * per_slot:(u + 1) * per_slot]) for u in range(slots)]
         return batches
 
     def update_freq(self, stage: int) -> int:
@@ -337,12 +372,20 @@ class AlmaStreamTask(LanguageModelingTask):
         return int(freqs[stage - 1] if stage <= len(freqs) else freqs[-1])
 
     def train_tokens(self, stage: int) -> int:
-        """Tokens trained on in ``stage``: a function of the stage and the batching flags, so a
-        resumed run records the same cumulative compute as an uninterrupted one."""
-        if stage not in self.stage_tokens:
+        """Tokens of the finished ``stage``'s counted updates (the README's "every counted
+        update"): the slots its counted updates trained on (``counted_slots``), not the
+        first budget of them, since a skipped step's batches were not trained and the next
+        slot's were trained in its place.  A function of the stage, the batching flags and the
+        clock's skipped slots (kept in the checkpoint), so a resumed run records the same
+        cumulative compute as an uninterrupted one."""
+        clock = self.training.session.clock if self.training is not None else None
+        slots = counted_slots(self.budget, clock.skipped_slots.get(stage, []) if clock is not None else [])
+        if slots[-1] >= len(self.slot_tokens.get(stage, ())):  # not built, or built shorter
             self._stage_batches(stage, self._stage_dataset(stage), self.cfg.max_tokens, self.cfg.batch_size,
-                                self.cfg.required_batch_size_multiple, self.cfg.seed, self.cfg.distributed_world_size)
-        return self.stage_tokens[stage]
+                                self.cfg.required_batch_size_multiple, self.cfg.seed, self.cfg.distributed_world_size,
+                                max(slots[-1] + 1, self.budget + spare_updates(self.budget)))
+        tokens = self.slot_tokens[stage]
+        return sum(tokens[u] for u in slots)
 
     # ---- training hooks ----------------------------------------------------------------
     def train_step(self, sample: Any, model: Any, criterion: Any, optimizer: Any, update_num: int,
@@ -358,12 +401,31 @@ class AlmaStreamTask(LanguageModelingTask):
 
     def after_update(self, num_updates: int) -> bool:
         """Asked by ``fairseq_glue/patches.install_requeue_save`` after every update attempt: True
-        when the stage's budget of counted updates is done (the epoch then ends there)."""
-        return self.training is not None and self.training.after_update(num_updates)
+        when the stage's budget of counted updates is done (the epoch then ends there).
+
+        A stage whose skipped steps (fp16 overflows) leave its list too few batches for its
+        budget stops here, mid-stage, while one slot is left (fairseq would otherwise end the
+        epoch and save its end, a stage that cannot be continued): ``stop_requested`` then saves
+        ``checkpoint_last.pt``, and the same command continues the stage with more batches
+        (``_skips_before_this_process``)."""
+        if self.training is None:
+            return False
+        done = self.training.after_update(num_updates)
+        clock = self.training.session.clock
+        slots = self.stage_slots.get(clock.stage)
+        if not done and slots is not None and not clock.can_finish(slots - 1) and not self.batches_ran_out:
+            self.batches_ran_out = True
+            logger.warning("stage %d: %d steps skipped by the trainer (e.g. fp16 overflows) leave its batches "
+                           "too few for its %d counted updates (%d done): saving checkpoint_last.pt and stopping; "
+                           "the same command continues the stage with %d more spare batches", clock.stage,
+                           clock.skipped, self.budget, clock.counted, spare_updates(self.budget))
+        return done
 
     def stop_requested(self, num_updates: int) -> bool:
-        """Asked by ``fairseq_glue/patches.install_requeue_save`` after every update."""
-        return self.training is not None and all_ranks_stop(self.training.session.stop_requested)
+        """Asked by ``fairseq_glue/patches.install_requeue_save`` after every update: a signal,
+        or a stage whose batches ran out (``after_update``)."""
+        return self.training is not None and all_ranks_stop(self.training.session.stop_requested
+                                                            or self.batches_ran_out)
 
     def state_dict(self) -> Dict[str, Any]:
         """fairseq keeps this in every checkpoint (``task_state``): the dictionary trained with."""
