@@ -337,6 +337,7 @@ def _fairseq_cfg(common: dict, distributed: dict, checkpoint: dict) -> SimpleNam
     "common, distributed, checkpoint, needle",
     [
         ({"fp16": True}, {}, {}, "needs --memory-efficient-fp16 (or --amp) instead of plain --fp16"),
+        ({"bf16": True}, {}, {}, "needs --memory-efficient-bf16 instead of plain --bf16"),
         ({}, {"ddp_backend": "fully_sharded"}, {}, "works with --ddp-backend legacy_ddp or"),
         ({}, {}, {"no_last_checkpoints": True}, "cannot be used with --no-last-checkpoints"),
     ],
@@ -355,3 +356,21 @@ def test_supported_fairseq_setups_pass():
 
     for backend in ("legacy_ddp", "pytorch_ddp"):
         check_training_setup(_fairseq_cfg({"fp16": True, "memory_efficient_fp16": True}, {"ddp_backend": backend}, {}))
+        check_training_setup(_fairseq_cfg({"bf16": True, "memory_efficient_bf16": True}, {"ddp_backend": backend}, {}))
+
+
+def test_scoring_commands_build_every_expert_on_every_rank(monkeypatch):
+    """fairseq-eval-lm / fairseq-validate on several processes rebuilt an expert-parallel
+    checkpoint sharded: a rank with one batch more waited in all_to_all forever."""
+    from fairseq_alma.modules import expert_parallel
+    from fairseq_alma.modules.switch_ffn import SwitchFFN
+    from fairseq_alma.modules.switch_ffn_config import SwitchFFNConfig
+
+    monkeypatch.setattr(expert_parallel, "distributed_world_size", lambda: 2)
+    monkeypatch.setattr(expert_parallel, "_EXPERTS_WHOLE", [False])
+    cfg = SwitchFFNConfig(embed_dim=8, ffn_dim=16, num_experts=4)
+    monkeypatch.setattr(expert_parallel, "ExpertParallelSwitchFFN", lambda *a: "sharded")
+    assert expert_parallel.build_switch_ffn(cfg, 2) == "sharded"  # training: shards
+    expert_parallel.build_experts_whole()
+    whole = expert_parallel.build_switch_ffn(cfg, 2)
+    assert type(whole) is SwitchFFN and whole.num_experts == 4

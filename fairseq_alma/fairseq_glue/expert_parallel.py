@@ -64,6 +64,12 @@ def check_training_setup(cfg: Any) -> None:
         "--moe-expert-parallel-size > 1 needs --memory-efficient-fp16 (or --amp) instead of plain "
         "--fp16: its flat fp32 copy mixes expert and shared gradients",
     )
+    require(  # the same master copy under bf16 (flat or per parameter: the optimizer's state and
+        # weights are the master's, which the expert shards' gathering and slicing do not see)
+        not (common.bf16 and not common.memory_efficient_bf16),
+        "--moe-expert-parallel-size > 1 needs --memory-efficient-bf16 instead of plain --bf16: its "
+        "fp32 master copy is not kept per expert shard",
+    )
     require(
         str(training.ddp_backend) in DDP_BACKENDS,
         f"--moe-expert-parallel-size > 1 works with --ddp-backend {' or '.join(DDP_BACKENDS)} "

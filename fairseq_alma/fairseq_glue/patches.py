@@ -49,6 +49,12 @@ The patches:
                              under ``--bf16`` (a TPU choice), so its pure-Python Adam steps
                              every parameter tensor on its own; on GPUs one flat copy, as under
                              ``--fp16``, costs a few launches per step instead of ~10 per tensor.
+``install_scoring_command_patches`` (``scoring_commands.py``) fairseq-eval-lm / fairseq-validate:
+                             the trained dictionary checked under any --task; an
+                             expert-parallel checkpoint built with every expert on every rank.
+``install_fp16_master_in_checkpoints`` (``fp16_master.py``) fairseq's FP16Optimizer does not save
+                             its fp32 master weights, nor its loss scaler's counters, so a
+                             resumed --fp16/--bf16 run was not the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -598,7 +604,9 @@ def install_requeue_save() -> None:
         stop_requested = getattr(task, "stop_requested", None)
         if stop_requested is not None and stop_requested(updates):
             seconds = save_for_requeue(cfg, trainer, epoch_itr)
-            message = (f"preempted at update {updates}, checkpoint saved in {seconds:.1f}s "
+            why = "stopped: the stage's batches ran out" if getattr(task, "batches_ran_out", False) \
+                else "preempted"
+            message = (f"{why} at update {updates}, checkpoint saved in {seconds:.1f}s "
                        f"({os.path.join(cfg.checkpoint.save_dir, LAST_CHECKPOINT)}); "
                        f"run the same command to continue")
             logger.warning(message)
@@ -621,12 +629,15 @@ def install_command_patches() -> None:
     Why here: fairseq looks each patched name up at call time, so installing them before its
     command runs is enough; each is a no-op for what it does not concern (a run without expert
     shards, a command that is not fairseq's own)."""
+    from .scoring_commands import install_scoring_command_patches
+
     install_console_errors()
     install_checkpoint_errors()
     install_training_flags()
     install_expert_parallel_trainer()
     install_every_block_scored()
     install_every_token_scored()
+    install_scoring_command_patches()
     repair_fairseq_cli_logging()
     install_one_log_file_handler()
     install_torch_ddp_on_cpu()
@@ -779,8 +790,11 @@ def install_every_token_scored() -> None:
 def install_stream_training_patches() -> None:
     """The patches only an ``alma_stream`` training process needs: they change how fairseq-train
     saves and ends epochs, which a scoring process or a plain fairseq task must not see."""
+    from .fp16_master import install_fp16_master_in_checkpoints
+
     install_atomic_copies()
     install_requeue_save()
+    install_fp16_master_in_checkpoints()
 
 
 # ---- expert parallelism and fairseq's Trainer --------------------------------------------

@@ -7,8 +7,10 @@ cannot use ends in a traceback after the checkpoint was loaded (``--tokens-per-s
 an AssertionError in the batch sampler; ``--post-process sentencepiece``: NotImplementedError;
 ``--model-overrides`` that is not a dict: a NameError from its ``eval``; a negative
 ``--softmax-batch``: an AssertionError; ``--num-workers -1``: torch's ValueError), and a negative
-``--context-window`` was silently taken as none.  Called from ``patches._TrainingConfig``,
-right after the command's flags are parsed.
+``--context-window`` was silently taken as none.  fairseq-eval-lm on several processes (by
+default every GPU of the node) scores each rank's share of the split and prints rank 0's
+perplexity as the split's, a wrong number with exit 0: refused.  Called from
+``patches._TrainingConfig``, right after the command's flags are parsed.
 """
 
 from __future__ import annotations
@@ -53,6 +55,12 @@ def check_scoring_flags(cfg: Any, command: str) -> None:
 
 
 def _check_eval_lm_flags(cfg: Any, tokens: int | None) -> None:
+    processes = _processes(cfg)
+    if processes > 1:
+        raise UsageError(f"fairseq-eval-lm on {processes} processes scores each its share of the split "
+                         f"and prints rank 0's perplexity as the split's (it never combines the ranks); "
+                         f"score on one process (--distributed-world-size 1), or on several with "
+                         f"alma-score (torchrun)")
     softmax_batch = given(cfg, "eval_lm", "softmax_batch")
     if softmax_batch is not None and softmax_batch < 0:  # SequenceScorer: an AssertionError
         raise UsageError(f"--softmax-batch must be >= 0 (got {softmax_batch}): the positions whose "
@@ -68,3 +76,16 @@ def _check_eval_lm_flags(cfg: Any, tokens: int | None) -> None:
     if post_process is not None and post_process not in POST_PROCESS_MERGED:
         raise UsageError(f"--post-process {post_process}: fairseq-eval-lm merges sub-words into "
                          "words only for subword_nmt ('@@ '); drop it to score per token")
+
+
+def _processes(cfg: Any) -> int:
+    """How many processes fairseq's ``call_main`` will run the command on: the flag (whose
+    default is every GPU of the node), a launcher's ``WORLD_SIZE``, or Slurm's tasks when
+    ``--distributed-port`` asks fairseq to read them."""
+    import os
+
+    world = int(given(cfg, "distributed_training", "distributed_world_size") or 1)
+    launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    slurm = int(os.environ.get("SLURM_NTASKS", "1") or 1) \
+        if int(given(cfg, "distributed_training", "distributed_port") or -1) > 0 else 1
+    return max(world, launched, slurm)

@@ -285,11 +285,23 @@ def check_expert_parallel_size(num_experts: int, expert_parallel_size: int) -> N
         )
 
 
+_EXPERTS_WHOLE = [False]  # set in a scoring process (``build_experts_whole``)
+
+
+def build_experts_whole() -> None:
+    """From now on every rank of this process's job builds every expert: fairseq's scoring
+    commands on several processes (``fairseq_glue/scoring_commands.py``).  Scoring gives ranks
+    unequal numbers of batches, so a sharded layer's all_to_all would wait forever on the rank
+    with one batch more; a checkpoint holds whole experts, so nothing else changes."""
+    _EXPERTS_WHOLE[0] = True
+
+
 def build_switch_ffn(cfg: SwitchFFNConfig, expert_parallel_size: int = 1) -> SwitchFFN:
     """``SwitchFFN(cfg)``, sharded over ``expert_parallel_size`` ranks when training runs on
     several processes.  A single process (e.g. fairseq-eval-lm on a checkpoint of an
-    expert-parallel run) holds all experts: the checkpoint layout is the same."""
+    expert-parallel run), or a scoring job (``build_experts_whole``), holds all experts: the
+    checkpoint layout is the same."""
     check_expert_parallel_size(cfg.num_experts, expert_parallel_size)
-    if expert_parallel_size == 1 or distributed_world_size() == 1:
+    if expert_parallel_size == 1 or distributed_world_size() == 1 or _EXPERTS_WHOLE[0]:
         return SwitchFFN(cfg)
     return ExpertParallelSwitchFFN(cfg, expert_parallel_size)
