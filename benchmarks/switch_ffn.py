@@ -288,6 +288,18 @@ def cuda_measure(kind: str, experts: int, d: int, precision: str, tokens: tuple[
             "dropped_pct": 100 * dropped, "kernel": used}
 
 
+def _kernel_list(text: str) -> str:
+    """``--kernels``: names the layer knows, checked on any machine (a misspelt one was
+    ignored on CPU and refused only on a GPU node)."""
+    from fairseq_alma.modules.switch_ffn_config import EXPERT_KERNELS
+
+    unknown = [k for k in text.split(",") if k not in EXPERT_KERNELS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown expert kernel {unknown[0]!r}; use some of "
+                                         f"{','.join(EXPERT_KERNELS)}")
+    return text
+
+
 def cuda_benchmark(args: argparse.Namespace) -> dict:
     from fairseq_alma.text_table import format_table
 
@@ -361,7 +373,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=24, help="CUDA: sequences (default 24)")
     parser.add_argument("--length", type=int, default=512, help="CUDA: tokens per sequence (default 512)")
     parser.add_argument("--precisions", default="fp16,amp,bf16", help="CUDA: fp16, amp, bf16 (module doc)")
-    parser.add_argument("--kernels", default="auto", help="CUDA: expert kernels to time, e.g. auto,batched,grouped")
+    parser.add_argument("--kernels", default="auto", type=_kernel_list,
+                        help="CUDA: expert kernels to time, comma-separated, of "
+                             "auto,batched,segments,compiled (e.g. auto,batched); CPU times auto")
     parser.add_argument("--ops", action="store_true", help="print the op counts of the GPU path and the dense FFN")
     parser.add_argument("--json", help="also write the results to this JSON file")
     parser.add_argument("--child", nargs=2, metavar=("KIND", "E"), help=argparse.SUPPRESS)

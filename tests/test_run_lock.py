@@ -104,6 +104,29 @@ def test_another_run_is_refused_and_restart_moves_it_aside(tmp_path):
         run_dir.close()
 
 
+def test_a_run_requeued_on_another_process_layout_is_told_to_keep_its_layout(tmp_path):
+    """An expert-parallel run requeued on 2 processes instead of 4 was told to use another
+    --save-dir or --restart-stream, both of which give up its progress."""
+    run_dir = RunDirectory.for_training(tmp_path / "run")
+    try:
+        def layout(world: int, group: int) -> dict:
+            return {"config": {"distributed_training": {"distributed_world_size": world},
+                               "model": {"moe_expert_parallel_size": group, "moe_experts": 4}}}
+
+        run_dir.claim(layout(4, 2))
+        (run_dir.path / "stream.jsonl").write_text("{}\n")
+        with pytest.raises(RunDirError) as caught:
+            run_dir.check_fingerprint(layout(2, 2))
+        assert "holds this run, started on another process layout (config.distributed_training." \
+               "distributed_world_size: 4 -> 2); a run keeps the processes it started on" in str(caught.value)
+        other = layout(4, 2)
+        other["config"]["model"]["moe_experts"] = 8
+        with pytest.raises(RunDirError, match="holds another run"):
+            run_dir.check_fingerprint(other)
+    finally:
+        run_dir.close()
+
+
 def test_a_refused_commands_directory_gives_way_and_goes_at_exit(tmp_path):
     """What a command refused after it claimed its --save-dir leaves (run.json,
     data_verified.json, the lock file) stops no corrected command and, where the command made

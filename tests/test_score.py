@@ -480,6 +480,20 @@ def test_from_log_renders_vision_streams(tmp_path, capsys):
     assert (tmp_path / "v.csv").read_text().splitlines()[1].startswith("sm_w1,mlp8,100,0.9,0.5,0.3")
 
 
+def test_runs_of_other_stream_lengths_are_refused_before_scoring(tmp_path, capsys):
+    """The table refused them only after every checkpoint was scored (hours on large models)."""
+    extra = {"method": "sm", "arch": "mlp", "width": 8, "wait": 1, "replay": False}
+    for name, errors in (("b2", [0.9, 0.5, 0.3]), ("b3", [0.9, 0.5, 0.3, 0.2])):
+        write_records(tmp_path / name / "stream.jsonl", [
+            ArrivalRecord(arrival=t, stage=t, trained=t > 0, megabatches_seen=t, params_active=100,
+                          train_flops_cum=1e9 * t, infer_flops_per_image=10.0, wall_time=1.0,
+                          test_error=error, extra=extra)
+            for t, error in enumerate(errors)])
+    code, _, err = _score(capsys, tmp_path / "b2", tmp_path / "b3", "--from-log")
+    assert code == 2 and "(test error, B = 2) and" in err and "(test error, B = 3) are not one " \
+        "stream's results; score them separately" in err
+
+
 def _snapshot(directory: Path) -> dict[str, tuple[int, int, str]]:
     import hashlib
 

@@ -395,6 +395,7 @@ def check_precision(node: Any, machine_checks: bool = True) -> None:
     if given(node, "common", "tpu"):  # explicit --tpu (fairseq-train's --bf16 no longer sets it)
         raise UsageError("--tpu (fairseq's TPU mode) needs torch_xla, which fairseq-alma does not "
                          "support; train on GPUs (--bf16 or --fp16, without --tpu) or on CPU (--cpu)")
+    check_precision_combinations(node)
     flag = next((f"--{key.replace('_', '-')}" for key in ("memory_efficient_bf16", "bf16")
                  if given(node, "common", key)), None)
     if flag is None:
@@ -405,6 +406,67 @@ def check_precision(node: Any, machine_checks: bool = True) -> None:
     if str(given(node, "distributed_training", "ddp_backend") or "") == "fully_sharded":
         raise UsageError(f"{flag} with --ddp-backend fully_sharded: fairseq 0.12's FSDP does not "
                          f"support bf16; use {flag} with --ddp-backend pytorch_ddp (or legacy_ddp)")
+
+
+def check_precision_combinations(node: Any) -> None:
+    """Precision flags that fairseq's trainer or optimizer wrapper refuse only once they are
+    built, after the run directory was taken, with a traceback: ``--fp16`` with ``--amp``; an
+    ``--update-freq`` per stage without ``--fp16-scale-window`` under fairseq's FP16Optimizer
+    (its default window divides by one ``--update-freq``); ``--fp16``'s flat master copy with an
+    optimizer that keeps no flat state (Adagrad, Adafactor); ``--memory-efficient-*`` with an
+    optimizer it cannot wrap (SGD, Adagrad).  Checked whatever the device, so a CPU machine
+    (where these flags are refused anyway) tests what a GPU node would meet."""
+    half = next((f"--{key.replace('_', '-')}" for key in HALF_PRECISION_FLAGS
+                 if given(node, "common", key)), None)
+    if half is None:
+        return
+    if given(node, "common", "amp") and half != "--amp" and "bf16" not in half:
+        raise UsageError(f"{half} with --amp: fairseq trains one of them (--amp: an fp32 model under "
+                         f"autocast; {half}: a half-precision model); drop one")
+    if half == "--amp":
+        return
+    bf16 = "bf16" in half
+    freqs = given(node, "optimization", "update_freq") or []
+    if len(list(freqs)) > 1 and given(node, "common", "fp16_scale_window") is None:
+        raise UsageError(f"{half} with an --update-freq per stage needs --fp16-scale-window N: fairseq's "
+                         f"default window divides by one --update-freq and refuses a list"
+                         + (" (bf16 has no loss scaler, so any N will do)" if bf16 else
+                            " (e.g. 16384 / processes / the largest --update-freq)"))
+    optimizer = component_name(node, "optimizer")
+    supports = _optimizer_support(node)
+    if supports is None:
+        return
+    flat, memory_efficient = supports
+    if half.startswith("--memory-efficient") and not memory_efficient:
+        plain = half.replace("--memory-efficient-", "--")
+        raise UsageError(f"{half} cannot wrap --optimizer {optimizer} (fairseq's memory-efficient "
+                         f"wrapper steps only Adam, Adamax and Adafactor); use {plain}, or "
+                         f"--optimizer adam")
+    if half == "--fp16" and not flat and not given(node, "common", "fp16_no_flatten_grads"):
+        raise UsageError(f"--fp16 keeps one flat fp32 master copy, which --optimizer {optimizer} cannot "
+                         f"step; add --fp16-no-flatten-grads (a master copy per parameter)")
+
+
+# half precision under fairseq's FP16Optimizer / MemoryEfficientFP16Optimizer, or AMP; the
+# memory-efficient flags first: fairseq sets --fp16 (--bf16) with them
+HALF_PRECISION_FLAGS = ("memory_efficient_fp16", "memory_efficient_bf16", "fp16", "bf16", "amp")
+
+
+def _optimizer_support(node: Any) -> tuple[bool, bool] | None:
+    """(flat master params, memory-efficient fp16) of ``--optimizer``, from fairseq's own
+    wrapper of it built over one dummy parameter; None where it cannot be built here (apex's
+    or DeepSpeed's optimizers: their own checks speak)."""
+    import torch
+    from fairseq import optim
+
+    part = section(node, "optimizer")
+    if part is None:
+        return None
+    try:
+        built = optim.build_optimizer(part, [torch.nn.Parameter(torch.zeros(1))])
+    except Exception:  # noqa: BLE001 - a missing extension or an unusual optimizer: not ours to judge
+        return None
+    return bool(built.supports_flat_params), bool(built.supports_memory_efficient_fp16)
 
 
 def check_log_file(log_file: str) -> None:

@@ -56,6 +56,7 @@ def _request_settings(request: ScoreRequest) -> dict:
 
 def _score_runs(request: ScoreRequest, use_cuda: bool) -> list[ScoredSeries]:
     runs = [load_run(path, request.data, request.from_log) for path in request.run_dirs]
+    _check_one_stream_shape(runs)
     if request.mode != "single":
         check_members(runs, request.mode)
     scorer = None
@@ -78,6 +79,20 @@ def _score_runs(request: ScoreRequest, use_cuda: bool) -> list[ScoredSeries]:
         logger.info("scored %s tokens in %.2fs: %s tokens/s", f"{scorer.tokens:,}", scorer.seconds,
                     rate)
     return results
+
+
+def _check_one_stream_shape(runs: list[StreamRun]) -> None:
+    """Runs of other metrics or stream lengths make no one table: refused before any checkpoint
+    is scored (the table's own check came after scoring every checkpoint, hours on large
+    models)."""
+    def kind(run: StreamRun) -> str:
+        metric = "perplexity" if run.metric == "ppl" else "test error"
+        return f"{metric}, B = {len(run.records) - 1}"
+
+    for run in runs[1:]:
+        if kind(run) != kind(runs[0]):
+            raise UsageError(f"{runs[0].view.path} ({kind(runs[0])}) and {run.view.path} ({kind(run)}) "
+                             f"are not one stream's results; score them separately")
 
 
 def _verify_scored_splits(runs: list[StreamRun], request: ScoreRequest) -> None:

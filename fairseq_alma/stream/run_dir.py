@@ -152,6 +152,12 @@ class RunDirectory:
         shown = "; ".join(changed[:4]) + (f"; and {len(changed) - 4} more" if len(changed) > 4 else "")
         if _stream_kind(old) != _stream_kind(fingerprint):
             shown = f"a {_stream_kind(old)} stream's; this command trains a {_stream_kind(fingerprint)} stream"
+        elif all(line.split(":", 1)[0] in PROCESS_LAYOUT for line in changed):
+            # this run, preempted and requeued on another layout: both ways out below give up
+            # its progress, and the one that keeps it was not named
+            raise RunDirError(f"{self.path} holds this run, started on another process layout "
+                              f"({shown}); a run keeps the processes it started on: run the same "
+                              f"command on that layout to continue it, or use another --save-dir")
         raise RunDirError(f"{self.path} holds another run ({shown}); use another --save-dir, or add "
                           f"--restart-stream to move the old run aside (nothing is deleted)")
 
@@ -263,6 +269,12 @@ def fingerprint_hash(fingerprint: dict[str, Any]) -> str:
 # or compiled) and activation checkpointing (less memory).  A run started under one may continue
 # under another, as it may on another device; the results agree to floating-point rounding.
 EXECUTION_SETTINGS = ("moe_expert_kernel", "checkpoint_activations")
+
+
+# Where a run's processes stand: an expert-parallel run's optimizer state is gathered and cut
+# by its layout, and a data-parallel run's batches are dealt by it, so a run keeps its layout
+PROCESS_LAYOUT = ("config.distributed_training.distributed_world_size",
+                  "config.model.moe_expert_parallel_size")
 
 
 def without_execution_settings(fingerprint: dict[str, Any]) -> dict[str, Any]:
