@@ -204,3 +204,30 @@ def test_growth_copies_master_rows_and_keeps_every_other_master_weight(layout, m
         else:  # the router: rows 1 and 2 are the source row -/+ the tie-break
             assert torch.allclose(master[1] + master[2], 2 * before[name][1], atol=1e-6)
             assert torch.equal(master[0], before[name][0]) and not torch.equal(master[1], before[name][1])
+
+
+def test_amp_resumes_its_grad_scaler():
+    """fairseq's AMPOptimizer saved none of its GradScaler: a resumed --amp run started again at
+    --amp-init-scale.  fairseq builds torch.cuda.amp's scaler (disabled without CUDA), so the
+    test gives it torch's CPU scaler, enabled, and moves its scale as overflows would."""
+    from fairseq import optim
+    from fairseq.optim.amp_optimizer import AMPOptimizer
+
+    install_fp16_master_in_checkpoints()
+
+    def build() -> AMPOptimizer:
+        model = tiny_model(torch.float32)
+        optimizer = AMPOptimizer.__new__(AMPOptimizer)
+        optimizer.fp32_optimizer = optim.build_optimizer(_cfg(False, True).optimizer, list(model.parameters()))
+        optimizer._grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 7, growth_interval=3)
+        return optimizer
+
+    optimizer = build()
+    optimizer._grad_scaler.scale(torch.tensor(1.0))  # the scaler's state starts at its first use
+    optimizer._grad_scaler.update(new_scale=48.0)  # where overflows and growth left it
+    optimizer._grad_scaler._growth_tracker.fill_(2)
+    saved = checkpointed(optimizer.state_dict())
+    resumed = build()
+    resumed.load_state_dict(saved, None)
+    assert resumed._grad_scaler.get_scale() == 48.0
+    assert resumed._grad_scaler.state_dict()["_growth_tracker"] == 2

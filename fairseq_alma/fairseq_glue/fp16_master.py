@@ -22,6 +22,7 @@ fairseq loads it (after it rebuilt the optimizer):
   it changes the master copy only (the half-precision model loaded from the checkpoint is
   already its rounding).
 * ``loss_scaler``: ``DynamicLossScaler``'s counters (``--fp16``, ``--memory-efficient-fp16``).
+* ``amp_grad_scaler`` (``--amp``): torch's ``GradScaler`` state, of which fairseq saves nothing.
 
 A checkpoint without them (one written before this patch) resumes as it did.  ``--reset-optimizer``
 still resets both: fairseq then never loads the optimizer state.  The entries cost 4 bytes per
@@ -142,11 +143,47 @@ def _patch(cls: Any, with_master: bool) -> None:
     cls.state_dict, cls.load_state_dict = state_dict, load_state_dict
 
 
+AMP_SCALER_KEY = "amp_grad_scaler"
+
+
+def _patch_amp(cls: Any) -> None:
+    """``AMPOptimizer``: its ``GradScaler``'s state (scale and growth tracker), which fairseq
+    saves none of, so a resumed ``--amp`` run restarted at ``--amp-init-scale`` and skipped or
+    grew at other updates than the uninterrupted one."""
+    original_state_dict, original_load = cls.state_dict, cls.load_state_dict
+    if getattr(original_state_dict, "_alma_patch", False):
+        return
+
+    def state_dict(self: Any) -> dict:
+        state = dict(original_state_dict(self))
+        scaler = self._grad_scaler.state_dict()
+        if scaler:  # empty for a disabled scaler (no CUDA): nothing to keep
+            state[AMP_SCALER_KEY] = scaler
+        return state
+
+    def load_state_dict(self: Any, state_dict: Any, optimizer_overrides: Any = None) -> None:
+        if not isinstance(state_dict, dict):
+            return original_load(self, state_dict, optimizer_overrides)
+        original_load(self, {k: v for k, v in state_dict.items() if k != AMP_SCALER_KEY},
+                      optimizer_overrides)
+        saved = state_dict.get(AMP_SCALER_KEY)
+        if saved and self._grad_scaler.is_enabled():
+            self._grad_scaler.load_state_dict(saved)
+
+    for function, original in ((state_dict, original_state_dict), (load_state_dict, original_load)):
+        function._alma_patch = True  # type: ignore[attr-defined]
+        function.__wrapped__ = original  # type: ignore[attr-defined]
+    cls.state_dict, cls.load_state_dict = state_dict, load_state_dict
+
+
 def install_fp16_master_in_checkpoints() -> None:
     """``FP16Optimizer``'s and ``MemoryEfficientFP16Optimizer``'s ``state_dict`` and
-    ``load_state_dict`` with the state fairseq leaves out (module doc); idempotent.  The
-    memory-efficient one has no master copy (it steps the half-precision weights themselves)."""
+    ``load_state_dict`` with the state fairseq leaves out (module doc), and ``AMPOptimizer``'s
+    with its grad scaler's; idempotent.  The memory-efficient one has no master copy (it steps
+    the half-precision weights themselves)."""
+    from fairseq.optim.amp_optimizer import AMPOptimizer
     from fairseq.optim.fp16_optimizer import FP16Optimizer, MemoryEfficientFP16Optimizer
 
     _patch(FP16Optimizer, with_master=True)
     _patch(MemoryEfficientFP16Optimizer, with_master=False)
+    _patch_amp(AMPOptimizer)
