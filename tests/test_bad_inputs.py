@@ -536,6 +536,8 @@ SCORE_CASES = [
     Case("score gens of a continue run", lambda c: ([tool("alma-score"), str(c.done), "--mode", "gens"], [c.done]), r"--mode gens: .*--stage-init continue", prog="alma-score"),
     Case("score with another dictionary", lambda c: ([tool("alma-score"), str(c.done), "--data", str(data_copy(c, "d", reordered_dict))], [c.done, c.tmp / "d"]),
          r"trained with another dictionary .*score it on the stream it was trained on", prog="alma-score"),
+    Case("eval-lm of a directory that is no data-bin", lambda c: (eval_lm(c)[:1] + [str(c.tmp / "nowhere")] + eval_lm(c)[2:], [c.done]),
+         r"nowhere/dict.txt: missing, so .*nowhere is no data-bin; pass the stream the checkpoint was trained on"),
     Case("eval-lm on two processes", lambda c: (eval_lm(c, "--distributed-world-size", "2"), [c.done]),
          r"fairseq-eval-lm on 2 processes scores each its share of the split .*alma-score \(torchrun\)$"),
     Case("eval-lm with another dictionary", lambda c: (eval_lm(c)[:1] + [str(data_copy(c, "d", reordered_dict))] + eval_lm(c)[2:], [c.done, c.tmp / "d"]),

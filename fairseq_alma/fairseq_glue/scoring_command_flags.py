@@ -55,6 +55,14 @@ def check_scoring_flags(cfg: Any, command: str) -> None:
 
 
 def _check_eval_lm_flags(cfg: Any, tokens: int | None) -> None:
+    import os
+
+    data = str(given(cfg, "task", "data") or "")
+    first = data.split(os.pathsep)[0]
+    if first and not os.path.isfile(os.path.join(first, "dict.txt")):  # fairseq: a FileNotFoundError
+        raise UsageError(f"{os.path.join(first, 'dict.txt')}: missing, so {first} is no data-bin; pass "
+                         f"the stream the checkpoint was trained on (alma-data-prep --out; a vision "
+                         f"run's numbers are its stream.jsonl: alma-score --from-log)")
     processes = _processes(cfg)
     if processes > 1:
         raise UsageError(f"fairseq-eval-lm on {processes} processes scores each its share of the split "
