@@ -78,6 +78,9 @@ from typing import Any
 
 from ..errors import AlmaError, CheckpointError, Preempted, StreamFinished
 from ..stream.run_dir import LAST_CHECKPOINT
+from .patch_marks import is_patched as _patched
+from .patch_marks import mark as _mark
+from .patch_marks import running as _running
 
 logger = logging.getLogger(__name__)
 
@@ -92,15 +95,6 @@ PEER_LOST_EXIT_STATUS = 1
 # What gloo and NCCL raise in a collective when another rank's process is gone
 PEER_LOST_MESSAGES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
                       "NCCL communicator was aborted")
-
-
-def _mark(function: Any) -> Any:
-    function._alma_patch = True
-    return function
-
-
-def _patched(function: Any) -> bool:
-    return getattr(function, "_alma_patch", False)
 
 
 # ---- one-line errors for fairseq's own commands ------------------------------------------
@@ -292,14 +286,6 @@ def install_console_errors() -> None:
 BF16_FLAGS = ("--bf16", "--memory-efficient-bf16")
 OTHER_PRECISION_FLAGS = ("--fp16", "--memory-efficient-fp16", "--amp")
 CONSOLE_PROGRAMS = ("fairseq-train", "fairseq-eval-lm", "fairseq-validate", "alma-train")
-
-
-def _running(programs: tuple[str, ...], modules: tuple[str, ...]) -> bool:
-    """Whether this process is one of ``programs`` (its console script's name) or runs one of
-    ``modules`` with ``python -m``."""
-    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    return os.path.basename(sys.argv[0] if sys.argv else "") in programs or (
-        main_spec is not None and main_spec.name in modules)
 
 
 def _running_console_command() -> bool:

@@ -25,7 +25,7 @@ from typing import Any
 
 def install_scoring_command_patches() -> None:
     """Both patches (module doc), in fairseq-eval-lm and fairseq-validate only."""
-    from .patches import _running
+    from .patch_marks import running as _running
 
     if not _running(SCORING_PROGRAMS, SCORING_MODULES):
         return
@@ -44,7 +44,9 @@ def install_dictionary_check() -> None:
     task checks itself) in fairseq-eval-lm and fairseq-validate only."""
     from fairseq.tasks import FairseqTask
 
-    from .patches import _mark, _patched, _running
+    from .patch_marks import is_patched as _patched
+    from .patch_marks import mark as _mark
+    from .patch_marks import running as _running
 
     original = FairseqTask.load_state_dict
     if _patched(original) or not _running(SCORING_PROGRAMS, SCORING_MODULES):
