@@ -56,9 +56,9 @@ def _request_settings(request: ScoreRequest) -> dict:
 
 def _score_runs(request: ScoreRequest, use_cuda: bool) -> list[ScoredSeries]:
     runs = [load_run(path, request.data, request.from_log) for path in request.run_dirs]
-    _check_one_stream_shape(runs)
     if request.mode != "single":
-        check_members(runs, request.mode)
+        check_members(runs, request.mode)  # members of one stream, in its own words
+    _check_one_stream_shape(runs)
     scorer = None
     if not request.from_log:
         from ..lm.ensemble_eval import CheckpointScorer
