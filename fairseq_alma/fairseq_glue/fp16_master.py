@@ -111,6 +111,15 @@ def restore_scaler(scaler: Any, saved: Any) -> None:
                 setattr(scaler, name, int(saved[name]))
 
 
+def _replace(cls: Any, state_dict: Any, load_state_dict: Any) -> None:
+    """Put the wrappers in place of ``cls``'s two methods, marked (never wrapped twice) and
+    keeping the originals as ``__wrapped__``."""
+    for function, original in ((state_dict, cls.state_dict), (load_state_dict, cls.load_state_dict)):
+        function._alma_patch = True  # type: ignore[attr-defined]
+        function.__wrapped__ = original  # type: ignore[attr-defined]
+    cls.state_dict, cls.load_state_dict = state_dict, load_state_dict
+
+
 def _patch(cls: Any, with_master: bool) -> None:
     original_state_dict, original_load = cls.state_dict, cls.load_state_dict
     if getattr(original_state_dict, "_alma_patch", False):
@@ -137,10 +146,7 @@ def _patch(cls: Any, with_master: bool) -> None:
             restore_master(self, master)
         restore_scaler(self.scaler, state_dict.get(SCALER_KEY))
 
-    for function, original in ((state_dict, original_state_dict), (load_state_dict, original_load)):
-        function._alma_patch = True  # type: ignore[attr-defined]
-        function.__wrapped__ = original  # type: ignore[attr-defined]
-    cls.state_dict, cls.load_state_dict = state_dict, load_state_dict
+    _replace(cls, state_dict, load_state_dict)
 
 
 AMP_SCALER_KEY = "amp_grad_scaler"
@@ -170,10 +176,7 @@ def _patch_amp(cls: Any) -> None:
         if saved and self._grad_scaler.is_enabled():
             self._grad_scaler.load_state_dict(saved)
 
-    for function, original in ((state_dict, original_state_dict), (load_state_dict, original_load)):
-        function._alma_patch = True  # type: ignore[attr-defined]
-        function.__wrapped__ = original  # type: ignore[attr-defined]
-    cls.state_dict, cls.load_state_dict = state_dict, load_state_dict
+    _replace(cls, state_dict, load_state_dict)
 
 
 def install_fp16_master_in_checkpoints() -> None:

@@ -66,11 +66,8 @@ def check_trained_dictionary(data: Any, trained: str | None) -> None:
     (None: a checkpoint that does not record one, nothing to check)."""
     if not trained or not isinstance(data, str) or not data:
         return
-    from ..errors import DataError
-    from ..stream.manifest import sha256_file
+    from ..stream.manifest import check_same_dictionary, sha256_file
 
     path = os.path.join(data.split(os.pathsep)[0], "dict.txt")
-    if os.path.isfile(path) and sha256_file(path) != trained:
-        raise DataError(f"the checkpoint was trained with another dictionary (sha256 {trained[:12]}) "
-                        f"than {path} (sha256 {sha256_file(path)[:12]}); score it on the stream it "
-                        f"was trained on")
+    if os.path.isfile(path):
+        check_same_dictionary(trained, sha256_file(path), path)

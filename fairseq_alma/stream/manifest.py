@@ -130,6 +130,15 @@ def verify_stream_dir(data_dir: str, hashes: bool = False) -> dict:
     return manifest
 
 
+def check_same_dictionary(trained: str | None, here: str, path: str) -> None:
+    """Refuse a checkpoint trained with the dictionary of sha256 ``trained`` on the one at
+    ``path`` (sha256 ``here``): every id would name another piece, and the perplexity would
+    look like any other.  None: a checkpoint that records no dictionary, nothing to check."""
+    if trained and trained != here:
+        raise DataError(f"the checkpoint was trained with another dictionary (sha256 {trained[:12]}) "
+                        f"than {path} (sha256 {here[:12]}); score it on the stream it was trained on")
+
+
 # a re-run reuses every step whose files have the sizes it wrote (hashing a large stream at
 # every re-run would cost minutes), so a same-size damaged file must be deleted to be rebuilt
 REBUILD_ADVICE = "delete it and re-run alma-data-prep with the flags that made the stream"

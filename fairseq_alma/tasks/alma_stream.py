@@ -40,7 +40,7 @@ from ..lm.budget import fixed_budget_batches, interleave_slots, spare_updates
 from ..lm.growth import parse_growth_plan
 from ..optim.alma_stage_linear import stage_budget
 from ..ranks import all_ranks_stop
-from ..stream.manifest import expected_splits, kept_repeats
+from ..stream.manifest import check_same_dictionary, expected_splits, kept_repeats
 from ..stream.progress import StreamPlan, auto_wait_conflict, wait_flag, wait_from_flag
 from ..stream.replay import check_replay_budget, slot_pattern
 from ..stream.stage_clock import counted_slots
@@ -435,12 +435,8 @@ class AlmaStreamTask(LanguageModelingTask):
         """fairseq calls this when it loads a checkpoint through the task (alma-score,
         fairseq-eval-lm): a checkpoint trained with another dictionary would score every token
         against the wrong ids, so it is refused."""
-        trained = (state_dict or {}).get("dictionary_sha256")
-        here = self.manifest["dictionary"]["sha256"]
-        if trained and trained != here:
-            data = os.path.join(self.cfg.data.split(os.pathsep)[0], "dict.txt")
-            raise DataError(f"the checkpoint was trained with another dictionary (sha256 {trained[:12]}) "
-                            f"than {data} (sha256 {here[:12]}); score it on the stream it was trained on")
+        check_same_dictionary((state_dict or {}).get("dictionary_sha256"), self.manifest["dictionary"]["sha256"],
+                              os.path.join(self.cfg.data.split(os.pathsep)[0], "dict.txt"))
 
     def get_checkpoint_dict(self) -> Dict[str, Any]:
         """The stream core's progress, saved inside fairseq's checkpoint (extra_state)."""
