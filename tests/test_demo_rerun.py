@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +21,7 @@ from data_prep import demo_corpus
 from fairseq_alma.cli import demo as demo_cli
 from fairseq_alma.demos.demo_flags import DemoFlagsRecord
 from fairseq_alma.demos.steps import step
-from fairseq_alma.errors import AlmaError
+from fairseq_alma.errors import AlmaError, Preempted
 
 MADE_WITH = ["--corpus-mb", "0.3", "--vocab-size", "500", "--updates-per-stage", "20"]
 
@@ -139,3 +143,35 @@ def test_a_failed_step_is_one_line_in_the_demos_terms(tmp_path):
         step("2/15 prepare", [sys.executable, "-c", crash], tmp_path / "p.log")
     assert "failed (exit 1): OSError: [Errno 28] No space left on device; fix that and run the same " \
            "alma-demo command again" in str(err.value)
+    busy = ("fairseq-alma: error: /o/runs/SM_w1 is in use by pid 7 on vm, last heartbeat 3s ago; "
+            "wait for that run to end or stop it, or use another --save-dir")
+    with pytest.raises(AlmaError) as err:
+        step("3/15 train SM_w1", [sys.executable, "-c", f"print({busy!r}); raise SystemExit(2)"],
+             tmp_path / "b.log")
+    message = str(err.value)
+    assert "wait for that run to end or stop it; fix that and run the same alma-demo command" in message
+    assert "--save-dir" not in message, message
+
+
+def test_a_stop_sent_to_the_demo_stops_the_running_step(tmp_path):
+    """SIGTERM to the demo's pid alone (a batch system, `kill PID`) killed only the demo: its
+    training step trained on with no parent, holding the run's lock, and the re-run was refused.
+    The stop is passed on, the step saves and exits, and the demo ends in one line (exit 75)."""
+    log = tmp_path / "t.log"
+    child = ("import signal, sys, time\n"
+             "signal.signal(signal.SIGTERM, lambda *a: sys.exit(75))\n"
+             "print('rea' + 'dy', flush=True)\n"  # the log echoes the command: not 'ready' there
+             "time.sleep(120)\n")
+
+    def stop_when_ready() -> None:
+        deadline = time.time() + 60
+        while "ready" not in (log.read_text() if log.exists() else "") and time.time() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    threading.Thread(target=stop_when_ready, daemon=True).start()
+    started = time.time()
+    with pytest.raises(Preempted, match=r"step 'x' stopped on SIGTERM \(passed on to it, exit 75"):
+        step("x", [sys.executable, "-c", child], log)
+    assert time.time() - started < 60 and signal.getsignal(signal.SIGTERM) is before

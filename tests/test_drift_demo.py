@@ -67,6 +67,22 @@ def test_unequal_compute_is_not_called_equal():
     assert "also spent no more training compute" in text and "pays nothing on the new periods" in text
 
 
+def test_equal_backward_perplexities_are_a_tie_whatever_the_input_order():
+    """Two settings scoring alike (89.93 and 89.93) were ranked by input order: one 'forgets
+    least', the other 'forgets most'."""
+    for order in ((0, 1, 2), (1, 0, 2), (2, 1, 0)):
+        made = [_setting("no_replay", 6.5, 6.0), _setting("replay_0.25", 6.5 + 1e-6, 6.1),
+                _setting("full_replay", 7.0, 6.2)]
+        text = drift_verdict([made[i] for i in order])
+        assert text.startswith("no_replay and replay_0.25 forget alike, and least"), text
+        assert "no_replay forgets most" not in text and "replay_0.25 forgets most" not in text
+        assert "full_replay forgets most" in text
+        assert "per unit of compute they also forget alike" in text
+    text = drift_verdict([_setting("a", 6.5, 6.0, 2e12), _setting("b", 6.5, 6.0, 1e12)])
+    assert text.startswith("a and b forget alike, and least (every setting)")
+    assert "Of these, b spent the least training compute" in text and "forgets most" not in text
+
+
 def test_table_and_refusals():
     settings = [_setting("a", 7.0, 6.0), _setting("b", 6.5, 6.1)]
     table = format_drift_table(settings)

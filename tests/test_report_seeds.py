@@ -168,3 +168,76 @@ def test_fig4_pairs_each_run_with_its_own_seed_without_seed_groups():
             for seed in (1, 2, 3) for replay in (False, True) if (seed, replay) != (3, True)]
     pairs = replay_pairs(group_by_seed(runs, by_seed=False))
     assert [(a.seeds, b.seeds) for a, b in pairs] == [([(1,)], [(1,)]), ([(2,)], [(2,)])]
+
+
+def test_fig4_names_an_arrow_drawn_exactly_under_another(tmp_path, monkeypatch):
+    """--wait auto choosing every arrival draws SM_w1's arrow exactly: its legend entry says so,
+    as Figs. 2, 3 and 5 do (the legend listed an arrow the plot did not show)."""
+    from fairseq_alma.report import figures
+
+    drawn = []
+    monkeypatch.setattr(figures, "_save", lambda figure, path: drawn.append(figure))
+    runs = [_run(1, [900.0, 30.0, 20.0], wait=wait, replay=replay, trained=[False, True, True])
+            for wait in (1, None) for replay in (False, True)]
+    runs[1].series.metric_by_arrival = [900.0, 29.0, 18.0]  # replay gains, alike for both waits
+    runs[3].series.metric_by_arrival = [900.0, 29.0, 18.0]
+    pairs = replay_pairs(group_by_seed(runs))
+    assert len(pairs) == 2
+    figures.plot_replay(pairs, tmp_path / "fig4.png")
+    (axis,) = drawn[0].axes
+    assert [text.get_text() for text in axis.get_legend().get_texts()] == [
+        "SM_w1 (4)", "SM_wauto (4) = SM_w1 (4)"]
+
+
+def test_eval_matrix_summary_has_the_forgetting_of_each_group(tmp_path):
+    """README: forgetting is reported beside the three summaries; a group's is the mean over
+    seeds of each seed's (its perplexity ratio and bits), as the other summaries are."""
+    import math
+
+    from fairseq_alma.report import matrix_table
+    from fairseq_alma.stream.period_matrix import PeriodMatrix
+
+    seeds = [PeriodMatrix([1, 2], [1, 2], [[5.0, 7.0], [5.5, 6.0]]),   # period 1: +0.5 bits
+             PeriodMatrix([1, 2], [1, 2], [[5.0, 7.0], [4.75, 6.0]])]  # period 1: -0.25 bits
+    runs = [_run(seed, [900.0, 30.0, 20.0]) for seed in (1, 2)]
+    for run, matrix in zip(runs, seeds):
+        run.eval_matrix = matrix.as_json()
+    (group,) = matrix_table.matrix_groups(group_by_seed(runs))
+    ratios = [2 ** 0.5, 2 ** -0.25]
+    forgetting = group.forgetting()
+    assert forgetting["ppl_ratio"].mean == pytest.approx(statistics.fmean(ratios))
+    assert forgetting["ppl_ratio"].std == pytest.approx(statistics.stdev(ratios))
+    assert forgetting["nll_bits"].mean == pytest.approx(0.125)
+    table = matrix_table.format_summary([group])
+    assert table.splitlines()[0].rstrip().endswith("forward ppl    forgetting (ppl ×)")
+    assert f"{statistics.fmean(ratios):.3f} ± {statistics.stdev(ratios):.3f}" in table.splitlines()[2]
+    matrix_table.write_csv([group], tmp_path / "m.csv")
+    (row,) = csv.DictReader((tmp_path / "m.csv").open())
+    assert float(row["forgetting_ppl_ratio"]) == pytest.approx(statistics.fmean(ratios), rel=1e-12)
+    assert float(row["forgetting_nll_bits_std"]) == pytest.approx(0.75 / math.sqrt(2), rel=1e-12)
+    matrix_table.write_json([group], tmp_path / "m.json")
+    (entry,) = json.loads((tmp_path / "m.json").read_text())["groups"]
+    assert entry["forgetting"]["ppl_ratio"]["values"] == pytest.approx(ratios)
+    assert entry["forgetting"]["periods"] == [1]
+    one_stage = _run(3, [900.0, 30.0, 20.0])
+    one_stage.eval_matrix = PeriodMatrix([1], [2], [[5.0, 6.0]]).as_json()
+    (alone,) = matrix_table.matrix_groups(group_by_seed([one_stage]))
+    assert alone.forgetting()["ppl_ratio"] is None and "n/a" in matrix_table.format_summary([alone])
+
+
+def test_eval_matrix_panels_share_one_colour_scale(tmp_path, monkeypatch):
+    """Side-by-side heatmaps with a range each gave one colour to 74.7 in one panel and 77.3 in
+    the next; every panel now spans the range of all of them."""
+    from fairseq_alma.report import figures, matrix_table
+    from fairseq_alma.stream.period_matrix import PeriodMatrix
+
+    drawn = []
+    monkeypatch.setattr(figures, "_save", lambda figure, path: drawn.append(figure))
+    runs = [_run(1, [900.0, 30.0, 20.0]), _run(1, [900.0, 30.0, 20.0], replay=True)]
+    for run, shift in zip(runs, (0.0, 1.0)):
+        run.eval_matrix = PeriodMatrix([1, 2], [1, 2], [[5.0 + shift, 7.0], [5.5, 6.0 + shift]]).as_json()
+    groups = matrix_table.matrix_groups(group_by_seed(runs))
+    assert len(groups) == 2
+    figures.plot_eval_matrix(groups, tmp_path / "m.png")
+    limits = {image.get_clim() for axis in drawn[0].axes for image in axis.get_images()}
+    assert limits == {(2 ** 5.0, 2 ** 7.0)}

@@ -60,7 +60,6 @@ def test_sweep_table_summary_and_resume(tmp_path, capsys):
         (args[:epochs] + ["2"] + args[epochs + 1:], "--epochs-per-stage: 1 -> 2"),
         (args + ["--optimizer", "sgd"], "--vision-lr: 1.0 -> 0.01; "
                                         "--vision-optimizer: 'adadelta' -> 'sgd'"),
-        (args + ["--members", "3"], "learner.members: 5 -> 3"),
     ):
         assert main(changed) == 2
         captured = capsys.readouterr()
@@ -69,6 +68,11 @@ def test_sweep_table_summary_and_resume(tmp_path, capsys):
                                 f"run with other settings ({shown}); use another --out\n")
     assert os.stat(jsonl).st_mtime_ns == stamp
     assert (tmp_path / "summary.json").read_text() == summary_text
+    # settings SM does not read (vision/fingerprint.py): the runs found are the runs it would
+    # train, so they are reused (this was refused: "learner.members: 5 -> 3")
+    assert main(args + ["--members", "3", "--gating", "hard"]) == 0
+    assert capsys.readouterr().out == first.stdout
+    assert os.stat(jsonl).st_mtime_ns == stamp
 
 
 @pytest.mark.parametrize("flag, values", [("--seeds", ["1", "1"]), ("--waits", ["1", "auto", "1"]),

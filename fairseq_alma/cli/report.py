@@ -30,6 +30,7 @@ counts them and the figures draw error bars; the JSON keeps every seed's numbers
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import logging
 import os
 import re
@@ -76,6 +77,7 @@ def write_report(args: argparse.Namespace) -> list[str]:
     from ..report.seeds import group_by_seed, replay_pairs
 
     check_dir_path(args.out, "--out")
+    refuse_inputs_among_outputs(args.inputs, args.out)
     runs = read_inputs(args.inputs)
     notes = [note for note in (common_split(runs), common_eval_slice(runs)) if note]
     try:
@@ -153,6 +155,32 @@ REPORT_OUTPUTS = ("table2.md", "table2.csv", "table2.json", "cer_table.md", "cer
                   "fig2_cer_tradeoffs.png", "fig3_error_curves.png", "fig3_error_curves_*.png",
                   "eval_matrix.md", "eval_matrix.csv", "eval_matrix.json", "fig_eval_matrix.png",
                   "fig4_replay.png")
+
+
+def _is_report_output(name: str) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in REPORT_OUTPUTS)
+
+
+def refuse_inputs_among_outputs(inputs: list[str], out: str) -> None:
+    """One line (``UsageError``), before anything is read or written, when an input file sits
+    in ``out`` under a name this command writes or removes there (``REPORT_OUTPUTS``).
+
+    Why: an ``alma-score --json`` saved as ``report/table2.json`` and given with ``--out
+    report`` was replaced by the report's table (and the same command then refused its own
+    output), or deleted as "left by an earlier report": the scored numbers were lost, exit 0.
+    The entry compared is the one the report would touch (its folder resolved) and the file
+    it points to, so a symbolic link either way is caught too."""
+    folder = os.path.realpath(out)
+    for given in inputs:
+        path = Path(given)
+        if not path.is_file():
+            continue
+        entries = {os.path.join(os.path.realpath(path.parent), path.name), os.path.realpath(path)}
+        for entry in entries:
+            if os.path.dirname(entry) == folder and _is_report_output(os.path.basename(entry)):
+                raise UsageError(f"--out {out} would overwrite or remove the input {given} "
+                                 f"({os.path.basename(entry)} is a file alma-report writes there); "
+                                 f"use another --out, or move that file out of it")
 
 
 def _remove_stale_outputs(out: Path, written: list[str]) -> None:

@@ -10,17 +10,20 @@ that did the work.  A step whose outputs the tool found finished and left as the
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
 
-from ..errors import AlmaError, first_line
+from ..errors import AlmaError, Preempted, first_line
 
 # One intra-op thread unless the user says otherwise: the demos' models are tiny, and on a busy
 # machine OpenMP threads spin-waiting for each other slow them down many times over.
@@ -33,7 +36,15 @@ EXCEPTION_LINE = re.compile(r"^\w+(\.\w+)*(Error|Exception|Interrupt)\b")
 # demo chose those flags, so its user's way out is an alma-demo one (``demo_advice``)
 TOOL_ONLY_ADVICE = re.compile(r";\s*(?:move it aside or )?use another --save-dir\b.*$"
                               r"|;\s*[^;]*--(?:restart-stream|clean)\b.*$")
+# "...; wait for that run to end or stop it, or use another --save-dir" (a held run lock): the
+# way out that is the demo's too stays, the tool's flag goes
+SAVE_DIR_ALTERNATIVE = re.compile(r",\s*or use another --save-dir\b")
 ERROR_LINE_LIMIT = 400
+# A stop sent to the demo's process alone (a batch system's SIGTERM, `kill PID`, a closed
+# terminal's SIGHUP) is passed on to the running step as SIGTERM: a training saves where it is
+# and exits, instead of training on without its parent and holding its run directory's lock.
+# Ctrl-C needs nothing: the terminal sends SIGINT to the whole process group.
+FORWARDED_STOPS = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 
 
 def tool(name: str) -> str:
@@ -66,22 +77,53 @@ def shown_command(cmd: list[str]) -> str:
 
 def run_attempt(cmd: list[str], log: Path, header: str, env: dict[str, str]) -> tuple[int, str]:
     """Run ``cmd`` with its output appended to ``log`` under one header line (``header`` and the
-    command), so an earlier attempt's output stays; (exit status, this attempt's output)."""
+    command), so an earlier attempt's output stays; (exit status, this attempt's output).
+    Raises ``Preempted`` once the step has stopped if the demo was told to stop meanwhile
+    (``FORWARDED_STOPS``)."""
     separator = "\n" if log.is_file() and log.stat().st_size else ""
     with open(log, "a", encoding="utf-8") as fh:
         fh.write(f"{separator}===== {datetime.now():%Y-%m-%d %H:%M:%S} {header}\n"
                  f"$ {shown_command(cmd)}\n")
         fh.flush()
         offset = log.stat().st_size
-        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, check=False)
-    return proc.returncode, log.read_bytes()[offset:].decode("utf-8", errors="replace")
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+        with stops_forwarded_to(proc) as received:
+            status = proc.wait()
+    if received:
+        raise Preempted(f"{header} stopped on {received[0]} (passed on to it, exit {status}: a "
+                        f"training saves where it is); run the same command again to continue "
+                        f"(log: {log})")
+    return status, log.read_bytes()[offset:].decode("utf-8", errors="replace")
+
+
+@contextlib.contextmanager
+def stops_forwarded_to(proc: subprocess.Popen) -> Iterator[list[str]]:
+    """While the block runs, ``FORWARDED_STOPS`` reaching this process are sent on to ``proc``
+    as SIGTERM; yields the names of those received.  Handlers are put back afterwards (signals
+    can be taken only in the main thread: elsewhere nothing is forwarded)."""
+    received: list[str] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def forward(signum: int, frame: object) -> None:  # noqa: ARG001
+        received.append(signal.Signals(signum).name)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_STOPS}
+    try:
+        yield received
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def without_tool_advice(line: str) -> tuple[str, bool]:
     """``line`` without a tool's way out that names the tool's own flags (``TOOL_ONLY_ADVICE``:
     the demo chose those flags), and whether it had one."""
     stripped = TOOL_ONLY_ADVICE.sub("", line)
-    return stripped, stripped != line
+    return SAVE_DIR_ALTERNATIVE.sub("", stripped), stripped != line
 
 
 def failure_message(title: str, status: int, output: str, log: Path) -> str:

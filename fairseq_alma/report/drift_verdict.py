@@ -17,7 +17,11 @@ The rule, stated so that a reader can check it against the table:
   lowest ``backward`` is the answer only if no setting that forgets less costs less, and the
   sentence gives the compute ratio instead of pretending the costs are equal;
 * the price is stated too: the winner's ``in_period`` perplexity against the others' (replay
-  spends updates on old data that the new periods do not get).
+  spends updates on old data that the new periods do not get);
+* settings whose ``backward`` perplexities differ by less than ``SAME_PPL`` (one unit of the
+  printed digit) forget alike: the verdict names them together and declares no winner among
+  them, since an order the printed numbers cannot show would follow the input order; per unit
+  of compute the cheapest of them is then the answer.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from ..stream.period_matrix import PeriodMatrix
 from ..text_table import format_table
 
 SAME_COMPUTE = 0.01  # relative spread of training FLOPs under which costs count as equal
+SAME_PPL = 0.01  # backward perplexities closer than this (the printed digit) count as equal
 
 
 @dataclass(frozen=True)
@@ -66,18 +71,32 @@ def drift_verdict(settings: Sequence[DriftSetting]) -> str:
     if len(settings) < 2:
         raise ValueError("a verdict compares at least two settings")
     ranked = sorted(settings, key=lambda s: s.ppl("backward"))
-    best, rest = ranked[0], ranked[1:]
+    leaders = [s for s in ranked if s.ppl("backward") - ranked[0].ppl("backward") < SAME_PPL]
+    rest = [s for s in ranked if s not in leaders]
     flops = [s.train_flops for s in settings]
     equal = (max(flops) - min(flops)) <= SAME_COMPUTE * max(flops)
+    # of those forgetting least: the cheapest, and at equal cost the best on the new periods
+    best = min(leaders, key=lambda s: (0.0 if equal else s.train_flops, s.ppl("in_period")))
     others = ", ".join(f"{s.ppl('backward'):.2f} with {s.name}" for s in rest)
-    lines = [f"{best.name} forgets least: on the periods older than each stage's new data its "
-             f"stages score a perplexity of {best.ppl('backward'):.2f}, against {others}."]
+    if len(leaders) == 1:
+        lines = [f"{best.name} forgets least: on the periods older than each stage's new data its "
+                 f"stages score a perplexity of {best.ppl('backward'):.2f}, against {others}."]
+    else:
+        alike = ", ".join(f"{s.name} {s.ppl('backward'):.2f}" for s in leaders)
+        lines = [f"{_joined([s.name for s in leaders])} forget alike, and least"
+                 f"{'' if rest else ' (every setting)'}: on the periods older than each stage's "
+                 f"new data their stages score perplexities within {SAME_PPL} of each other "
+                 f"({alike})" + (f", against {others}." if rest else ".")]
     if equal:
+        who = f"{best.name} also forgets least" if len(leaders) == 1 else "they also forget alike"
         lines.append(f"All {len(settings)} settings trained with the same compute "
                      f"({best.train_flops / 1e12:.3g} TFLOPs: the same updates per stage; replay "
                      f"changes which data an update sees, not how many), so per unit of compute "
-                     f"{best.name} also forgets least.")
+                     f"{who}.")
     else:
+        if len(leaders) > 1:
+            lines.append(f"Of these, {best.name} spent the least training compute "
+                         f"({best.train_flops / 1e12:.3g} TFLOPs).")
         cheaper = [s for s in rest if s.train_flops < best.train_flops]
         if cheaper:
             c = min(cheaper, key=lambda s: s.ppl("backward"))
@@ -89,7 +108,6 @@ def drift_verdict(settings: Sequence[DriftSetting]) -> str:
             lines.append(f"It also spent no more training compute than the others "
                          f"({best.train_flops / 1e12:.3g} TFLOPs), so per unit of compute it "
                          f"forgets least.")
-    most = ranked[-1]
     ratios = [(s.name, s.matrix.forgetting()["ppl_ratio"]) for s in ranked]
     ratios = [(name, ratio) for name, ratio in ratios if ratio is not None]
     if ratios:
@@ -107,8 +125,15 @@ def drift_verdict(settings: Sequence[DriftSetting]) -> str:
                      f"{best.ppl('in_period'):.2f}, {price:.2f} worse than the best in-period "
                      f"setting; the updates it spends on old data are updates the new data does not get.")
     else:
-        lines.append(f"It pays nothing on the new periods: its in-period perplexity "
+        lines.append(f"{'It' if len(leaders) == 1 else best.name} pays nothing on the new "
+                     f"periods: its in-period perplexity "
                      f"({best.ppl('in_period'):.2f}) is the lowest too.")
-    if most is not best:
+    if rest:
+        most = ranked[-1]
         lines.append(f"{most.name} forgets most ({most.ppl('backward'):.2f} on older periods).")
     return "\n".join(lines)
+
+
+def _joined(names: Sequence[str]) -> str:
+    """'a and b', 'a, b and c'."""
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]

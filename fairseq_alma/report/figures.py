@@ -317,13 +317,16 @@ def _stream_score(group: SeedGroup) -> tuple[str, Stat]:
 def plot_replay(pairs: Sequence[tuple[SeedGroup, SeedGroup]], path: str | os.PathLike) -> None:
     """Fig. 4: for each pair (the run without replay, the same run with replay), an arrow from
     the first to the second in the compute-vs-score plane: replay buys a better score with more
-    compute; parallel arrows mean the methods gain alike (§6.1)."""
+    compute; parallel arrows mean the methods gain alike (§6.1).  An arrow drawn exactly
+    under an earlier one (``--wait auto`` choosing every arrival, as ``--wait 1`` does) says
+    so in the legend (``_Twins``), as in Figs. 2, 3 and 5."""
     if not pairs:
         raise ValueError("no pair of runs that differ only by --replay; Fig. 4 needs one")
     same_shape([g for pair in pairs for g in pair])
     figure, ((axis,),) = _figure(1, 1)
     xs_all = []
     ylabel = ""
+    twins = _Twins()
     for i, (plain, replay) in enumerate(pairs):
         points = []
         for group in (plain, replay):
@@ -334,6 +337,7 @@ def plot_replay(pairs: Sequence[tuple[SeedGroup, SeedGroup]], path: str | os.Pat
         label = f"{plain.first.setting} ({plain.first.num_experts})"
         if plain.seeds != replay.seeds:  # the two ends are other runs than each other's twins
             label += f", {seeds_text(plain)} -> {seeds_text(replay).removeprefix('seeds ')}"
+        label = twins.label(label, [(x0, s0.mean), (x1, s1.mean)])
         line = _errorbar(axis, [x0, x1], [s0, s1], marker=_MARKERS[i % len(_MARKERS)], label=label)
         axis.annotate("", xy=(x1, s1.mean), xytext=(x0, s0.mean),
                       arrowprops={"arrowstyle": "->", "color": line.get_color(), "lw": 1.5})
@@ -346,9 +350,10 @@ def plot_replay(pairs: Sequence[tuple[SeedGroup, SeedGroup]], path: str | os.Pat
 def plot_eval_matrix(groups: Sequence[MatrixGroup], path: str | os.PathLike) -> None:
     """The stage x period matrices (``alma-score --matrix``) as heatmaps, one panel per setting:
     rows = stage checkpoints, columns = periods (mega-batch p - 1's held-out slice), colour =
-    perplexity on a log scale (the summaries' log domain; each panel spans its own range), every
-    cell annotated (mean over seeds, ± std with several), the periods each stage trained on as
-    new outlined."""
+    perplexity on a log scale (the summaries' log domain), every cell annotated (mean over
+    seeds, ± std with several), the periods each stage trained on as new outlined.  Every panel
+    shares one colour scale: the panels are there to be compared side by side, and with a
+    range of its own per panel one colour meant 74.7 in one and 77.3 in the next."""
     import math
 
     from matplotlib.colors import LogNorm
@@ -359,13 +364,14 @@ def plot_eval_matrix(groups: Sequence[MatrixGroup], path: str | os.PathLike) -> 
     columns = min(3, len(groups))
     figure, axes = _figure(math.ceil(len(groups) / columns), columns)
     panels = [axis for row in axes for axis in row]
+    every = [c.mean for g in groups for row in g.cells() for c in row]
+    low, high = min(every), max(every)
     for axis, g in zip(panels, groups):
         cells, shape = g.cells(), g.shape
         means = [[c.mean for c in row] for row in cells]
-        low, high = min(map(min, means)), max(map(max, means))
         image = axis.imshow(means, cmap="viridis_r", aspect="auto",
                             norm=LogNorm(vmin=low, vmax=high if high > low else low * 1.0001))
-        figure.colorbar(image, ax=axis, label="perplexity (log colour scale)")
+        figure.colorbar(image, ax=axis, label="perplexity (log colour scale, shared)")
         if shape.num_periods <= 24:
             for r, row in enumerate(cells):
                 for p, cell in enumerate(row):

@@ -33,15 +33,27 @@ from .result_tables import REPORT_WRITER, series_from_entry
 from .seeds import SEED_KEYS, ReportedRun, canonical, find_key
 
 
+def _started_run(path: str | os.PathLike) -> bool:
+    """Whether ``path`` holds a run: its records, or the ``run.json`` a run writes when it
+    takes its directory, before it records arrival 0."""
+    view = RunView(path)
+    return view.stream_log.is_file() or view.run_file.is_file()
+
+
 def expand_run_dirs(paths: list[str]) -> list[str]:
-    """A directory without stream.jsonl whose sub-directories have one (an ``alma-sweep``
-    --sweep-dir) stands for those run dirs, in name order."""
+    """A directory that holds no run itself but whose sub-directories do (an ``alma-sweep``
+    --sweep-dir) stands for those run dirs, in name order.
+
+    Why a sub-directory with ``run.json`` and no ``stream.jsonl`` is one of them: it is a run
+    that started (killed or preempted before it recorded arrival 0); left out, its setting's
+    row averaged the other seeds and read as the whole setting, exit 0.  ``read_inputs``
+    refuses it in one line, as any unfinished run."""
     out = []
     for path in paths:
         runs = []
-        if os.path.isdir(path) and not RunView(path).stream_log.exists():
+        if os.path.isdir(path) and not _started_run(path):
             runs = sorted(entry.path for entry in os.scandir(path)
-                          if RunView(entry.path).stream_log.is_file())
+                          if entry.is_dir() and _started_run(entry.path))
         out += runs or [path]
     return out
 
@@ -132,12 +144,17 @@ def read_run_dir(path: Path) -> ReportedRun:
 
 
 def logged_scoring(fingerprint: Mapping[str, Any] | None, metric: str) -> dict[str, Any]:
-    """How a run's own records were measured: vision on the test set; an LM on its
-    ``--eval-subset`` in blocks of its ``--tokens-per-sample``, every token, with the model in
-    its training precision, on its training data (the same keys ``evaluated_scoring`` gives
-    an alma-score evaluation, so the two group when they measured alike)."""
+    """How a run's own records were measured: vision on the test set of its data set; an LM on
+    its ``--eval-subset`` in blocks of its ``--tokens-per-sample``, every token, with the model
+    in its training precision, on its training data (the same keys ``evaluated_scoring`` gives
+    an alma-score evaluation, so the two group when they measured alike).
+
+    Why a vision run's ``data`` is its data set's sha256 (its fingerprint's), as a mapping:
+    ``result_tables.same_shape`` refuses rows whose data identities differ, and a vision row
+    had none, so runs on another data set (another test set) shared one CER table."""
     if metric == "error":
-        return {"split": "test"}
+        digest = (fingerprint or {}).get("data")
+        return {"split": "test", "data": {"vision_data_sha256": digest} if digest else None}
     config = (fingerprint or {}).get("config") or {}
     task, common = config.get("task") or {}, config.get("common") or {}
     precision = "bf16" if common.get("bf16") or common.get("memory_efficient_bf16") else \
@@ -147,11 +164,12 @@ def logged_scoring(fingerprint: Mapping[str, Any] | None, metric: str) -> dict[s
 
 
 def evaluated_scoring(scoring: Mapping[str, Any], members: list[dict | None],
-                      source: str = "") -> dict[str, Any]:
+                      source: str = "", metric: str = "ppl") -> dict[str, Any]:
     """How ``alma-score`` obtained a series' numbers (its JSON's ``scoring``), as
-    ``logged_scoring``'s keys: a ``--from-log`` series is its run's own records."""
+    ``logged_scoring``'s keys: a ``--from-log`` series is its run's own records, measured as
+    its ``metric`` is (a vision run's on the test set, not an LM's evaluation blocks)."""
     if str(scoring.get("source", "")).endswith(STREAM_LOG):
-        return logged_scoring(members[0] if members else None, "ppl")
+        return logged_scoring(members[0] if members else None, metric)
     settings = scoring.get("settings") or {}
     part = _eval_slice(scoring)
     data = scoring["data_identity"] if "data_identity" in scoring else \
@@ -195,6 +213,13 @@ def read_score_json(path: Path) -> list[ReportedRun]:
             named = f" ({', '.join(sources[:3])}{', ...' if len(sources) > 3 else ''})" if sources else ""
             raise UsageError(f"{path}: a table alma-report (or alma-demo) wrote, not an alma-score --json file; pass "
                              f"the run directories or alma-score --json files it was made from{named}")
+        if isinstance(entries, list) and not entries:
+            raise UsageError(f"{path}: no series in it; score the runs again with alma-score --json")
+        for entry in entries:
+            if isinstance(entry, dict) and not isinstance(entry.get("scoring"), dict):
+                raise UsageError(f"{path}: series {str(entry.get('setting', '?'))!r} has no \"scoring\" "
+                                 f"(how and on what data it was scored); score the runs again with "
+                                 f"alma-score --json")
         series = [series_from_entry(entry, metric) for entry in entries]
     except (OSError, UnicodeDecodeError) as err:
         raise UsageError(f"{path}: cannot read ({err})") from None
@@ -205,7 +230,7 @@ def read_score_json(path: Path) -> list[ReportedRun]:
                          f"pass run directories or alma-score's --json output") from None
     out = []
     for entry, s in zip(entries, series, strict=True):
-        scoring = entry.get("scoring") or {}
+        scoring = entry["scoring"]  # checked above: without it nothing says what was measured
         members = [Path(run) for run in scoring.get("runs", [])]
         # the fingerprints of the runs as they were scored; a JSON from before they were kept
         # (alma-score before 2026-11-29) lends the run directories' as they are now
@@ -225,7 +250,7 @@ def read_score_json(path: Path) -> list[ReportedRun]:
         seed = tuple(s[0] for s in seeds) if seeds and None not in seeds else None
         out.append(ReportedRun(s, f"{path}:{s.setting}", fingerprint, seed, _eval_slice(scoring),
                                entry.get("eval_matrix"),
-                               scoring=evaluated_scoring(scoring, fingerprints, str(path)),
+                               scoring=evaluated_scoring(scoring, fingerprints, str(path), metric),
                                runs=tuple(os.path.realpath(m) for m in members), mode=mode))
     return out
 
@@ -284,6 +309,10 @@ def read_inputs(paths: list[str]) -> list[ReportedRun]:
             runs += read_score_json(target)
         elif RunView(target).stream_log.is_file():
             runs.append(read_run_dir(target))
+        elif target.is_dir() and _started_run(target):
+            raise UsageError(f"{RunView(target).stream_log}: training not finished: no arrival "
+                             f"recorded yet (run.json is there: the run started); run the same "
+                             f"training command again to finish it, or leave {path} out")
         elif target.exists():
             raise UsageError(f"{path}: neither a run directory (stream.jsonl), a sweep directory "
                              f"of them, nor an alma-score --json file")

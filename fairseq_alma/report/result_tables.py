@@ -50,7 +50,8 @@ def as_groups(rows: Rows) -> list[SeedGroup]:
 def same_shape(rows: Rows) -> tuple[str, int]:
     """(metric, B) shared by every row; rows that cannot share a table are refused: other
     metrics or stream lengths, other FLOPs conventions, or numbers measured on other streams
-    (a perplexity depends on the dictionary and the evaluation split)."""
+    (a perplexity depends on the dictionary and the evaluation split; a vision test error on
+    the data set, whose sha256 is its identity, ``inputs.logged_scoring``)."""
     if not rows:
         raise ValueError("no series to report; pass at least one run")
     runs = [run for group in as_groups(rows) for run in group.runs]
@@ -72,6 +73,10 @@ def same_shape(rows: Rows) -> tuple[str, int]:
                 evaluated_on.setdefault(canonical(data), run.source)
     if len(evaluated_on) > 1:
         first, second = list(evaluated_on.values())[:2]
+        if runs[0].series.metric == "error":
+            raise ValueError(f"{first} and {second} were evaluated on different data (their data "
+                             f"sets' sha256 differ: another data set or test set); their test "
+                             f"errors are not comparable, report them separately")
         raise ValueError(
             f"{first} and {second} were evaluated on different streams (their data identities "
             f"differ: another corpus, split or dictionary); their perplexities are not comparable, "

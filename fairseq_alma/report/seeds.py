@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..stream.learner_settings import without_unread_settings
 from ..stream.progress import AUTO, wait_from_flag
 from ..stream.series import ReportSeries
 
@@ -78,6 +79,14 @@ def waits_auto(fingerprint: Any) -> bool:
     if "wait" in task:
         return wait_from_flag(task["wait"]) == AUTO
     return str((fingerprint.get("settings") or {}).get("--wait")) == AUTO
+
+
+def comparable_fingerprint(fingerprint: Any, keys: frozenset[str]) -> Any:
+    """``fingerprint`` without ``keys`` (the seed; for Fig. 4 also replay) and without the
+    settings a vision method does not read (``vision/fingerprint.without_unread_settings``),
+    so an SM run trained with ``--members 2`` and one with the default 5 are one setting, as
+    their bit-identical numbers are."""
+    return without_keys(without_unread_settings(fingerprint), keys)
 
 
 def canonical(value: Any) -> str:
@@ -158,10 +167,13 @@ class ReportedRun:
 
     @property
     def comparable(self) -> dict[str, Any] | None:
-        """Everything that changes its numbers but the seed (None: unknown, never grouped)."""
+        """Everything that changes its numbers but the seed (None: unknown, never grouped);
+        a vision run's learner settings that its method does not read are no part of it (a
+        ``run.json`` written before they were left out holds them: ``comparable_fingerprint``)."""
         if self.fingerprint is None:
             return None
-        return {"run": without_keys(self.fingerprint, SEED_KEYS), "scoring": self.scoring or {}}
+        return {"run": comparable_fingerprint(self.fingerprint, SEED_KEYS),
+                "scoring": self.scoring or {}}
 
     @property
     def group_key(self) -> str | None:
@@ -376,7 +388,7 @@ def replay_pairs(groups: Sequence[SeedGroup]) -> list[tuple[SeedGroup, SeedGroup
         if replay is None:
             continue
         key = canonical([group.first.num_experts, group.runs[0].scoring or {},
-                         without_keys(fingerprint, SEED_KEYS | REPLAY_KEYS)])
+                         comparable_fingerprint(fingerprint, SEED_KEYS | REPLAY_KEYS)])
         by_key.setdefault(key, {False: [], True: []})[bool(replay)].append(group)
     pairs = []
     for sides in by_key.values():

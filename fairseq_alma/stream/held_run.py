@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import RunDirError, UsageError
+from .learner_settings import without_unread_settings
 from .records import ArrivalRecord
 from .run_dir import RunDirectory, fingerprint_differences, same_run
 from .run_view import RunView
@@ -62,8 +63,8 @@ def _differences(held: dict[str, Any], wanted: dict[str, Any]) -> str:
     if ("settings" in held) != ("settings" in wanted):
         kind = "a vision stream" if "settings" in held else "a language-model stream"
         return f"{kind}'s, not this command's kind of stream"
-    shown = []
-    for line in fingerprint_differences(held, wanted):
+    shown = []  # settings its method does not read are not differences (same_run)
+    for line in fingerprint_differences(without_unread_settings(held), without_unread_settings(wanted)):
         name, _, change = line.partition(": ")
         if name == "data":
             old, _, new = change.partition(" -> ")

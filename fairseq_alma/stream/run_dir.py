@@ -34,6 +34,7 @@ from typing import Any, BinaryIO
 
 from ..errors import RunDirError
 from .atomic import atomic_write_json, atomic_write_stream, atomic_write_text
+from .learner_settings import without_unread_settings
 from .lock import HOLDER_FILE, LOCK_FILE, RunLock
 from .records import ArrivalRecord, read_records, write_records
 from .upgrade import note_run_without_fingerprint
@@ -294,8 +295,13 @@ def _stream_kind(fingerprint: dict[str, Any]) -> str:
 
 
 def same_run(old: dict[str, Any], new: dict[str, Any]) -> bool:
-    """``new`` continues the run ``old`` describes: equal but for ``EXECUTION_SETTINGS``."""
-    return old == new or without_execution_settings(old) == without_execution_settings(new)
+    """``new`` continues the run ``old`` describes: equal but for ``EXECUTION_SETTINGS`` and,
+    for a vision run, the learner settings its method does not read (a ``run.json`` written
+    before they were left out holds them: ``learner_settings.without_unread_settings``)."""
+    def comparable(fingerprint: dict[str, Any]) -> Any:
+        return without_unread_settings(without_execution_settings(fingerprint))
+
+    return old == new or comparable(old) == comparable(new)
 
 
 def fingerprint_differences(old: Any, new: Any, prefix: str = "") -> list[str]:

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from ..errors import AlmaError, Preempted
+from .learner_settings import without_unread_settings
 from .progress import StreamPlan, StreamProgress
 from .records import ArrivalRecord
 from .run_dir import RunDirectory, fingerprint_differences, same_run
@@ -112,9 +113,13 @@ class StreamSession:
         self.run_dir.check_fingerprint(fingerprint, restart)
         old = None if restart else self.run_dir.read_fingerprint()
         if old is not None and old != fingerprint and same_run(old, fingerprint):
-            changed = fingerprint_differences(old, fingerprint)  # only how it computes
-            logger.info("continuing the run in %s with other execution settings (%s): the same "
-                        "computation, to floating-point rounding", self.run_dir.path, "; ".join(changed))
+            # only how it computes (settings its method never reads are no change at all)
+            changed = fingerprint_differences(without_unread_settings(old),
+                                              without_unread_settings(fingerprint))
+            if changed:
+                logger.info("continuing the run in %s with other execution settings (%s): the "
+                            "same computation, to floating-point rounding", self.run_dir.path,
+                            "; ".join(changed))
             fingerprint = old  # the run keeps its fingerprint, and its checkpoints their run hash
         elif old is not None and old != fingerprint:  # check_fingerprint let another run in
             logger.info("%s: its run.json is a run's that never trained (a command refused before "

@@ -22,7 +22,7 @@ always uses the statistics the model was trained with.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import UsageError
+from ..stream.learner_settings import without_unread_settings
 from .devices import placement, upcast
 from .mac_count import count_forward_macs, count_parameters, inference_flops
 from .models import build_backbone
@@ -174,7 +175,8 @@ class Learner(nn.Module):
     def load_checkpoint_state(self, checkpoint: dict[str, Any]) -> None:
         """Inverse of ``checkpoint_state`` on a freshly built learner of the same spec: grown
         tensors (FF widths, gMoE experts, gEns members) are resized to the saved shapes first."""
-        if checkpoint["spec"] != self.spec:
+        # settings the method does not read (--members for SM, ...) may differ: the same learner
+        if _read_settings(checkpoint["spec"]) != _read_settings(self.spec):
             raise UsageError(
                 f"checkpoint was written by {checkpoint['spec']}, not {self.spec}; "
                 "use the same flags"
@@ -266,3 +268,8 @@ class SingleModelLearner(Learner):
 
     def predict_log_probs(self, x: Tensor) -> Tensor:
         return F.log_softmax(upcast(self.model(self.input_norm(x))[0]), dim=-1)
+
+
+def _read_settings(spec: LearnerSpec) -> dict[str, Any]:
+    """``spec``'s settings that its method reads (``fingerprint.without_unread_settings``)."""
+    return without_unread_settings({"settings": {"learner": asdict(spec)}})["settings"]["learner"]
