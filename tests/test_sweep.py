@@ -188,12 +188,14 @@ def test_cli_errors_in_process(tmp_path, monkeypatch, capsys, args, expected):
 
 
 def fake_sbatch(tmp_path: Path, monkeypatch) -> None:
-    """A fake sbatch on PATH that prints job id 77 and appends its arguments to tmp_path/calls;
-    the test then runs in tmp_path."""
+    """A fake sbatch on PATH that prints job id 77 and appends its arguments to tmp_path/calls,
+    and a squeue whose queue is empty; the test then runs in tmp_path."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "sbatch").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/calls\necho 77\n')
-    (bin_dir / "sbatch").chmod(0o755)
+    (bin_dir / "squeue").write_text("#!/bin/sh\n")
+    for tool in ("sbatch", "squeue"):
+        (bin_dir / tool).chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
     monkeypatch.delenv("SLURM_CONF", raising=False)
     monkeypatch.chdir(tmp_path)
@@ -514,3 +516,186 @@ def test_cancel_says_what_it_cancelled(tmp_path, monkeypatch, capsys, in_queue, 
     assert capsys.readouterr().out.strip() == printed.format(sw=sweep_dir)
     scancelled = tmp_path / "scancelled"
     assert (scancelled.read_text().strip() if scancelled.exists() else None) == cancelled
+
+
+def _fail(bin_dir: Path, tool: str, message: str) -> None:
+    """Make the fake ``tool`` fail as Slurm's clients do: one line on stderr, exit 1."""
+    (bin_dir / tool).write_text(f'#!/bin/sh\necho "{message}" >&2\nexit 1\n')
+
+
+def test_a_failed_sbatch_leaves_the_sweep_directory_as_it_was(stream_submit, tmp_path, capsys):
+    """jobs.json and sweep.sbatch were left behind: the corrected command was then refused as
+    'a different sweep', and status counted runs never submitted."""
+    _fail(tmp_path / "bin", "sbatch", "sbatch: error: invalid partition specified: nosuch")
+    assert stream_submit("--grid", "wait=1") == 2
+    assert "invalid partition specified: nosuch" in capsys.readouterr().err
+    assert not (tmp_path / "sw").exists()
+    (tmp_path / "bin" / "sbatch").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/calls\necho 77\n')
+    assert stream_submit("--grid", "wait=2") == 0, capsys.readouterr().err  # the fixed command
+    table = json.loads((tmp_path / "sw" / "jobs.json").read_text())
+    assert [job["name"] for job in table["jobs"]] == ["wait2.seed1"]
+    # a failed resubmit puts back the records of the sweep already there, byte for byte
+    before = {p.name: p.read_bytes() for p in (tmp_path / "sw").iterdir() if p.is_file()}
+    _fail(tmp_path / "bin", "sbatch", "sbatch: error: Batch job submission failed")
+    (tmp_path / "sw" / "sweep.sbatch").write_text("edited\n")
+    before["sweep.sbatch"] = b"edited\n"
+    assert stream_submit("--grid", "wait=2") == 2
+    assert {p.name: p.read_bytes() for p in (tmp_path / "sw").iterdir() if p.is_file()} == before
+
+
+def test_a_resubmit_when_squeue_does_not_answer_is_refused(stream_submit, tmp_path, capsys):
+    """Read as an empty queue, a silent squeue queued every run of the sweep a second time."""
+    assert stream_submit() == 0
+    _fail(tmp_path / "bin", "squeue", "slurm_load_jobs error: Socket timed out")
+    assert stream_submit() == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("alma-sweep: error: squeue did not answer ("), err
+    assert "Socket timed out), so whether runs of " in err[-1]
+    assert err[-1].endswith("retry alma-sweep submit when squeue answers"), err
+    assert (tmp_path / "calls").read_text().count("sweep.sbatch") == 1  # not submitted again
+
+
+def test_a_profile_warning_at_or_after_its_time_limit_is_refused(stream_submit, tmp_path, capsys):
+    profile = tmp_path / "short.yaml"
+    profile.write_text('time: "00:01:00"\nntasks_per_node: 1\nsignal_seconds: 60\n'
+                       'save_grace_seconds: 30\n')
+    assert stream_submit("--profile", str(profile), "--dry-run") == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == (
+        f"alma-sweep: error: {profile}: signal_seconds (60) must be smaller than the time limit "
+        "(time '00:01:00' = 60 s): Slurm would warn each job as it starts and it would requeue "
+        "over and over; lower signal_seconds or raise time"), err
+    assert not (tmp_path / "sw").exists()
+
+
+def test_seeds_help_has_no_stray_colon(capsys):
+    with pytest.raises(SystemExit):
+        main(["submit", "--help"])
+    assert "seeds instead of the config's seeds:" not in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory) -> Path:
+    """One run of tiny_stream.yaml (seed 1), trained by fairseq-train as its array task would
+    train it (the job's argv and the launcher's flags): the run.json every fingerprint check
+    below compares with is the real trainer's."""
+    import os
+
+    from test_distributed_stream import build_tiny_stream
+
+    from fairseq_alma.cli.sweep import _register_with_fairseq
+    from fairseq_alma.sweeps import train_submit
+    from fairseq_alma.sweeps.point_values import launcher_flags
+
+    root = tmp_path_factory.mktemp("trained")
+    data = build_tiny_stream(root)
+    config = root / "tiny.yaml"
+    config.write_text(f"include: {STREAM_EXAMPLE}\ndata: {data}\n")
+    request = train_submit.SubmitRequest(config=str(config), sweep_dir=root / "sw", seeds="1")
+    run_config = train_submit.load_sweep_config(request)
+    profile = train_submit.sweep_profile(request, run_config)
+    _register_with_fairseq()
+    [job] = train_submit.plan_submission(request, run_config, profile).jobs
+    done = subprocess.run([str(Path(sys.executable).parent / "fairseq-train"), *job.argv,
+                           *launcher_flags(profile)], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    _jsonl(job.run_dir / "slurm_events.jsonl", [{"event": "completed", "job_id": 5,
+                                                "array_job_id": 5, "array_task_id": 0}])
+    return root
+
+
+def _copied_run(trained_run: Path, tmp_path: Path, args: str = "") -> Path:
+    """The trained run copied into tmp_path/sw (a run directory from another sweep), and a
+    config of the same data with ``args``."""
+    import shutil
+
+    shutil.copytree(trained_run / "sw" / "seed1", tmp_path / "sw" / "seed1")
+    config = tmp_path / "c.yaml"
+    config.write_text((trained_run / "tiny.yaml").read_text() + (f"args:\n  {args}\n" if args else ""))
+    return config
+
+
+def test_a_finished_run_of_the_same_config_is_done(trained_run, tmp_path, monkeypatch, capsys):
+    """The fingerprint submit expects is the one the trainer wrote: a finished run is done."""
+    fake_sbatch(tmp_path, monkeypatch)
+    config = _copied_run(trained_run, tmp_path)
+    assert main(["submit", str(config), "--sweep-dir", "sw"]) == 0, capsys.readouterr().err
+    assert "all 1 run(s) in " in capsys.readouterr().out
+    assert not (tmp_path / "calls").exists()
+
+
+def test_a_run_of_another_config_is_refused_not_called_done(trained_run, tmp_path, monkeypatch,
+                                                             capsys):
+    """Its slurm_events.jsonl said completed: the lr 0.003 run was 'done' for a config of lr
+    0.001, nothing trained, and alma-report published its numbers under the new config."""
+    fake_sbatch(tmp_path, monkeypatch)
+    config = _copied_run(trained_run, tmp_path, "lr: 0.001")
+    before = sorted(str(p) for p in (tmp_path / "sw").rglob("*"))
+    assert main(["submit", str(config), "--sweep-dir", "sw"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    run = tmp_path / "sw" / "seed1"
+    assert err[-1].startswith(f"alma-sweep: error: {run} holds a run with other settings ("), err
+    assert "lr: [0.003] -> [0.001]" in err[-1]
+    assert err[-1].endswith(f"use a new --sweep-dir, or move that run directory out of "
+                            f"{tmp_path / 'sw'} to train this config's run there"), err
+    assert sorted(str(p) for p in (tmp_path / "sw").rglob("*")) == before
+    assert not (tmp_path / "calls").exists()
+
+
+def test_done_needs_the_runs_own_records_to_say_finished(trained_run, tmp_path, monkeypatch,
+                                                        capsys):
+    """A completed Slurm event over an unfinished stream.jsonl (arrival 2 missing) is not done:
+    the run is submitted again and continues from its checkpoint."""
+    fake_sbatch(tmp_path, monkeypatch)
+    config = _copied_run(trained_run, tmp_path)
+    stream = tmp_path / "sw" / "seed1" / "stream.jsonl"
+    stream.write_text("".join(stream.read_text().splitlines(keepends=True)[:2]))
+    assert main(["submit", str(config), "--sweep-dir", "sw"]) == 0, capsys.readouterr().err
+    assert "submitted job 77 (array 0%1, link 1/1)" in capsys.readouterr().out
+
+
+def test_status_shows_a_failed_rescore_as_failed_and_json_has_the_scoring_tasks(
+        tmp_path, monkeypatch, capsys):
+    """A rescore that failed left the earlier outputs: status said `stale`, never `failed`;
+    and --json printed the runs only, though the table shows the scoring tasks too."""
+    from fairseq_alma.sweeps.score_plan import input_signature
+
+    fake_sbatch(tmp_path, monkeypatch)  # squeue answers: nothing queued
+    sweep_dir = tmp_path / "sw"
+    _sweep_records(sweep_dir, ["seed1", "seed2", "seed3"])
+    tasks = []
+    for index, (name, planned, scored) in enumerate([
+            ("seed1", "now", "old"),     # rescored (inputs changed), the task failed
+            ("seed2", "now", "now"),     # scored from the current inputs
+            ("seed3", "then", "then")]):  # scored, then its inputs changed: stale, not failed
+        run_dir, out_dir = sweep_dir / name, sweep_dir / "scores" / name
+        current = input_signature([str(run_dir)], "single", [])
+        signatures = {"now": current, "old": "0" * 16, "then": "1" * 16}
+        out_dir.mkdir(parents=True)
+        for output in ("score.json", "score.csv", "score.txt"):
+            (out_dir / output).write_text("{}")
+        atomic_write_json(out_dir / "scored.json", {"signature": signatures[scored]})
+        tasks.append({"index": index, "name": name, "mode": "single", "runs": [name],
+                      "run_dirs": [str(run_dir)], "out_dir": str(out_dir),
+                      "signature": signatures[planned],
+                      "argv": [str(run_dir), "--mode", "single"]})
+    atomic_write_json(sweep_dir / "score_jobs.json", {"tasks": tasks, "submissions": [
+        {"job_id": "60", "tasks": [0, 1]}]})
+    assert main(["status", str(sweep_dir)]) == 0
+    text = capsys.readouterr().out
+    assert "3 task(s): failed 1, scored 1, stale 1\n" in text, text
+    assert "0    seed1   single  failed          60_0\n" in text, text
+    assert "2    seed3   single  stale              -\n" in text, text
+    assert (f"failed tasks: see {sweep_dir}/scores/TASK/score.log; alma-sweep score submits them "
+            "again\n(the outputs of seed1 are an earlier scoring's, of inputs changed since: "
+            "stale until a rescore succeeds)\n") in text, text
+    assert main(["status", str(sweep_dir), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(row["kind"], row["name"]) for row in rows] == [
+        ("training", "seed1"), ("training", "seed2"), ("training", "seed3"),
+        ("scoring", "seed1"), ("scoring", "seed2"), ("scoring", "seed3")]
+    assert rows[3] == {"kind": "scoring", "index": 0, "name": "seed1", "mode": "single",
+                       "state": "failed", "slurm_job": "60_0",
+                       "score_log": f"{sweep_dir}/scores/seed1/score.log", "stale_outputs": True}
+    assert [row["state"] for row in rows[4:]] == ["scored", "stale"]

@@ -16,6 +16,7 @@ import io
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -169,6 +170,15 @@ def test_second_call_submits_nothing_and_status_shows_scoring(
     assert len(json.loads((sweep / "score_jobs.json").read_text())["submissions"]) == 1
     status = cli(slurm, workdir, "alma-sweep", "status", "sw")
     assert f"scoring ({sweep}/score_jobs.json): 3 task(s): scored 3\n" in status, status
+    # the tables' scoring tasks are in --json too, after the runs
+    rows = json.loads(cli(slurm, workdir, "alma-sweep", "status", "sw", "--json"))
+    assert [(row["kind"], row["state"]) for row in rows] == [("training", "done")] * 2 + [
+        ("scoring", "scored")] * 3, rows
+    # the fingerprint submit expects of each run is the one its task wrote (through
+    # launch_task.sh): the trained sweep is done
+    out = cli(slurm, workdir, "alma-sweep", "submit", str(TINY_STREAM), "--sweep-dir", "sw",
+              "--seeds", "1,2")
+    assert f"all 2 run(s) in {sweep} are done; nothing to submit" in out, out
     # other options are another scoring: every task is due again
     other = cli(slurm, workdir, "alma-sweep", "score", "sw", "--dry-run", "--max-eval-tokens",
                 "300")
@@ -335,3 +345,52 @@ def test_a_growing_ensemble_run_is_also_scored_as_gens(
     assert payload["series"][0]["setting"].startswith("gEns")
     assert_same_json(json.loads((out_dir / "score.json").read_text()), payload)
     assert (out_dir / "score.csv").read_text() == csv
+
+
+def test_scoring_defaults_to_the_very_profile_the_sweep_trained_with(tmp_path, monkeypatch,
+                                                                      capsys):
+    """jobs.json kept the profile's name only: a user's myprof/local-cpu.yaml (15 minutes)
+    became the shipped local-cpu for scoring, and a profile file named otherwise was refused."""
+    from test_sweep import fake_sbatch, write_stream_skeleton
+
+    from fairseq_alma.sweeps.score_submit import ScoreArrayRequest, prepare_scoring
+
+    fake_sbatch(tmp_path, monkeypatch)
+    write_stream_skeleton(tmp_path / "data-bin" / "tiny-stream")
+    shipped = (REPO / "slurm" / "profiles" / "local-cpu.yaml").read_text()
+    assert 'time: "00:15:00"' not in shipped
+    for name in ("myprof/local-cpu.yaml", "cpu2.yaml"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(re.sub(r"(?m)^time: .*$", 'time: "00:15:00"', shipped))
+        sweep_dir = tmp_path / Path(name).stem
+        assert sweep_main(["submit", str(TINY_STREAM), "--sweep-dir", str(sweep_dir),
+                           "--profile", name]) == 0, capsys.readouterr().err
+        setup = prepare_scoring(ScoreArrayRequest(sweep_dir))
+        assert (setup.profile.name, setup.profile.time) == (Path(name).stem, "00:15:00")
+        assert "--time=00:15:00" in setup.profile.sbatch_options()
+    # a jobs.json written before the profile was kept: the name, found in slurm/profiles/
+    table = json.loads((tmp_path / "local-cpu" / "jobs.json").read_text())
+    del table["profile_settings"], table["profile_source"]
+    atomic_write_json(tmp_path / "local-cpu" / "jobs.json", table)
+    setup = prepare_scoring(ScoreArrayRequest(tmp_path / "local-cpu"))
+    assert setup.profile.time != "00:15:00"
+
+
+def test_scoring_again_when_squeue_does_not_answer_is_refused(tmp_path, monkeypatch, capsys):
+    """Read as an empty queue, a silent squeue scored the queued tasks a second time."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "squeue").write_text('#!/bin/sh\necho "slurm_load_jobs error: Socket timed out" '
+                                    '>&2\nexit 1\n')
+    (bin_dir / "squeue").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    job = {"index": 0, "name": "seed1", "overrides": {}, "seed": 1,
+           "run_dir": str(tmp_path / "seed1"), "argv": [str(tmp_path / "data")]}
+    atomic_write_json(tmp_path / "jobs.json", {"profile": "local-cpu", "jobs": [job]})
+    atomic_write_json(tmp_path / "score_jobs.json", {"tasks": [], "submissions": [
+        {"job_id": "60", "tasks": [0]}]})
+    line, _ = _error(capsys, "score", str(tmp_path))
+    assert line.startswith("alma-sweep: error: squeue did not answer (") and \
+        "Socket timed out), so whether scoring job 60 of " in line, line
+    assert line.endswith("retry alma-sweep score when squeue answers"), line

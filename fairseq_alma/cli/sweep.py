@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ..console import run_console
 from ..sweeps import score_submit, sweep_status, sweep_text, train_submit
+from ..sweeps.held_runs import holds_trained_run
 from ..sweeps.run_config import check_config_flags
 from .sweep_parser import build_parser, score_array_request, submit_request
 
@@ -56,6 +57,11 @@ def submit(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(sweep_text.submission_dry_run(plan), end="")
         return 0
+    trained = sum(holds_trained_run(job.run_dir) for job in plan.jobs)
+    if trained:
+        print(f"alma-sweep: checking the {trained} run director(ies) that hold a trained run "
+              "against the run each job would train (run.json's fingerprint, as fairseq-train "
+              "checks its --save-dir: about a second each)", file=sys.stderr, flush=True)
     todo = train_submit.runs_to_submit(plan)
     if not todo:
         print(f"all {len(plan.jobs)} run(s) in {plan.sweep_dir} are done; nothing to submit")
@@ -68,12 +74,14 @@ def submit(args: argparse.Namespace) -> int:
 def status(args: argparse.Namespace) -> int:
     sweep_dir = Path(args.sweep_dir).resolve()
     training = sweep_status.training_status(sweep_dir)
-    if args.json:
-        print(json.dumps([run.to_json() for run in training.runs], indent=1))
-        return 0
-    print(sweep_text.training_status_table(training), end="")
+    if not args.json:
+        print(sweep_text.training_status_table(training), end="", flush=True)
     scoring = sweep_status.scoring_status(sweep_dir)
-    if scoring is not None:
+    if args.json:  # the same rows as the tables: every run, then every scoring task
+        rows = [{"kind": "training", **run.to_json()} for run in training.runs]
+        rows += [task.to_json() for task in scoring or []]
+        print(json.dumps(rows, indent=1))
+    elif scoring is not None:
         print(sweep_text.scoring_status_table(sweep_dir, scoring), end="")
     return 0
 

@@ -97,7 +97,7 @@ def build_parser(with_score_flags: bool = False) -> argparse.ArgumentParser:
                      help="directory for jobs.json, sweep.sbatch, logs/ and one dir per run")
     sub.add_argument("--grid", action="append", metavar="FLAG=V1,V2",
                      help="add or replace a grid dimension (repeatable)")
-    sub.add_argument("--seeds", metavar="1,2,3", help="seeds instead of the config's seeds:")
+    sub.add_argument("--seeds", metavar="1,2,3", help="seeds instead of the config's seeds")
     sub.add_argument("--profile", help="resource profile: a name in slurm/profiles/ or a YAML "
                      "path; overrides the config's resources:")
     sub.add_argument("--max-parallel", type=int, metavar="M",
@@ -115,7 +115,8 @@ def build_parser(with_score_flags: bool = False) -> argparse.ArgumentParser:
     _add_score_parser(commands, with_score_flags)
     sub = commands.add_parser("status", help="done/running/pending/failed per run, and scoring")
     sub.add_argument("sweep_dir", type=_sweep_dir, help="a directory made by alma-sweep submit")
-    sub.add_argument("--json", action="store_true", help="print one JSON object per run")
+    sub.add_argument("--json", action="store_true", help="print the same as JSON: one object "
+                     "per run (kind: training), then one per scoring task (kind: scoring)")
     sub = commands.add_parser("cancel", help="scancel every job of a sweep (scoring too)")
     sub.add_argument("sweep_dir", type=_sweep_dir, help="a directory made by alma-sweep submit")
     return parser

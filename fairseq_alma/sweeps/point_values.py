@@ -42,7 +42,7 @@ from .resource_profile import ResourceProfile
 
 
 @contextmanager
-def _quiet_logger(name: str) -> Iterator[None]:
+def quiet_logger(name: str) -> Iterator[None]:
     """Only warnings from logger ``name`` meanwhile: hydra's compose would print its lines for
     every grid point wherever the root logger is at DEBUG (a program that imported fairseq
     first: ``fairseq/models/wav2vec/wav2vec2_classification.py`` sets DEBUG then)."""
@@ -124,24 +124,34 @@ def check_vision_values(cfg: Any) -> None:
     check_amp(run.training.amp, torch.device(run.device))
 
 
-def check_run_values(argv: list[str], profile: ResourceProfile) -> int | None:
-    """Raise the ``AlmaError`` a task of ``profile`` running fairseq-train ``argv`` would end
-    with before training (module doc).  ``argv`` must already pass the flag check
-    (``fairseq_train_flags.argv_flag_problem``).  Returns the stages the run trains when its
-    stream is at hand (an ``alma_stream`` task whose data exists), else None."""
-    from fairseq import tasks
+def training_config(argv: list[str], profile: ResourceProfile) -> Any:
+    """fairseq's config of a task of ``profile`` running fairseq-train ``argv`` (with the flags
+    the launcher appends), built as fairseq-train builds it; the namespace checks that come
+    first are run."""
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
     from ..fairseq_glue.patches import undo_bf16_tpu
-    from ..fairseq_glue.train_flags import check_training_flags, check_training_namespace
+    from ..fairseq_glue.train_flags import check_training_namespace
     from .fairseq_train_flags import parse_training_argv
 
     argv = argv + launcher_flags(profile)
     _, args, _ = parse_training_argv(argv)
     undo_bf16_tpu(args, argv)
     check_training_namespace(args)
-    with _quiet_logger("hydra"):
-        cfg = convert_namespace_to_omegaconf(args)
+    with quiet_logger("hydra"):
+        return convert_namespace_to_omegaconf(args)
+
+
+def check_run_values(argv: list[str], profile: ResourceProfile) -> int | None:
+    """Raise the ``AlmaError`` a task of ``profile`` running fairseq-train ``argv`` would end
+    with before training (module doc).  ``argv`` must already pass the flag check
+    (``fairseq_train_flags.argv_flag_problem``).  Returns the stages the run trains when its
+    stream is at hand (an ``alma_stream`` task whose data exists), else None."""
+    from fairseq import tasks
+
+    from ..fairseq_glue.train_flags import check_training_flags
+
+    cfg = training_config(argv, profile)
     check_training_flags(cfg, machine_checks=False)
     if str(given(cfg, "model", "_name") or "") == "alma_vision":
         check_vision_values(cfg)

@@ -9,7 +9,7 @@ limit Slurm warns the job (SIGUSR1) so the trainer can save and the job can requ
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,8 @@ class ResourceProfile:
     save_grace_seconds: int = 90  # how long the job waits for the trainer to save
     extra_sbatch: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    # where it was read (a file's resolved path, or ``CONFIG: resources``): not a setting
+    source: str = field(default="", compare=False)
 
     @property
     def device(self) -> str:
@@ -83,6 +85,48 @@ class ResourceProfile:
         options.append(f"--signal=B:USR1@{self.signal_seconds}")
         return options + list(self.extra_sbatch)
 
+    def settings(self) -> dict[str, Any]:
+        """The profile as the keys of its YAML file: what ``jobs.json`` keeps, so
+        ``alma-sweep score`` reloads the very profile a sweep trained with (``parse_profile``),
+        not whatever file of that name is found later."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)
+                  if f.name not in _NOT_SETTINGS}
+        return {**values, "extra_sbatch": list(self.extra_sbatch), "env": dict(self.env)}
+
+    def time_limit_seconds(self) -> int:
+        """``time`` in seconds (Slurm's forms: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS)."""
+        return slurm_time_seconds(self.time)
+
+
+# ResourceProfile fields that are not keys of a profile file
+_NOT_SETTINGS = ("name", "source")
+
+
+def slurm_time_seconds(text: str) -> int:
+    """Seconds of a Slurm time limit in a form ``_TIME`` accepts (sbatch(1), --time)."""
+    days, _, rest = text.rpartition("-")
+    parts = [int(part) for part in rest.split(":")]
+    if days:  # D-HH, D-HH:MM, D-HH:MM:SS
+        hours, minutes, seconds = (parts + [0, 0])[:3]
+    elif len(parts) == 3:  # HH:MM:SS
+        hours, minutes, seconds = parts
+    else:  # MM, MM:SS
+        hours, minutes, seconds = 0, parts[0], (parts[1] if len(parts) == 2 else 0)
+    return ((int(days or 0) * 24 + hours) * 60 + minutes) * 60 + seconds
+
+
+def check_warning_before_limit(profile: ResourceProfile) -> None:
+    """Refuse a profile whose early warning (``signal_seconds``) is not before its time limit:
+    Slurm would send SIGUSR1 as soon as each job starts, so every attempt saves and requeues
+    again (a loop that makes no progress on a long run)."""
+    limit = profile.time_limit_seconds()
+    if 0 < limit <= profile.signal_seconds:  # time 0 is Slurm's "no limit"
+        raise UsageError(
+            f"{profile.source or profile.name}: signal_seconds ({profile.signal_seconds}) must be "
+            f"smaller than the time limit (time '{profile.time}' = {limit} s): Slurm would warn "
+            f"each job as it starts and it would requeue over and over; lower signal_seconds "
+            f"or raise time")
+
 
 def _positive_int(where: str, key: str, value: Any, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -92,7 +136,7 @@ def _positive_int(where: str, key: str, value: Any, minimum: int = 1) -> int:
 
 def parse_profile(data: dict[str, Any], name: str, where: str) -> ResourceProfile:
     """Validate a profile mapping (from a file or a config's inline ``resources:``)."""
-    allowed = {f.name for f in fields(ResourceProfile)} - {"name"}
+    allowed = {f.name for f in fields(ResourceProfile)} - set(_NOT_SETTINGS)
     for key in data:
         if key not in allowed:
             raise UsageError(
@@ -127,7 +171,7 @@ def parse_profile(data: dict[str, Any], name: str, where: str) -> ResourceProfil
     if not isinstance(env, dict) or not all(_ENV_NAME.match(str(k)) for k in env):
         raise UsageError(f"{where}: env must map variable names to values")
     values["env"] = {str(k): str(v) for k, v in env.items()}
-    profile = ResourceProfile(name=name, **values)
+    profile = ResourceProfile(name=name, source=where, **values)
     if profile.save_grace_seconds >= profile.signal_seconds:
         raise UsageError(
             f"{where}: save_grace_seconds ({profile.save_grace_seconds}) must be smaller than "
@@ -165,7 +209,7 @@ def load_profile(name_or_path: str | Path) -> ResourceProfile:
         )
     data = read_yaml_mapping(path, "resource profile")
     check_required_keys(data, str(path))
-    return parse_profile(data, path.stem, str(path))
+    return replace(parse_profile(data, path.stem, str(path)), source=str(path.resolve()))
 
 
 def resolve_profile(

@@ -20,7 +20,7 @@ from typing import Any
 
 from ..errors import ClusterError, UsageError
 from ..stream.atomic import atomic_write_json, atomic_write_text
-from .resource_profile import ResourceProfile, load_profile
+from .resource_profile import ResourceProfile, load_profile, parse_profile
 from .score_plan import (
     PLAN_FILE,
     SCORES_DIR,
@@ -32,9 +32,10 @@ from .score_plan import (
     task_state,
 )
 from .score_script import render_score_script
-from .slurm_commands import query_queue, run_slurm
+from .slurm_commands import query_queue, require_queue, run_slurm
 from .train_records import load_jobs, load_submissions, run_status
 from .train_script import array_spec, check_max_parallel, check_sbatch_path
+from .undo_writes import UndoWrites
 
 # alma-score flags that `alma-sweep score` sets itself, and why (a user's is refused with this).
 SCORE_OWN_FLAGS = {
@@ -102,10 +103,18 @@ class ScoreArray:
 
 
 def _score_profile(name: str | None, table: dict, sweep_dir: Path) -> ResourceProfile:
-    """``--profile``, else the profile the sweep was trained with (by name)."""
+    """``--profile``, else the profile the sweep was trained with: the settings its jobs.json
+    keeps (``train_submit.submit_links``), so a user's own ``myprofiles/gpu-1.yaml`` is not
+    taken for the shipped ``gpu-1``; a jobs.json written before it kept them names the profile
+    only, looked up in slurm/profiles/ as then."""
     if name is not None:
         return load_profile(name)
     trained = table.get("profile")
+    settings = table.get("profile_settings")
+    if isinstance(settings, dict):
+        where = f"{sweep_dir / 'jobs.json'}: profile_settings"
+        return replace(parse_profile(settings, str(trained or "inline"), where),
+                       source=str(table.get("profile_source") or where))
     try:
         if not trained or trained == "inline":
             raise UsageError("")
@@ -167,7 +176,11 @@ def plan_score_array(setup: ScoringSetup) -> ScorePlan:
     old = load_plan(sweep_dir) or {}
     submissions = old.get("submissions") or []
     if submissions:
-        queued = query_queue({str(submissions[-1]["job_id"])})
+        queued = require_queue(
+            {str(submissions[-1]["job_id"])},
+            f"whether scoring job {submissions[-1]['job_id']} of {sweep_dir} is still queued is "
+            "unknown (scoring again now could score its tasks twice)",
+            "retry alma-sweep score when squeue answers")
         if queued:
             raise UsageError(f"{sweep_dir}: {len(queued)} scoring task(s) of job "
                              f"{submissions[-1]['job_id']} still queued or running; wait "
@@ -213,21 +226,14 @@ def submit_score_array(plan: ScorePlan, array: ScoreArray) -> tuple[str, str]:
     setup = plan.setup
     sweep_dir, script_path = setup.sweep_dir, array.script_path
     logs = sweep_dir / "logs"
-    new_logs = not logs.exists()
+    undo = UndoWrites([script_path], [logs])
     logs.mkdir(exist_ok=True)  # Slurm writes each task's output there
-    previous = script_path.read_text() if script_path.exists() else None
     atomic_write_text(script_path, array.script)
     script_path.chmod(0o755)
     try:
         job_id = run_slurm(array.command).strip().split(";")[0]
     except ClusterError:  # leave the sweep directory as it was
-        if previous is None:
-            script_path.unlink()
-        else:
-            atomic_write_text(script_path, previous)
-            script_path.chmod(0o755)
-        if new_logs:
-            logs.rmdir()
+        undo.undo()
         raise
     spec = array_spec(plan.todo, array.max_parallel)
     submissions = [*plan.submissions, {"job_id": job_id, "array": spec, "tasks": plan.todo,

@@ -36,11 +36,23 @@ def run_slurm(command: list[str], timeout: float = 120) -> str:
 
 
 def query_queue(array_job_ids: set[str]) -> dict[int, tuple[str, str]] | None:
-    """Array task index -> (state, job id) for this sweep's jobs in squeue; None if unreachable."""
+    """Array task index -> (state, job id) for this sweep's jobs in squeue; None if unreachable
+    (``status`` then shows what the run directories say)."""
     try:
-        out = run_slurm(["squeue", "-h", "-r", "-u", getpass.getuser(), "-o", "%F|%K|%T|%i"], 30)
+        return require_queue(array_job_ids, "", "")
     except ClusterError:
         return None
+
+
+def require_queue(array_job_ids: set[str], unknown: str, retry: str) -> dict[int, tuple[str, str]]:
+    """``query_queue`` for a command that would submit again what is still queued: when squeue
+    does not answer, a ``ClusterError`` in one line ("squeue did not answer (why), so
+    ``unknown``; ``retry``") rather than an empty queue, which would queue every run twice."""
+    try:
+        out = run_slurm(["squeue", "-h", "-r", "-u", getpass.getuser(), "-o", "%F|%K|%T|%i"],
+                        30)
+    except ClusterError as err:
+        raise ClusterError(f"squeue did not answer ({err}), so {unknown}; {retry}") from None
     queue: dict[int, tuple[str, str]] = {}
     for line in out.splitlines():
         parts = line.strip().split("|")

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
-from .score_plan import load_plan, task_state
+from .score_plan import load_plan, scored_signature, task_state
 from .slurm_commands import query_queue, queued_jobs, run_slurm
 from .train_records import RunStatus, load_jobs, load_submissions, run_status
 
@@ -28,13 +28,20 @@ class TrainingStatus:
 
 @dataclass(frozen=True)
 class ScoreTaskStatus:
-    """One task of the latest scoring plan: its state and Slurm job ("-" when not submitted)."""
+    """One task of the latest scoring plan: its state and Slurm job ("-" when not submitted);
+    a failed task's ``score_log`` says why, and ``stale_outputs`` that its outputs are an
+    earlier scoring's (its rescore failed)."""
 
     index: int
     name: str
     mode: str
     state: str
     slurm_job: str
+    score_log: str | None = None
+    stale_outputs: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "scoring", **self.__dict__}
 
 
 def training_status(sweep_dir: Path) -> TrainingStatus:
@@ -67,9 +74,16 @@ def _task_status(task: dict[str, Any], last: dict[str, Any] | None,
         return ScoreTaskStatus(task["index"], task["name"], task["mode"], state, queued[1])
     state = task_state(task)
     submitted = last is not None and task["index"] in last.get("tasks", [])
-    if state == "not scored" and submitted and queue is not None:
-        state = "failed"  # left the queue without outputs: OUT_DIR/score.log says why
     job = f"{last['job_id']}_{task['index']}" if submitted else "-"
+    left_queue = submitted and queue is not None
+    # left the queue without the outputs it was submitted for: OUT_DIR/score.log says why.
+    # A rescore's outputs are the earlier scoring's (stale) unless it succeeded: its
+    # scored.json then holds the signature the plan submitted it with.
+    stale_outputs = (left_queue and state == "stale"
+                     and scored_signature(Path(task["out_dir"])) != task["signature"])
+    if (left_queue and state == "not scored") or stale_outputs:
+        return ScoreTaskStatus(task["index"], task["name"], task["mode"], "failed", job,
+                               str(Path(task["out_dir"]) / "score.log"), stale_outputs)
     return ScoreTaskStatus(task["index"], task["name"], task["mode"], state, job)
 
 

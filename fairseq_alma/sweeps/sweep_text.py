@@ -93,6 +93,10 @@ def scoring_status_table(sweep_dir: Path, tasks: list[ScoreTaskStatus]) -> str:
     if "failed" in states:
         text += (f"failed tasks: see {sweep_dir / SCORES_DIR}/TASK/score.log; "
                  "alma-sweep score submits them again\n")
+    stale = [task.name for task in tasks if task.stale_outputs]
+    if stale:
+        text += (f"(the outputs of {', '.join(stale)} are an earlier scoring's, of inputs "
+                 "changed since: stale until a rescore succeeds)\n")
     return text
 
 

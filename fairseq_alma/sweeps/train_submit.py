@@ -19,14 +19,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import UsageError
+from ..errors import ClusterError, UsageError
 from ..out_paths import check_dir_path
 from ..stream.atomic import atomic_write_json, atomic_write_text
 from ..stream.run_view import RunView
 from .global_batch import apply_global_batch
-from .resource_profile import ResourceProfile, resolve_profile
+from .held_runs import held_runs, holds_trained_run
+from .resource_profile import ResourceProfile, check_warning_before_limit, resolve_profile
 from .run_config import RunConfig, load_run_config
-from .slurm_commands import query_queue, run_slurm
+from .slurm_commands import require_queue, run_slurm
 from .train_plan import SweepJob, parse_grid_option, parse_seeds_option, plan_sweep
 from .train_records import load_jobs, load_submissions, record_submission, run_status
 from .train_script import (
@@ -36,6 +37,7 @@ from .train_script import (
     render_sweep_script,
     sbatch_command,
 )
+from .undo_writes import UndoWrites
 
 
 @dataclass(frozen=True)
@@ -167,7 +169,9 @@ def sweep_profile(request: SubmitRequest, config: RunConfig) -> ResourceProfile:
     """The resource profile the jobs get (``--profile``, else the config's ``resources``):
     resolved before fairseq is imported to check the flags, so a bad profile is refused at
     once."""
-    return resolve_profile(request.profile, config.resources, config.path)
+    profile = resolve_profile(request.profile, config.resources, config.path)
+    check_warning_before_limit(profile)
+    return profile
 
 
 def plan_submission(request: SubmitRequest, config: RunConfig,
@@ -193,7 +197,9 @@ def plan_submission(request: SubmitRequest, config: RunConfig,
 
 def runs_to_submit(plan: TrainSubmission) -> list[int]:
     """Indices of the runs not done; refuses missing data, another sweep in the same directory,
-    or runs of this one still in the queue."""
+    runs of this one still in the queue (or a queue that cannot be asked), and a run directory
+    that holds another run (``held_runs.py``).  A run is done when its Slurm events say
+    ``completed`` and, where it keeps a ``run.json``, its records say it finished."""
     sweep_dir, config, jobs = plan.sweep_dir, plan.config, plan.jobs
     for part in config.data.split(":"):
         if not Path(part).exists():
@@ -206,14 +212,24 @@ def runs_to_submit(plan: TrainSubmission) -> list[int]:
                 f"{sweep_dir} holds a different sweep (its jobs.json has other runs or flags); "
                 "use a new --sweep-dir, or delete the old one"
             )
-        queued = query_queue({str(s["job_id"]) for s in load_submissions(sweep_dir)})
+        submitted_jobs = {str(s["job_id"]) for s in load_submissions(sweep_dir)}
+        queued = require_queue(
+            submitted_jobs, f"whether runs of {sweep_dir} are still queued or running is unknown "
+            "(submitting now could queue them twice)", "retry alma-sweep submit when squeue "
+            "answers") if submitted_jobs else {}
         if queued:
             raise UsageError(
                 f"{sweep_dir} still has {len(queued)} run(s) queued or running; "
                 "wait (alma-sweep status) or alma-sweep cancel first"
             )
+    trained = [job for job in jobs if holds_trained_run(job.run_dir)]
+    for job in trained:  # a finished run on another layout is another run's too
+        check_world_size(job, plan.profile)
+    finished = held_runs(trained, plan.profile, sweep_dir)
     submitted = bool(load_submissions(sweep_dir)) if sweep_dir.exists() else False
-    todo = [job.index for job in jobs if run_status(job.to_json(), submitted, {}).state != "done"]
+    todo = [job.index for job in jobs
+            if run_status(job.to_json(), submitted, {}).state != "done"
+            or not finished.get(job.index, True)]
     for index in todo:
         check_world_size(jobs[index], plan.profile)
     return todo
@@ -240,17 +256,24 @@ def check_world_size(job: SweepJob, profile: ResourceProfile) -> None:
 
 def submit_links(plan: TrainSubmission, todo: list[int]) -> Iterator[Submitted]:
     """Write jobs.json and the script, then submit the chain for the runs ``todo``; yields each
-    job as Slurm accepts it (a later sbatch may still fail)."""
+    job as Slurm accepts it (a later sbatch may still fail).  When the first sbatch fails the
+    sweep directory is left as it was (``UndoWrites``), so the corrected command is not taken
+    for another sweep."""
     sweep_dir, profile = plan.sweep_dir, plan.profile
     table = {
         "config": str(plan.config.path),
         "sources": [str(p) for p in plan.config.sources],
         "program": plan.program,
         "profile": profile.name,
+        # the profile itself: alma-sweep score's default (a name alone finds slurm/profiles/)
+        "profile_source": profile.source,
+        "profile_settings": profile.settings(),
         "sbatch_options": profile.sbatch_options(),
         "jobs": [job.to_json() for job in plan.jobs],
     }
-    (sweep_dir / "logs").mkdir(parents=True, exist_ok=True)
+    logs = sweep_dir / "logs"
+    undo = UndoWrites([sweep_dir / "jobs.json", plan.script_path], [logs])
+    logs.mkdir(parents=True, exist_ok=True)
     atomic_write_json(sweep_dir / "jobs.json", table)
     atomic_write_text(plan.script_path, plan.script)
     plan.script_path.chmod(0o755)  # a script, executable as before (atomic writes follow the umask)
@@ -258,7 +281,12 @@ def submit_links(plan: TrainSubmission, todo: list[int]) -> Iterator[Submitted]:
     previous = None
     for link in plan.links:
         command = sbatch_command(plan.script_path, array, previous, link.stop_after_stage)
-        job_id = run_slurm(command).strip().split(";")[0]
+        try:
+            job_id = run_slurm(command).strip().split(";")[0]
+        except ClusterError:
+            if previous is None:  # nothing was submitted: nothing of this call is kept
+                undo.undo()
+            raise
         record_submission(sweep_dir, {"job_id": job_id, "array": array, "link": link.link,
                                       "links": len(plan.links),
                                       "stop_after_stage": link.stop_after_stage,
