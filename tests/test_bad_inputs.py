@@ -287,6 +287,14 @@ LM_CASES = [
          r"--post-process sentencepiece: fairseq-eval-lm merges sub-words into words only for subword_nmt"),
     Case("eval-lm model overrides not a dict", lambda c: (eval_lm(c, "--model-overrides", "eval_capacity_factor=2"), [c.done]),
          r"--model-overrides 'eval_capacity_factor=2' is not a Python dict of model options"),
+    Case("eval-lm under an evaluation capacity, other batches", lambda c: (
+        eval_lm(c, "--batch-size", "2", "--model-overrides", "{'eval_capacity_factor': 1.0}"), [c.done]),
+         r"--batch-size 2: \S+checkpoint_last.pt evaluates with --eval-capacity-factor 1, so its perplexity depends "
+         r"on how the tokens are batched; score it with its own evaluation batching \(pass --batch-size 8\)$"),
+    Case("validate under an evaluation capacity, no batch size", lambda c: (
+        scorer(c, "fairseq-validate", c.done / "checkpoint_stage1.pt", "--valid-subset", "eval", "--task", "alma_stream",
+               "--tokens-per-sample", "32", "--max-tokens", "96", "--model-overrides", "{'eval_capacity_factor': 2.0}"), [c.done]),
+         r"--max-tokens 96 \(3 blocks of 32 tokens a batch\): \S+checkpoint_stage1.pt evaluates with --eval-capacity-factor 2"),
     Case("validate blocks longer than the model, skipping them", lambda c: (
         scorer(c, "fairseq-validate", c.done / "checkpoint_stage1.pt", "--valid-subset", "eval", "--task", "alma_stream", "--tokens-per-sample", "48",
                "--batch-size", "8", "--skip-invalid-size-inputs-valid-test"), [c.done]),
@@ -594,6 +602,9 @@ def _nan_weight_stage(ctx: Ctx) -> Path:
     save = ctx.copy(ctx.done, "r")
     state = torch.load(save / "checkpoint_stage2.pt", weights_only=False)
     state["model"]["decoder.embed_tokens.weight"][5, 3] = float("nan")
+    from fairseq_alma.lm.stage_checkpoints import stamped  # as training stamps the weights it kept
+
+    state["alma"] = stamped(state["alma"], state["model"])
     torch.save(state, save / "checkpoint_stage2.pt")
     return save
 
@@ -683,6 +694,8 @@ TOOL_CASES = [
     Case("sweep profile missing fields", lambda c: (sweep(c, "--profile", str(_file(c, "p.yaml", "description: half a profile\nnodes: 1\n"))), [c.tmp]),
          r"p.yaml: missing time, and gpus_per_node or ntasks_per_node; set them as in .*local-cpu.yaml", prog="alma-sweep"),
     Case("sweep profile empty", lambda c: (sweep(c, "--profile", str(_file(c, "p.yaml", ""))), [c.tmp]), r"p.yaml", prog="alma-sweep"),
+    Case("sweep profile warns at its time limit", lambda c: (sweep(c, "--profile", str(_file(c, "p.yaml", 'time: "00:01:00"\nntasks_per_node: 1\nsignal_seconds: 60\nsave_grace_seconds: 30\n'))), [c.tmp]),
+         r"p.yaml: signal_seconds \(60\) must be smaller than the time limit \(time '00:01:00' = 60 s\)", prog="alma-sweep"),
     Case("sweep dir is a file", lambda c: ([tool("alma-sweep"), "submit", str(SWEEP_CONFIG), "--sweep-dir", str(c.tmp / "x.txt"), "--dry-run"], [c.tmp]),
          r"--sweep-dir .*x.txt: exists and is not a directory", prog="alma-sweep"),
     Case("sweep status not a sweep", lambda c: ([tool("alma-sweep"), "status", str(c.tmp)], [c.tmp]), r"jobs.json", prog="alma-sweep"),
@@ -706,6 +719,14 @@ TOOL_CASES = [
          r"--out .*x.txt: exists and is not a directory", prog="alma-report"),
     Case("report unfinished run", lambda c: ([tool("alma-report"), str(_unfinished(c)), "--out", str(c.tmp / "o")], [c.tmp / "r"]), r"stream.jsonl", prog="alma-report"),
     Case("report json unreadable", lambda c: ([tool("alma-report"), str(_file(c, "s.json", "{")), "--out", str(c.tmp / "o")], [c.tmp]), r"s.json", prog="alma-report"),
+    Case("report input in out", lambda c: ([tool("alma-report"), str(_in_out(c, "table2.json")), str(c.done), "--out", str(c.tmp / "o")], [c.tmp / "o", c.done]),
+         r"--out .*/o would overwrite or remove the input .*/o/table2.json .*use another --out", prog="alma-report"),
+    Case("report run without records", lambda c: ([tool("alma-report"), str(_started(c)), "--out", str(c.tmp / "o")], [c.tmp / "r"]),
+         r"r/stream.jsonl: training not finished: no arrival recorded yet .*run the same training command again", prog="alma-report"),
+    Case("report json without scoring", lambda c: ([tool("alma-report"), str(_file(c, "s.json", '{"metric": "ppl", "series": [{"setting": "SM_w1"}]}')), "--out", str(c.tmp / "o")], [c.tmp]),
+         r"s.json: series 'SM_w1' has no \"scoring\" .*alma-score --json", prog="alma-report"),
+    Case("report json no series", lambda c: ([tool("alma-report"), str(_file(c, "s.json", '{"metric": "ppl", "series": []}')), str(c.done), "--out", str(c.tmp / "o")], [c.tmp, c.done]),
+         r"s.json: no series in it; score the runs again with alma-score --json", prog="alma-report"),
     Case("demo out is a file", lambda c: ([tool("alma-demo"), "--out", str(c.tmp / "x.txt")], [c.tmp]), r"--out .*x.txt: exists and is not a directory", prog="alma-demo"),
     Case("demo few updates", lambda c: ([tool("alma-demo"), "--out", str(c.tmp / "d"), "--updates-per-stage", "5"], []), r"--updates-per-stage must be >= 20", prog="alma-demo"),
     Case("demo corpus 0", lambda c: ([tool("alma-demo"), "--out", str(c.tmp / "d"), "--corpus-mb", "0"], []), r"--corpus-mb must be a finite number > 0", prog="alma-demo"),
@@ -719,6 +740,19 @@ SWEEP_CONFIG = REPO / "train_configs" / "examples" / "tiny_stream.yaml"
 
 def sweep(ctx: Ctx, *extra: str) -> list[str]:
     return [tool("alma-sweep"), "submit", str(SWEEP_CONFIG), "--sweep-dir", str(ctx.tmp / "s"), "--dry-run", *extra]
+
+
+def _in_out(ctx: Ctx, name: str) -> Path:
+    """An alma-score JSON saved in the report's --out under a name the report writes."""
+    (ctx.tmp / "o").mkdir()
+    return _file(ctx, f"o/{name}", '{"metric": "ppl", "series": []}')
+
+
+def _started(ctx: Ctx) -> Path:
+    """A copy of the finished run as a run killed before it recorded arrival 0 leaves it."""
+    save = ctx.copy(ctx.done, "r")
+    (save / "stream.jsonl").unlink()
+    return save
 
 
 def _file(ctx: Ctx, name: str, text: str) -> Path:

@@ -123,3 +123,66 @@ def test_growth_copies_adam_moments_under_fp16_optimizers(flatten, memory_effici
         offset = sum(q.numel() for q in params[: params.index(layer.fc1_weight)])
         rows = state["exp_avg"][offset: offset + layer.fc1_weight.numel()].view(layer.fc1_weight.shape)
         assert torch.equal(rows[2], rows[1])
+
+
+def test_one_growth_plan_spelled_two_ways_compares_as_one():
+    """``--grow-experts 2`` on a 3-stage stream is ``2,2`` at stages ``2,3`` (the default):
+    fingerprints compare the parsed plan (``stream/growth_plan``), so a requeue that spells the
+    plan the other way continues its run and two seeds of it are one setting; run.json files
+    that hold the flags as typed (every release so far) compare the same way."""
+    from fairseq_alma.stream.growth_plan import with_parsed_growth_plan
+
+    def fingerprint(wait: int = 1, megabatches: int | None = 3, **growth: str) -> dict:
+        data = {"num_megabatches": megabatches} if megabatches else None
+        return {"config": {"task": {"wait": wait, "replay": False, **growth}}, "data": data}
+
+    spellings = [fingerprint(grow_experts="2,2"), fingerprint(grow_experts="2"),
+                 fingerprint(grow_experts="2", grow_at_stages="2,3"),
+                 fingerprint(grow_experts="2,2", grow_at_stages="2,3")]
+    parsed = [with_parsed_growth_plan(f) for f in spellings]
+    assert all(p == parsed[0] for p in parsed)
+    assert parsed[0]["config"]["task"] == {"wait": 1, "replay": False, "grow_experts": "2,2",
+                                           "grow_at_stages": "2,3"}
+    assert spellings[1]["config"]["task"]["grow_experts"] == "2"  # the input is left as it is
+    assert with_parsed_growth_plan(fingerprint(grow_experts="2,1")) != parsed[0]
+    assert with_parsed_growth_plan(fingerprint(grow_experts="2", grow_at_stages="3")) != parsed[0]
+    # --wait 2 on 4 mega-batches trains 2 stages: one growth, at stage 2
+    two_stages = with_parsed_growth_plan(fingerprint(wait=2, megabatches=4, grow_experts="3"))
+    assert two_stages["config"]["task"]["grow_at_stages"] == "2"
+    # B from the caller (a 0.1 run: no data identity); without it, compared as written
+    no_data = fingerprint(megabatches=None, grow_experts="2")
+    assert with_parsed_growth_plan(no_data) is no_data
+    assert with_parsed_growth_plan(no_data, 3)["config"]["task"]["grow_experts"] == "2,2"
+    plain = fingerprint()
+    assert with_parsed_growth_plan(plain) is plain  # no growth: nothing to rewrite
+
+
+def test_resume_ens_and_report_read_the_parsed_growth_plan(tmp_path):
+    """The comparisons of run fingerprints (resume: ``run_dir.same_run`` and the refusal's list
+    of differences; alma-report's seed groups: ``report/seeds.comparable_fingerprint``) read the
+    parsed plan, so a run.json holding ``--grow-experts 2,2`` as typed (any release) is continued
+    by a command that spells it ``2``, and groups with it; another plan is still refused."""
+    import json
+
+    import pytest
+
+    from fairseq_alma.errors import RunDirError
+    from fairseq_alma.report.seeds import SEED_KEYS, comparable_fingerprint
+    from fairseq_alma.stream.run_dir import RunDirectory, same_run
+
+    def fingerprint(seed: int = 1, **growth: str) -> dict:
+        return {"config": {"common": {"seed": seed}, "task": {"wait": 1, "replay": False, **growth}},
+                "data": {"num_megabatches": 3}}
+
+    old = fingerprint(grow_experts="2,2")
+    assert same_run(old, fingerprint(grow_experts="2"))
+    assert same_run(old, fingerprint(grow_experts="2", grow_at_stages="2,3"))
+    assert not same_run(old, fingerprint(grow_experts="1"))
+    assert comparable_fingerprint(fingerprint(2, grow_experts="2"), SEED_KEYS) == \
+        comparable_fingerprint(old, SEED_KEYS)
+    (tmp_path / "run.json").write_text(json.dumps({"fingerprint": old, "hash": "x"}))
+    (tmp_path / "stream.jsonl").write_text("")  # a run that trained: not free for another
+    run_dir = RunDirectory.for_reading(tmp_path)
+    run_dir.check_fingerprint(fingerprint(grow_experts="2"))  # accepted
+    with pytest.raises(RunDirError, match=r"\(config.task.grow_experts: '2,2' -> '1,1'\)"):
+        run_dir.check_fingerprint(fingerprint(grow_experts="1"))

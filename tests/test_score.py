@@ -308,6 +308,20 @@ def _last_as_stage(stream: Path, tmp_path: Path) -> Path:
     return copy
 
 
+def _averaged_stage(stream: Path, tmp_path: Path) -> Path:
+    """A copy of the scratch run whose checkpoint_stage1.pt holds the average of its stages 1
+    and 2, as fairseq's scripts/average_checkpoints.py writes it: the first input's file, its
+    ``alma`` stamp included, with the averaged tensors (integers floor-divided)."""
+    copy = _without(stream, tmp_path, "scratch")
+    first = torch.load(copy / "checkpoint_stage1.pt", weights_only=False)
+    second = torch.load(copy / "checkpoint_stage2.pt", weights_only=False)
+    for key, value in first["model"].items():
+        total = value + second["model"][key]
+        first["model"][key] = total / 2 if total.is_floating_point() else total // 2
+    torch.save(first, copy / "checkpoint_stage1.pt")
+    return copy
+
+
 def _rebuilt_data(stream: Path, tmp_path: Path) -> Path:
     """A copy of the stream whose evaluation split is another (as another --eval-size makes)."""
     data = tmp_path / "rebuilt"
@@ -323,6 +337,8 @@ def _rebuilt_data(stream: Path, tmp_path: Path) -> Path:
     ("swapped_stages", "checkpoint_stage1.pt: holds the model of stage 2, not of stage 1"),
     ("flipped_eval", "eval.bin: sha256 differs from"),
     ("last_as_stage", "checkpoint_stage1.pt: not the model this run kept for stage 1 (no stage stamp"),
+    ("averaged_stage", "checkpoint_stage1.pt: not the model this run kept for stage 1 (its weights "
+                       "differ from the digest training stamped on it"),
     ("other_data", "was trained with other data (splits differ) than"),
     ("ens_copies", "have the same fingerprint and seed (1)"),
     ("from_log_data", "drop --data or --from-log"),
@@ -348,6 +364,7 @@ def test_bad_input_is_one_line(stream, tmp_path, capsys, case, needle):
         "from_log_ens": lambda: [stream / "ens1", stream / "ens2", "--mode", "ens", "--from-log"],
         "swapped_stages": lambda: [_swapped_stages(stream, tmp_path)],
         "last_as_stage": lambda: [_last_as_stage(stream, tmp_path)],
+        "averaged_stage": lambda: [_averaged_stage(stream, tmp_path)],
         "flipped_eval": lambda: [stream / "ens1", "--data", _flipped_eval(stream, tmp_path)],
         "other_data": lambda: [stream / "ens1", "--data", _rebuilt_data(stream, tmp_path)],
         "ens_copies": lambda: [stream / "ens1", _without(stream, tmp_path, "ens1"), "--mode", "ens"],
@@ -367,6 +384,25 @@ def test_bad_input_is_one_line(stream, tmp_path, capsys, case, needle):
     assert _snapshot(stream / "ens1") == before  # nothing of the run overwritten
 
 
+def test_stage_checkpoints_stamped_before_the_weights_digest_still_score(stream, tmp_path, capsys):
+    """Stage checkpoints carry the digest of their weights (``lm/stage_checkpoints``); those
+    written before it existed (a stamp without ``weights_sha256``) score as they did."""
+    from fairseq_alma.lm.stage_checkpoints import WEIGHTS_DIGEST_KEY, weights_digest
+
+    copy = _without(stream, tmp_path, "scratch")
+    flags = ["--max-eval-tokens", "64"]
+    code, stamped, err = _score(capsys, copy, *flags)
+    assert code == 0, err
+    for path in sorted(copy.glob("checkpoint_stage*.pt")):
+        state = torch.load(path, weights_only=False)
+        assert state["alma"][WEIGHTS_DIGEST_KEY] == weights_digest(state["model"])
+        del state["alma"][WEIGHTS_DIGEST_KEY]
+        torch.save(state, path)
+    code, unstamped, err = _score(capsys, copy, *flags)
+    assert code == 0, err
+    assert unstamped == stamped
+
+
 def test_ens_members_differ_only_by_seed():
     """Ens members share run.json's fingerprint but the seed (alma-report's rule); execution
     settings (the expert kernel) may differ.  Unit level: no checkpoint is read."""
@@ -378,11 +414,12 @@ def test_ens_members_differ_only_by_seed():
     from fairseq_alma.scoring.runs import _check_ens_seeds
 
     def member(name: str, seed: int, updates: int = 4, kernel: str = "loop",
-               run_json: bool = True) -> SimpleNamespace:
-        config = {"common": {"seed": seed}, "task": {"updates_per_stage": updates},
+               run_json: bool = True, **growth: str) -> SimpleNamespace:
+        config = {"common": {"seed": seed}, "task": {"updates_per_stage": updates, "wait": 1, **growth},
                   "model": {"moe_expert_kernel": kernel}}
-        return SimpleNamespace(path=Path(name), cfg=OmegaConf.create(config),
-                               fingerprint={"config": config, "data": {"seed": 1}} if run_json else None)
+        return SimpleNamespace(path=Path(name), cfg=OmegaConf.create(config), records=[None] * 4,
+                               fingerprint={"config": config, "data": {"seed": 1, "num_megabatches": 3}}
+                               if run_json else None)
 
     _check_ens_seeds([member("a", 1), member("b", 2, kernel="grouped")])  # accepted
     with pytest.raises(UsageError, match=r"--mode ens: b differs from a in more than the seed "
@@ -395,6 +432,13 @@ def test_ens_members_differ_only_by_seed():
     with pytest.raises(UsageError, match=r"old differs from a in more than the seed "
                                          r"\(config.task.updates_per_stage: 4 -> 8\)"):
         _check_ens_seeds([member("a", 1), member("old", 3, updates=8, run_json=False)])
+    # one growth plan spelled two ways is one setting (3 stages: 2 = 2,2 at stages 2,3)
+    for run_json in (True, False):
+        _check_ens_seeds([member("a", 1, grow_experts="2,2"),
+                          member("b", 2, grow_experts="2", grow_at_stages="2,3", run_json=run_json)])
+    with pytest.raises(UsageError, match=r"b differs from a in more than the seed "
+                                         r"\(config.task.grow_experts: '2,2' -> '2,1'\)"):
+        _check_ens_seeds([member("a", 1, grow_experts="2"), member("b", 2, grow_experts="2,1")])
 
 
 def test_data_copied_elsewhere_scores_with_data(stream, tmp_path, capsys):
@@ -600,6 +644,32 @@ def test_another_batch_size_is_refused_under_an_evaluation_capacity(stream):
                                          r"its perplexity depends on how the tokens are batched.* --batch-size 8\)$"):
         settings_for(run, ScoreRequest((str(run.path),), batch_size=4))
     assert settings_for(run, ScoreRequest((str(run.path),))).batch_size == 8
+
+
+def test_fairseq_scorers_refuse_other_batches_under_an_evaluation_capacity(stream, tmp_path):
+    """fairseq-eval-lm and fairseq-validate apply alma-score's rule (``batch_size_problem``) to a
+    checkpoint that evaluates with --eval-capacity-factor: other batches are refused in one line
+    before anything loads (they printed 204.72 for the run's 204.63, exit 0); its own batching
+    (ens1: 8 blocks) scores, and so does a checkpoint without the limit at any batch size."""
+    limited = tmp_path / "checkpoint_stage1.pt"
+    state = torch.load(stream / "ens1" / "checkpoint_stage1.pt", weights_only=False)
+    state["cfg"]["model"]["eval_capacity_factor"] = 1.0
+    torch.save(state, limited)
+    validate = [tool("fairseq-validate"), str(stream / "data"), "--user-dir", USER_DIR, "--path", str(limited),
+                "--task", "alma_stream", "--valid-subset", "eval", "--tokens-per-sample", "32", "--cpu",
+                "--num-workers", "0", "--max-tokens", "64"]
+    commands = [_eval_lm(stream, limited) + ["--batch-size", "4"], validate,
+                _eval_lm(stream, limited), _eval_lm(stream, stream / "ens1" / "checkpoint_stage1.pt") +
+                ["--batch-size", "4"]]
+    (code, out, err), (vcode, _, verr), own, unlimited = _parallel(commands)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Perplexity" not in out + err, err
+    assert re.fullmatch(r"fairseq-alma: error: --batch-size 4: \S+checkpoint_stage1.pt evaluates with "
+                        r"--eval-capacity-factor 1, so its perplexity depends on how the tokens are "
+                        r"batched; score it with its own evaluation batching \(pass --batch-size 8\)",
+                        err.strip()), err
+    assert vcode == 2 and len(verr.strip().splitlines()) == 1, verr
+    assert "--max-tokens 64 (2 blocks of 32 tokens a batch): " in verr, verr
+    _stock_ppl(own), _stock_ppl(unlimited)
 
 
 def test_alma_sweep_score_refuses_at_submit_the_batch_size_its_tasks_would(stream, tmp_path):

@@ -346,3 +346,45 @@ def test_fully_sharded_on_one_gpu_is_refused(monkeypatch):
     cfg.task._name = "alma_stream"
     with pytest.raises(UsageError, match="cannot train an alma_stream run"):
         check_training_flags(cfg)
+
+
+def test_decoding_and_the_hub_route_without_the_evaluation_capacity(caplog):
+    """--eval-capacity-factor limits an expert to cf * ceil(T / E) of a forward's T tokens; a
+    decoding step routes one token per sequence, so T would be the number of prompts decoded
+    together and a continuation would depend on its batch-mates.  Incremental decoding routes
+    without the limit (one warning), restoring it after every step; the hub interface routes
+    every forward without it (its ``score`` pads whatever sentences it is given together)."""
+    import logging
+
+    from fairseq import hub_utils
+
+    from fairseq_alma.fairseq_glue.scoring_commands import install_hub_routing
+
+    torch.manual_seed(0)
+    model = build("switch_transformer_lm_tiny", 40, moe_experts=4, dropout=0.0, eval_capacity_factor=1.0).eval()
+    unlimited = build("switch_transformer_lm_tiny", 40, moe_experts=4, dropout=0.0).eval()
+    unlimited.load_state_dict(model.state_dict())
+    tokens = torch.randint(4, 40, (3, 7))
+
+    def decode(rows: torch.Tensor) -> torch.Tensor:
+        state: dict = {}
+        return torch.cat([model.decoder(rows[:, : i + 1], incremental_state=state)[0] for i in range(7)], 1)
+
+    with caplog.at_level(logging.WARNING, logger="fairseq_alma.models.switch_transformer_lm"):
+        together = decode(tokens)
+        alone = torch.cat([decode(tokens[i : i + 1]) for i in range(3)])
+    assert torch.allclose(together, alone, atol=1e-5)  # with the limit: up to 0.3 apart
+    assert torch.allclose(together, unlimited(tokens)[0], atol=1e-5)
+    warnings = [r.getMessage() for r in caplog.records if "--eval-capacity-factor" in r.getMessage()]
+    assert len(warnings) == 1 and "incremental decoding" in warnings[0], warnings
+    assert all(layer.cfg.eval_capacity_factor == 1.0 for layer in model.moe_layers())  # restored
+
+    class HubTask(FakeTask):
+        def max_positions(self):
+            return 512
+
+    install_hub_routing()  # installed with the plugin's patches; idempotent
+    cfg = OmegaConf.create({"generation": {"replace_unk": None}, "tokenizer": None, "bpe": None})
+    hub = hub_utils.GeneratorHubInterface(cfg, HubTask(40), [model])
+    assert all(layer.cfg.eval_capacity_factor is None for layer in hub.models[0].moe_layers())
+    assert torch.allclose(hub.models[0](tokens)[0], unlimited(tokens)[0], atol=1e-5)

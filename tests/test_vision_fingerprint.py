@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from fairseq_alma.errors import UsageError
-from fairseq_alma.stream.learner_settings import (
+from fairseq_alma.stream.fingerprint_forms import (
     METHOD_SETTINGS,
     READ_BY_METHOD,
-    without_unread_settings,
+    comparable_form,
 )
 from fairseq_alma.stream.progress import StreamPlan
 from fairseq_alma.stream.run_dir import RunDirectory, fingerprint_hash
@@ -65,15 +65,15 @@ def test_the_fingerprint_leaves_out_what_the_method_does_not_read():
         return {"settings": {"--seed": 1, "learner": learner}, "data": "a" * 64}
 
     sm = settings(method="sm", width=4, members=5, gating="soft", ff_epsilon=0.01, seed=1)
-    assert without_unread_settings(sm) == settings(method="sm", width=4, seed=1)
+    assert comparable_form(sm) == settings(method="sm", width=4, seed=1)
     ens = settings(method="ens", members=5, gating="soft", ens_member_data_order=False)
-    assert without_unread_settings(ens) == settings(method="ens", members=5, ens_member_data_order=False)
+    assert comparable_form(ens) == settings(method="ens", members=5, ens_member_data_order=False)
     # an alma-score Ens wrapper: each member's; an LM's or an unknown method's: untouched
-    assert without_unread_settings({"mode": "ens", "members": [sm]}) == {
+    assert comparable_form({"mode": "ens", "members": [sm]}) == {
         "mode": "ens", "members": [settings(method="sm", width=4, seed=1)]}
     for kept in ({"config": {"task": {"members": 2}}}, settings(method="new", members=3),
                  settings(members=3), None):
-        assert without_unread_settings(kept) == kept
+        assert comparable_form(kept) == kept
 
 
 def _run(method: str = "sm", **learner) -> VisionRun:

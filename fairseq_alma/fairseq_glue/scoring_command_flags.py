@@ -9,8 +9,12 @@ an AssertionError in the batch sampler; ``--post-process sentencepiece``: NotImp
 ``--softmax-batch``: an AssertionError; ``--num-workers -1``: torch's ValueError), and a negative
 ``--context-window`` was silently taken as none.  fairseq-eval-lm on several processes (by
 default every GPU of the node) scores each rank's share of the split and prints rank 0's
-perplexity as the split's, a wrong number with exit 0: refused.  Called from
-``patches._TrainingConfig``, right after the command's flags are parsed.
+perplexity as the split's, a wrong number with exit 0: refused.  So is scoring a checkpoint that
+evaluates with ``--eval-capacity-factor`` with other batches than its run's own evaluation: its
+perplexity depends on how the tokens are batched (``stream/eval_batching.py``), and
+fairseq-eval-lm printed 204.72 at --batch-size 1 for the 204.63 the run recorded, exit 0;
+alma-score refuses the same (``batch_size_problem``).  Called from ``patches._TrainingConfig``,
+right after the command's flags are parsed.
 """
 
 from __future__ import annotations
@@ -52,6 +56,75 @@ def check_scoring_flags(cfg: Any, command: str) -> None:
                              "options, e.g. \"{'eval_capacity_factor': 2.0}\"")
     if command == "eval_lm":
         _check_eval_lm_flags(cfg, tokens)
+    _check_capacity_batching(cfg, command, tokens, overrides)
+
+
+# fairseq-eval-lm's token budget per batch when neither --max-tokens nor a smaller --batch-size
+# limits it (``fairseq_cli/eval_lm.py``: ``max_tokens=cfg.dataset.max_tokens or 36000``)
+EVAL_LM_MAX_TOKENS = 36000
+
+
+def _check_capacity_batching(cfg: Any, command: str, tokens: int | None, overrides: Any) -> None:
+    """Refuse to score a checkpoint that evaluates with ``--eval-capacity-factor`` (its own, or
+    one set by ``--model-overrides``) with other batches than its run's evaluation (module doc)."""
+    import os
+
+    from ..stream.eval_batching import batch_size_problem
+
+    paths = str(given(cfg, "common_eval", "path") or "")
+    batch_size = given(cfg, "dataset", "batch_size")
+    max_tokens = given_max_tokens = given(cfg, "dataset", "max_tokens")
+    if command == "eval_lm":
+        max_tokens = max_tokens or EVAL_LM_MAX_TOKENS
+    block = (tokens or 0) + int(given(cfg, "eval_lm", "context_window") or 0) if command == "eval_lm" \
+        else tokens or 0
+    # sequences per batch: fairseq fills a batch up to --batch-size blocks and --max-tokens tokens
+    limits = [int(batch_size)] if batch_size else []
+    if max_tokens and block:
+        limits.append(max(int(max_tokens) // block, 1))
+    if not limits:
+        return  # fairseq refuses a command without either
+    sequences = min(limits)
+    if batch_size and sequences == int(batch_size):
+        given_as = f"--batch-size {batch_size}"
+    elif given_max_tokens:
+        given_as = f"--max-tokens {max_tokens} ({sequences} blocks of {block} tokens a batch)"
+    else:
+        given_as = (f"no --batch-size (fairseq-eval-lm then fills batches to {max_tokens} tokens: "
+                    f"{sequences} blocks of {block})")
+    override = ast.literal_eval(str(overrides)) if overrides is not None else {}
+    for path in filter(None, paths.split(os.pathsep)):
+        config = _trained_config(path)
+        if config is None:
+            continue  # fairseq's own loader says what is wrong with the file
+        if "eval_capacity_factor" in override:
+            model = dict(config.get("model") or {}, eval_capacity_factor=override["eval_capacity_factor"])
+            config = {**config, "model": model}
+        problem = batch_size_problem(config, sequences, path, given_as=given_as, own_by_default=False)
+        if problem is not None:
+            raise UsageError(problem)
+
+
+def _trained_config(path: str) -> dict | None:
+    """The fairseq config a checkpoint was trained with (None: no file, or one this cannot read).
+
+    Only the pickle is read (memory-mapped, tensors untouched, nothing but plain values
+    unpickled); the CRC check and the one-line errors come with fairseq's own load right after
+    (``patches.install_checkpoint_errors``)."""
+    import os
+
+    import torch
+
+    from ..checkpoint_load import trusted
+
+    if not os.path.isfile(path):
+        return None
+    try:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=not trusted())
+    except Exception:  # noqa: BLE001 - the loader that follows reports it in one line
+        return None
+    config = state.get("cfg") if isinstance(state, dict) else None
+    return config if isinstance(config, dict) else None
 
 
 def _check_eval_lm_flags(cfg: Any, tokens: int | None) -> None:

@@ -6,6 +6,11 @@
   (``modules/expert_parallel.build_experts_whole``), as ``alma-score`` builds it: rebuilt
   sharded, ranks with unequal batch counts waited in all_to_all forever, and 3 ranks of a
   checkpoint trained on groups of 2 were refused naming training flags.
+* fairseq's hub interface (``from_pretrained``: ``score``, ``sample``, ``generate``), in every
+  process, routes a model trained with ``--eval-capacity-factor`` without the limit
+  (``install_hub_routing``): the limit is set by the tokens of one forward, which the hub makes
+  of whatever sentences it is given together, so a sentence's score depended on its neighbours'
+  (``models/switch_transformer_lm.py`` says why decoding never uses it either).
 
 Why the dictionary: an ``alma_stream`` checkpoint records the sha256 of its dictionary (``task_state``) and
 ``AlmaStreamTask.load_state_dict`` refuses another one, but fairseq-eval-lm builds the task of
@@ -24,9 +29,11 @@ from typing import Any
 
 
 def install_scoring_command_patches() -> None:
-    """Both patches (module doc), in fairseq-eval-lm and fairseq-validate only."""
+    """The patches of the module doc: the hub's in every process, the others in
+    fairseq-eval-lm and fairseq-validate only."""
     from .patch_marks import running as _running
 
+    install_hub_routing()
     if not _running(SCORING_PROGRAMS, SCORING_MODULES):
         return
     from ..modules.expert_parallel import build_experts_whole
@@ -37,6 +44,32 @@ def install_scoring_command_patches() -> None:
 
 SCORING_PROGRAMS = ("fairseq-eval-lm", "fairseq-validate")
 SCORING_MODULES = ("fairseq_cli.eval_lm", "fairseq_cli.validate")
+
+
+HUB_ROUTING_REASON = ("the hub scores and samples the sentences it is given together, so the limit "
+                      "would be set by which sentences share a forward")
+
+
+def install_hub_routing() -> None:
+    """Patch ``GeneratorHubInterface.__init__``: its models route without
+    ``--eval-capacity-factor`` (module doc), with a one-time warning."""
+    from fairseq import hub_utils
+
+    from .patch_marks import is_patched as _patched
+    from .patch_marks import mark as _mark
+
+    original = hub_utils.GeneratorHubInterface.__init__
+    if _patched(original):
+        return
+
+    def __init__(self: Any, cfg: Any, task: Any, models: Any) -> None:
+        original(self, cfg, task, models)
+        for model in self.models:
+            drop = getattr(model, "drop_eval_capacity", None)
+            if drop is not None:
+                drop(HUB_ROUTING_REASON)
+
+    hub_utils.GeneratorHubInterface.__init__ = _mark(__init__)
 
 
 def install_dictionary_check() -> None:

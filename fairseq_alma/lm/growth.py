@@ -28,6 +28,7 @@ import torch
 from ..errors import UsageError
 from ..modules.switch_ffn import SwitchFFN
 from ..ranks import world
+from ..stream.growth_plan import parse_growth_plan  # its home is stream/ (torch-free comparisons)
 from .nll import Batching, needs_lockstep, scored_batches
 from .stage_start import master_param_like, optimizer_state_like
 
@@ -137,32 +138,6 @@ def grow_experts(model: Any, task: Any, dataset: Any, k: int, batch_size: int, o
     experts = model.moe_layers()[0].num_experts if model.moe_layers() else 0
     logger.info("grew to %d experts per MoE block (copied %s); valid nll %.4f -> %.4f", experts, copied, before, after)
     return {"experts": experts, "copied": copied, "valid_nll_before": before, "valid_nll_after": after}
-
-
-def parse_growth_plan(grow_experts: str, grow_at_stages: str, num_stages: int) -> Dict[int, int]:
-    """{stage: experts to copy per MoE block} from --grow-experts / --grow-at-stages.
-
-    ``--grow-experts 2,2,4`` with the default stages (every stage after the first) is Table 2's
-    gMoE 4 -> 6 -> 8 -> 12; one k means the same k at every growth stage.
-    """
-    if not grow_experts.strip():
-        return {}
-    try:
-        counts = [int(k) for k in grow_experts.split(",")]
-        stages = [int(s) for s in grow_at_stages.split(",")] if grow_at_stages.strip() else None
-    except ValueError:
-        raise UsageError(f"--grow-experts/--grow-at-stages take comma-separated integers (got "
-                         f"{grow_experts!r} / {grow_at_stages!r})") from None
-    stages = stages or list(range(2, num_stages + 1))
-    if not all(2 <= s <= num_stages for s in stages):
-        raise UsageError(f"--grow-at-stages must list stages in [2, {num_stages}] (got "
-                         f"{grow_at_stages!r})")
-    if len(counts) == 1:
-        counts = counts * len(stages)
-    if len(counts) != len(stages) or not all(k >= 1 for k in counts):
-        raise UsageError(f"--grow-experts needs one k >= 1, or one per growth stage "
-                         f"({len(stages)}); got {grow_experts!r}")
-    return dict(zip(stages, counts))
 
 
 def check_growth_schedule(grow_experts: str, grow_at_stages: str, num_stages: int, experts: int,

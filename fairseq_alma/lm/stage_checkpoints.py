@@ -8,11 +8,22 @@ checkpoint does not need it, and Adam's moments would triple its size).  A copy 
 after a crash is made again on restart: fairseq's checkpoint_last is still that stage's end until
 the next stage trains, which cannot happen before this copy.  The write goes through the run
 directory (writer only, atomic).
+
+Each stage checkpoint's stamp (``alma``: run hash, stage, dictionary) also holds the digest of
+its model tensors (``weights_sha256``, ``weights_digest``), so that alma-score can tell the
+weights training kept from another file put under the name: fairseq's
+``scripts/average_checkpoints.py`` keeps its first input's stamp, so an average of stages 2 and
+3 of a grown run (an expert count neither had) passed the stamp check and scored in stage 2's
+column.  sha256, not blake2b: with the SHA extensions of current CPUs it is about twice as fast
+(1.4 GB/s against 0.7 on one core), so a stage checkpoint of 1 GB costs about 0.7 s at the save
+and again when alma-score checks it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +42,32 @@ def _is_end_of_stage(state: dict, stage: int) -> bool:
     return itr.get("epoch") == stage + 1 and itr.get("iterations_in_epoch", 0) == 0
 
 
+WEIGHTS_DIGEST_KEY = "weights_sha256"  # in a stage checkpoint's ``alma`` stamp (module doc)
+
+
+def weights_digest(weights: Mapping[str, Any]) -> str:
+    """sha256 of a checkpoint's model tensors in state-dict order: each tensor's name, dtype,
+    shape and bytes, so that a renamed, reshaped, recast or averaged tensor changes it.
+
+    Why the bytes and not the values: the check asks "is this the file training kept", and the
+    file holds these bytes (half precision stays half); memory-mapped tensors are read in place."""
+    digest = hashlib.sha256()
+    for name, value in weights.items():
+        if not isinstance(value, torch.Tensor):
+            digest.update(f"{name}={value!r};".encode("utf-8"))
+            continue
+        flat = value.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"{name}:{flat.dtype}:{tuple(value.shape)};".encode("utf-8"))
+        digest.update(memoryview(flat.view(torch.uint8).numpy()))
+    return digest.hexdigest()
+
+
+def stamped(alma_info: dict[str, Any], weights: Mapping[str, Any]) -> dict[str, Any]:
+    """The stamp of a stage checkpoint holding ``weights``: training's ``alma_info`` and the
+    digest of the weights (module doc)."""
+    return {**alma_info, WEIGHTS_DIGEST_KEY: weights_digest(weights)}
+
+
 def keep_stage_checkpoint(run_dir: RunDirectory, stage: int, alma_info: dict[str, Any]) -> Path | None:
     """Copy checkpoint_last.pt (if it is the end of ``stage``) to checkpoint_stage{stage}.pt."""
     target = run_dir.stage_checkpoint(stage)
@@ -45,7 +82,7 @@ def keep_stage_checkpoint(run_dir: RunDirectory, stage: int, alma_info: dict[str
         logger.warning("%s is not the end of stage %d; stage checkpoint not written", source, stage)
         return None
     state["last_optimizer_state"] = None
-    state["alma"] = alma_info
+    state["alma"] = stamped(alma_info, state["model"])
     run_dir.write_file(target.name, lambda handle: torch.save(state, handle))
     logger.info("kept the end of stage %d as %s", stage, target)
     return target
@@ -70,17 +107,18 @@ def keep_initial_checkpoint(run_dir: RunDirectory, model: Any, fairseq_cfg: Any,
     # a pre-dataclass component (--optimizer sgd, ...) keeps its config as a Namespace
     names = {key: part.get("_name") if isinstance(part, dict) else getattr(part, "_name", None)
              for key, part in ((key, cfg.get(key)) for key in ("criterion", "optimizer", "lr_scheduler"))}
+    model_state = {key: value.detach().cpu() for key, value in weights.items()}
     state = {
         "args": None,
         "cfg": cfg,
-        "model": {key: value.detach().cpu() for key, value in weights.items()},
+        "model": model_state,
         "criterion": None,
         "optimizer_history": [{"criterion_name": names["criterion"], "optimizer_name": names["optimizer"],
                                "lr_scheduler_state": {}, "num_updates": 0}],
         "task_state": task_state,
         "extra_state": {"train_iterator": {"epoch": 1, "iterations_in_epoch": 0}},
         "last_optimizer_state": None,
-        "alma": alma_info,
+        "alma": stamped(alma_info, model_state),
     }
     run_dir.write_file(target.name, lambda handle: torch.save(state, handle))
     logger.info("kept the initialised model as %s (it answers the arrivals before the first training)", target)

@@ -5,16 +5,30 @@ block, as in Switch).  The decoder returns the blocks' auxiliary outputs (balanc
 routing diagnostics) in ``extra["moe_aux"]``; ``switch_cross_entropy`` turns them into the
 training loss and logged metrics.  Nothing is kept in module or global state between calls.
 
+With ``--eval-capacity-factor`` an expert takes at most cf * ceil(T / E) of the T tokens one
+evaluation forward routes.  In incremental decoding (fairseq-generate, fairseq-interactive, the
+hub's ``sample``: the decoder gets ``incremental_state``) a forward routes one token per sequence,
+so T is the number of prompts decoded together: with the limit a prompt's continuation and its
+log-probabilities depended on which prompts shared its batch (-6.4281 alone, -6.4300 beside
+another), and no batch gives what a full forward gives.  Incremental decoding therefore routes
+without the limit, with a one-time warning (``_without_eval_capacity``); so does the hub
+interface for every forward, its full-sequence ``score`` included (``drop_eval_capacity``,
+called by ``fairseq_glue/scoring_commands.install_hub_routing``), which would otherwise depend
+on which sentences it pads together.  The run's perplexities are alma-score's, or
+fairseq-eval-lm's with the run's own batching (``fairseq_glue/scoring_command_flags.py``).
+
 Presets: ``switch_transformer_lm_base`` (6 x 512, FFN 2048, 8 heads) and ``_large`` (12 x 768,
 FFN 3072, 12 heads) reproduce Table 2's parameter counts with a 50k dictionary (tests check
 within 3%); ``_tiny`` is for CPU tests and the demo.
 """
 
 
+import dataclasses
 import logging
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from fairseq import utils
@@ -215,18 +229,60 @@ class SwitchTransformerDecoder(FairseqIncrementalDecoder):
         inner_states: List[Optional[Tensor]] = [x]
         recompute = self.checkpoint_activations and self.training and incremental_state is None \
             and torch.is_grad_enabled()
-        for layer in self.layers:
-            if recompute:  # non-reentrant: the aux losses keep their graph (reentrant would not)
-                x, aux = checkpoint(layer, x, attn_mask, padding_mask, None, causal, use_reentrant=False)
-            else:
-                x, aux = layer(x, attn_mask, padding_mask, incremental_state, causal)
-            if aux is not None:
-                moe_aux.append(aux)
-            inner_states.append(x)
+        decoding = incremental_state is not None and not self.training
+        with self._without_eval_capacity(decoding, "incremental decoding routes one token per sequence "
+                                                   "a step, so the limit would be set by how many "
+                                                   "prompts are decoded together"):
+            for layer in self.layers:
+                if recompute:  # non-reentrant: the aux losses keep their graph (reentrant would not)
+                    x, aux = checkpoint(layer, x, attn_mask, padding_mask, None, causal, use_reentrant=False)
+                else:
+                    x, aux = layer(x, attn_mask, padding_mask, incremental_state, causal)
+                if aux is not None:
+                    moe_aux.append(aux)
+                inner_states.append(x)
         if self.layer_norm is not None:
             x = self.layer_norm(x)
         x = x.transpose(0, 1)  # (B, T, C)
         return x, {"attn": [None], "inner_states": inner_states, "moe_aux": moe_aux}
+
+    def _eval_capacity_layers(self) -> List[SwitchFFN]:
+        return [layer for layer in self.moe_layers() if layer.cfg.eval_capacity_factor is not None]
+
+    def _warn_routing_without_eval_capacity(self, layers: List[SwitchFFN], why: str) -> None:
+        if not getattr(self, "_warned_eval_capacity", False):
+            self._warned_eval_capacity = True
+            logger.warning("this model evaluates with --eval-capacity-factor %g, but %s: its experts "
+                           "route here without a capacity limit, so a sequence's result does not "
+                           "depend on the others batched with it (the run's perplexities: alma-score, "
+                           "or fairseq-eval-lm with the run's own --batch-size)",
+                           layers[0].cfg.eval_capacity_factor, why)
+
+    @contextmanager
+    def _without_eval_capacity(self, active: bool, why: str) -> Iterator[None]:
+        """Route without ``--eval-capacity-factor`` inside the block when ``active`` (module doc)."""
+        layers = self._eval_capacity_layers() if active else []
+        if not layers:
+            yield
+            return
+        self._warn_routing_without_eval_capacity(layers, why)
+        kept = [layer.cfg for layer in layers]
+        for layer in layers:  # the layer reads its routing knobs from cfg at every call
+            layer.cfg = dataclasses.replace(layer.cfg, eval_capacity_factor=None)
+        try:
+            yield
+        finally:
+            for layer, cfg in zip(layers, kept):
+                layer.cfg = cfg
+
+    def drop_eval_capacity(self, why: str) -> None:
+        """Route every later evaluation forward without ``--eval-capacity-factor`` (module doc:
+        the hub), with the one-time warning."""
+        layers = self._eval_capacity_layers()
+        if layers:
+            self._warn_routing_without_eval_capacity(layers, why)
+            for layer in layers:
+                layer.cfg = dataclasses.replace(layer.cfg, eval_capacity_factor=None)
 
     def attention_needs_no_mask(self, padding_mask: Tensor) -> bool:
         """Whether causal attention without any mask is exact for this batch: padding only at
@@ -331,6 +387,10 @@ class SwitchTransformerLanguageModel(FairseqLanguageModel):
 
     def moe_layers(self) -> List[SwitchFFN]:
         return self.decoder.moe_layers()
+
+    def drop_eval_capacity(self, why: str) -> None:
+        """See ``SwitchTransformerDecoder.drop_eval_capacity``."""
+        self.decoder.drop_eval_capacity(why)
 
     def parameter_counts(self) -> Dict[str, int]:
         """Shared, per-expert and active parameter counts (|θ_t| counts active experts only, and

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..stream.learner_settings import without_unread_settings
+from ..stream.fingerprint_forms import comparable_form
 from ..stream.progress import AUTO, wait_from_flag
 from ..stream.series import ReportSeries
 
@@ -83,10 +83,10 @@ def waits_auto(fingerprint: Any) -> bool:
 
 def comparable_fingerprint(fingerprint: Any, keys: frozenset[str]) -> Any:
     """``fingerprint`` without ``keys`` (the seed; for Fig. 4 also replay) and without the
-    settings a vision method does not read (``vision/fingerprint.without_unread_settings``),
+    settings a vision method does not read (``vision/fingerprint.comparable_form``),
     so an SM run trained with ``--members 2`` and one with the default 5 are one setting, as
     their bit-identical numbers are."""
-    return without_keys(without_unread_settings(fingerprint), keys)
+    return without_keys(comparable_form(fingerprint), keys)
 
 
 def canonical(value: Any) -> str:

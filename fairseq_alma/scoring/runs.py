@@ -141,9 +141,16 @@ def _check_stage_identity(ckpt: str, stage: int, state: dict, stamped_run: bool)
     invites) scored the last stage's model under stage 2's column (64.38 for 96.36), and one
     over ``checkpoint_stage0.pt`` erased the cost of waiting from the anytime metric.  A run
     from before the stamp (no run.json) is checked by what fairseq saved: the training position
-    at a stage's end is (epoch stage + 1, 0 iterations in it)."""
+    at a stage's end is (epoch stage + 1, 0 iterations in it).
+
+    A stamp with the digest of the weights (``lm/stage_checkpoints.weights_digest``) must match
+    the file's tensors: fairseq's ``average_checkpoints.py`` keeps its first input's stamp, so
+    the average of a grown run's stages 2 and 3 (5 active experts, which the run never had)
+    scored 102.30 in stage 2's column (its own model: 119.05).  A stamp written before the
+    digest existed is not checked for it."""
     alma = state.get("alma") or {}
     if alma.get("stage") is not None and (alma.get("run") or not stamped_run):
+        _check_weights_digest(ckpt, stage, state, alma)
         return
     itr = (state.get("extra_state") or {}).get("train_iterator") or {}
     epoch = itr.get("epoch")
@@ -153,6 +160,17 @@ def _check_stage_identity(ckpt: str, stage: int, state: dict, stamped_run: bool)
         raise RunDirError(f"{ckpt}: not the model this run kept for stage {stage} (no stage stamp; "
                           f"it holds {where}: a copy of checkpoint_last.pt or another run's file?); "
                           f"{recovery_hint(ckpt)}")
+
+
+def _check_weights_digest(ckpt: str, stage: int, state: dict, alma: dict) -> None:
+    """The stamped digest of the weights against the file's tensors (``_check_stage_identity``)."""
+    from ..lm.stage_checkpoints import WEIGHTS_DIGEST_KEY, weights_digest
+
+    stamped = alma.get(WEIGHTS_DIGEST_KEY)
+    if stamped is not None and weights_digest(state.get("model") or {}) != stamped:
+        raise RunDirError(f"{ckpt}: not the model this run kept for stage {stage} (its weights "
+                          f"differ from the digest training stamped on it: an averaged, edited or "
+                          f"fine-tuned copy?); {recovery_hint(ckpt)}")
 
 
 def _read_checkpoint(path: str) -> dict:
@@ -247,9 +265,11 @@ def _check_ens_seeds(runs: list[StreamRun]) -> None:
     """Ens members are one setting trained with different seeds (alma-report's rule,
     ``report/seeds.py``): a member trained otherwise is another model, and a copy (same
     fingerprint and seed) would count its compute twice for one model's perplexity.  Settings
-    that change how a run computes, not what (``EXECUTION_SETTINGS``), may differ."""
+    that change how a run computes, not what (``EXECUTION_SETTINGS``), may differ, and so may
+    the spelling of one growth plan (``--grow-experts 2`` and ``2,2``: ``stream/growth_plan``)."""
     from ..fairseq_glue.config import run_fingerprint
     from ..report.seeds import SEED_KEYS, without_keys
+    from ..stream.growth_plan import with_parsed_growth_plan
     from ..stream.run_dir import fingerprint_differences, without_execution_settings
 
     # a member without run.json (fairseq-alma 0.1) is compared by its stage checkpoint's
@@ -259,6 +279,8 @@ def _check_ens_seeds(runs: list[StreamRun]) -> None:
 
     def settings(run: StreamRun) -> dict:
         fingerprint = {"config": run_fingerprint(run.cfg)} if from_checkpoints else run.fingerprint
+        # run.json's data identity says the stream's B; a 0.1 run's records do
+        fingerprint = with_parsed_growth_plan(fingerprint, len(run.records) - 1 if from_checkpoints else None)
         return without_keys(without_execution_settings(fingerprint), SEED_KEYS)
 
     first = runs[0]

@@ -37,13 +37,20 @@ def own_eval_batch_size(config: Any) -> int:
     return eval_batch_size(dataset.get("batch_size_valid"), dataset.get("batch_size"))
 
 
-def batch_size_problem(config: Any, batch_size: int | None, run: Any) -> str | None:
+def batch_size_problem(config: Any, batch_size: int | None, run: Any, *, given_as: str | None = None,
+                       own_by_default: bool = True) -> str | None:
     """Why scoring ``run`` (its config ``config``) with ``batch_size`` sequences per batch would
-    measure another number than its own evaluation (module doc), or None."""
+    measure another number than its own evaluation (module doc), or None.
+
+    ``given_as``: the flags that made ``batch_size``, as the message names them (default
+    ``--batch-size N``); ``own_by_default``: the scoring tool takes the run's own batching when
+    no batch size is given (alma-score), so dropping ``--batch-size`` is advice too (not for
+    fairseq-eval-lm and fairseq-validate, whose batching is whatever their flags say)."""
     capacity = _section(config, "model").get("eval_capacity_factor")
     own = own_eval_batch_size(config)
     if capacity is None or batch_size is None or int(batch_size) == own:
         return None
-    return (f"--batch-size {batch_size}: {run} evaluates with --eval-capacity-factor {capacity:g}, so its "
-            f"perplexity depends on how the tokens are batched; score it with its own evaluation "
-            f"batching (drop --batch-size, or pass --batch-size {own})")
+    advice = f"drop --batch-size, or pass --batch-size {own}" if own_by_default else f"pass --batch-size {own}"
+    return (f"{given_as or f'--batch-size {batch_size}'}: {run} evaluates with --eval-capacity-factor "
+            f"{capacity:g}, so its perplexity depends on how the tokens are batched; score it with its "
+            f"own evaluation batching ({advice})")

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import RunDirError, UsageError
-from .learner_settings import without_unread_settings
+from .fingerprint_forms import comparable_form
 from .records import ArrivalRecord
 from .run_dir import RunDirectory, fingerprint_differences, same_run
 from .run_view import RunView
@@ -64,7 +64,7 @@ def _differences(held: dict[str, Any], wanted: dict[str, Any]) -> str:
         kind = "a vision stream" if "settings" in held else "a language-model stream"
         return f"{kind}'s, not this command's kind of stream"
     shown = []  # settings its method does not read are not differences (same_run)
-    for line in fingerprint_differences(without_unread_settings(held), without_unread_settings(wanted)):
+    for line in fingerprint_differences(comparable_form(held), comparable_form(wanted)):
         name, _, change = line.partition(": ")
         if name == "data":
             old, _, new = change.partition(" -> ")

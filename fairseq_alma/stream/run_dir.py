@@ -34,7 +34,7 @@ from typing import Any, BinaryIO
 
 from ..errors import RunDirError
 from .atomic import atomic_write_json, atomic_write_stream, atomic_write_text
-from .learner_settings import without_unread_settings
+from .fingerprint_forms import comparable_form
 from .lock import HOLDER_FILE, LOCK_FILE, RunLock
 from .records import ArrivalRecord, read_records, write_records
 from .upgrade import note_run_without_fingerprint
@@ -149,7 +149,8 @@ class RunDirectory:
         old = self.read_fingerprint()
         if old is None or same_run(old, fingerprint) or restart or self.never_trained():
             return
-        changed = fingerprint_differences(old, fingerprint)
+        # as same_run compares them: a setting spelled another way is no difference
+        changed = fingerprint_differences(comparable_form(old), comparable_form(fingerprint))
         shown = "; ".join(changed[:4]) + (f"; and {len(changed) - 4} more" if len(changed) > 4 else "")
         if _stream_kind(old) != _stream_kind(fingerprint):
             shown = f"a {_stream_kind(old)} stream's; this command trains a {_stream_kind(fingerprint)} stream"
@@ -297,9 +298,9 @@ def _stream_kind(fingerprint: dict[str, Any]) -> str:
 def same_run(old: dict[str, Any], new: dict[str, Any]) -> bool:
     """``new`` continues the run ``old`` describes: equal but for ``EXECUTION_SETTINGS`` and,
     for a vision run, the learner settings its method does not read (a ``run.json`` written
-    before they were left out holds them: ``learner_settings.without_unread_settings``)."""
+    before they were left out holds them: ``fingerprint_forms.comparable_form``)."""
     def comparable(fingerprint: dict[str, Any]) -> Any:
-        return without_unread_settings(without_execution_settings(fingerprint))
+        return comparable_form(without_execution_settings(fingerprint))
 
     return old == new or comparable(old) == comparable(new)
 

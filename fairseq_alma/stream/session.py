@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from ..errors import AlmaError, Preempted
-from .learner_settings import without_unread_settings
+from .fingerprint_forms import comparable_form
 from .progress import StreamPlan, StreamProgress
 from .records import ArrivalRecord
 from .run_dir import RunDirectory, fingerprint_differences, same_run
@@ -114,8 +114,8 @@ class StreamSession:
         old = None if restart else self.run_dir.read_fingerprint()
         if old is not None and old != fingerprint and same_run(old, fingerprint):
             # only how it computes (settings its method never reads are no change at all)
-            changed = fingerprint_differences(without_unread_settings(old),
-                                              without_unread_settings(fingerprint))
+            changed = fingerprint_differences(comparable_form(old),
+                                              comparable_form(fingerprint))
             if changed:
                 logger.info("continuing the run in %s with other execution settings (%s): the "
                             "same computation, to floating-point rounding", self.run_dir.path,

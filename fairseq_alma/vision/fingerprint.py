@@ -7,7 +7,7 @@ train now (any difference refuses every reuse).  Their tests check it against th
 a real run wrote.
 
 Learner settings a method never reads (``--members`` for SM, ``--gating`` for Ens, the Firefly
-settings for gMoE, ...) are left out (``stream/learner_settings.without_unread_settings``): recorded, they made an SM
+settings for gMoE, ...) are left out (``stream/fingerprint_forms.comparable_form``): recorded, they made an SM
 run trained with ``--members 2`` another run than the same SM run with the default 5, so the
 sweep refused to reuse it, ``alma-report`` split one setting's seeds into rows and Fig. 4 found
 no replay twin, though the numbers are bit-identical.  Run directories written before that hold
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from ..stream.learner_settings import without_unread_settings
+from ..stream.fingerprint_forms import comparable_form
 
 
 class _Settled(Protocol):
@@ -33,4 +33,4 @@ def vision_fingerprint(run: _Settled, data_sha256: str) -> dict[str, Any]:
     """``run.json``'s fingerprint of ``run`` on the data whose ``runner.data_digest`` is
     ``data_sha256``: the settings that change its results (those its method reads), and the
     data (not where it lives)."""
-    return without_unread_settings({"settings": run.settings(), "data": data_sha256})
+    return comparable_form({"settings": run.settings(), "data": data_sha256})

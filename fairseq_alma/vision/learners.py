@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import UsageError
-from ..stream.learner_settings import without_unread_settings
+from ..stream.fingerprint_forms import comparable_form
 from .devices import placement, upcast
 from .mac_count import count_forward_macs, count_parameters, inference_flops
 from .models import build_backbone
@@ -271,5 +271,5 @@ class SingleModelLearner(Learner):
 
 
 def _read_settings(spec: LearnerSpec) -> dict[str, Any]:
-    """``spec``'s settings that its method reads (``fingerprint.without_unread_settings``)."""
-    return without_unread_settings({"settings": {"learner": asdict(spec)}})["settings"]["learner"]
+    """``spec``'s settings that its method reads (``fingerprint.comparable_form``)."""
+    return comparable_form({"settings": {"learner": asdict(spec)}})["settings"]["learner"]

@@ -1,17 +1,29 @@
-"""Which learner settings each vision method reads: what makes two vision fingerprints the same
-run.
+"""One form for fingerprints that describe the same run: what every comparison of ``run.json``
+fingerprints compares.
 
-Why in ``stream/``: ``run_dir.same_run`` (resume, and every driver's reuse of a finished run)
-and ``held_run`` compare fingerprints of both kinds of stream, and a run directory written before
-the unread settings were left out of ``run.json`` holds them; the comparison must drop them on
-both sides, so the rule lives below everything that compares (``vision/fingerprint.py`` writes
-fingerprints with it, ``report/seeds.py`` groups seeds with it).  Nothing here imports torch.
+Two settings are written more than one way without changing the run:
+
+* a vision method's learner settings that it never reads (``--members`` for SM, ``--gating``
+  for all but gMoE): recorded, they made an SM run trained with ``--members 2`` another run than
+  the same SM run with the default 5 (the sweep refused to reuse it, ``alma-report`` split one
+  setting's seeds into rows), though the numbers are bit-identical.  New ``run.json`` files
+  leave them out (``vision/fingerprint.py``); directories written before hold them;
+* an LM's growth plan: ``--grow-experts 2`` and ``2,2`` (and ``--grow-at-stages`` left out or
+  given as its default) are one plan (``growth_plan.py``); ``run.json`` keeps the flags as typed,
+  since its hash is stamped in every stage checkpoint.
+
+Why in ``stream/``: ``run_dir.same_run`` (resume, and every driver's reuse of a finished run),
+``held_run`` and the session compare fingerprints of both kinds of stream, and the comparison
+must normalise both sides, so the rule lives below everything that compares
+(``report/seeds.py`` groups seeds with it too).  Nothing here imports torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+
+from .growth_plan import with_parsed_growth_plan
 
 # the learner settings (``LearnerSpec`` fields, ``run.settings()["learner"]``) that only some
 # methods read; every method reads the others (method, arch, width, seed).  Checked against
@@ -32,21 +44,23 @@ READ_BY_METHOD: dict[str, frozenset[str]] = {
 }
 
 
-def without_unread_settings(fingerprint: Any) -> Any:
+def comparable_form(fingerprint: Any) -> Any:
     """``fingerprint`` without the learner settings its method does not read (module doc); an
     ensemble's (``{"mode": ..., "members": [...]}``, as ``alma-score --json`` keeps it) with
     each member's so.  Anything else (an LM's fingerprint, a method this version does not
-    know) is returned as it is: nothing is dropped on a guess."""
+    know) is returned as it is: nothing is dropped on a guess; only an LM's growth plan is
+    written one way (``--grow-experts 2`` and ``2,2`` are one plan: ``growth_plan.py``), as
+    every comparison of fingerprints goes through here."""
     if not isinstance(fingerprint, Mapping):
         return fingerprint
     if "mode" in fingerprint and isinstance(fingerprint.get("members"), list):
-        return {**fingerprint, "members": [without_unread_settings(m) for m in fingerprint["members"]]}
+        return {**fingerprint, "members": [comparable_form(m) for m in fingerprint["members"]]}
     settings = fingerprint.get("settings")
     learner = settings.get("learner") if isinstance(settings, Mapping) else None
     method = learner.get("method") if isinstance(learner, Mapping) else None
     read = READ_BY_METHOD.get(method) if isinstance(method, str) else None
     if read is None:
-        return fingerprint
+        return with_parsed_growth_plan(fingerprint)
     learner = {key: value for key, value in learner.items()
                if key not in METHOD_SETTINGS or key in read}
     return {**fingerprint, "settings": {**settings, "learner": learner}}
