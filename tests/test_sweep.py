@@ -655,6 +655,32 @@ def test_done_needs_the_runs_own_records_to_say_finished(trained_run, tmp_path, 
     assert "submitted job 77 (array 0%1, link 1/1)" in capsys.readouterr().out
 
 
+def test_a_run_stopped_by_its_max_epoch_is_done_when_its_job_completed(trained_run, tmp_path,
+                                                                       monkeypatch, capsys):
+    """A --max-epoch run never records every arrival: it was submitted again at every call,
+    each job training nothing, while status called it done."""
+    fake_sbatch(tmp_path, monkeypatch)
+    config = _copied_run(trained_run, tmp_path, "max-epoch: 1")
+    stream = tmp_path / "sw" / "seed1" / "stream.jsonl"
+    stream.write_text("".join(stream.read_text().splitlines(keepends=True)[:2]))  # stage 1's end
+    assert main(["submit", str(config), "--sweep-dir", "sw"]) == 0, capsys.readouterr().err
+    assert "all 1 run(s) in " in capsys.readouterr().out
+    assert not (tmp_path / "calls").exists()
+
+
+def test_a_vision_sweep_on_the_embedded_digits_needs_no_data_directory():
+    """Its DATA is the word fairseq-train needs: --dry-run accepted it, submit refused it."""
+    from fairseq_alma.sweeps.train_plan import SweepJob
+    from fairseq_alma.sweeps.train_submit import reads_data
+
+    def job(*argv: str) -> SweepJob:
+        return SweepJob(0, "x", {}, 1, Path("x"), ["digits", "--task", "alma_stream", *argv])
+
+    assert not reads_data(job("--vision-dataset", "digits", "--arch", "alma_vision"))
+    assert reads_data(job("--vision-dataset", "mnist", "--arch", "alma_vision"))
+    assert reads_data(job("--arch", "switch_transformer_lm_tiny"))
+
+
 def test_status_shows_a_failed_rescore_as_failed_and_json_has_the_scoring_tasks(
         tmp_path, monkeypatch, capsys):
     """A rescore that failed left the earlier outputs: status said `stale`, never `failed`;

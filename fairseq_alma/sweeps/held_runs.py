@@ -44,15 +44,18 @@ def holds_trained_run(run_dir: Path) -> bool:
 
 
 def expected_run(job: SweepJob, profile: ResourceProfile,
-                 digests: dict[str, str]) -> tuple[dict[str, Any], int] | None:
+                 digests: dict[str, str]) -> tuple[dict[str, Any], int | None] | None:
     """The fingerprint ``job``'s task on ``profile`` claims its run directory with, and the
-    mega-batches of its stream; None when its task keeps no fingerprint (not a stream).
-    ``digests`` caches a vision data set's digest (hashing it takes a while)."""
+    mega-batches of its stream, None when the job stops before the stream's end (``--max-epoch``:
+    its records never hold every arrival, and its Slurm events say when it is done); None when
+    its task keeps no fingerprint (not a stream).  ``digests`` caches a vision data set's digest
+    (hashing it takes a while)."""
     import torch
     from fairseq import models, tasks
 
     from ..fairseq_glue.config import run_fingerprint
     from ..stream.manifest import data_identity
+    from ..stream.stop import stage_limit
     from .point_values import quiet_logger, training_config
 
     cfg = training_config(job.argv, profile)
@@ -83,7 +86,8 @@ def expected_run(job: SweepJob, profile: ResourceProfile,
         except Exception:  # a model whose construction reads its weights: build it for real
             models.build_model(cfg.model, task)
     fingerprint = {"config": run_fingerprint(cfg), "data": data_identity(task.manifest)}
-    return fingerprint, task.plan.num_megabatches
+    limited = stage_limit(task.plan.max_stages, task.cfg.max_epoch or None, env={}) < task.plan.max_stages
+    return fingerprint, None if limited else task.plan.num_megabatches
 
 
 def held_runs(jobs: list[SweepJob], profile: ResourceProfile, sweep_dir: Path) -> dict[int, bool]:
@@ -100,7 +104,9 @@ def held_runs(jobs: list[SweepJob], profile: ResourceProfile, sweep_dir: Path) -
         if expected is None:
             continue
         fingerprint, megabatches = expected
-        records = held_run_records(job.run_dir, fingerprint, megabatches,
+        # the run there must be this job's; whether it finished, its records say (a job that
+        # stops early by --max-epoch: its Slurm events, as `alma-sweep status` reads them)
+        records = held_run_records(job.run_dir, fingerprint, megabatches or 1,
                                    _other_run_advice(sweep_dir))
-        held[job.index] = records is not None
+        held[job.index] = megabatches is None or records is not None
     return held
