@@ -135,3 +135,16 @@ def test_a_score_json_without_scoring_or_series_is_refused(sweeps, tmp_path, cap
     line = _refused(capsys, tmp_path / "empty.json", sweeps / "plain", "--out", tmp_path / "r")
     assert f"{tmp_path / 'empty.json'}: no series in it" in line
     assert not (tmp_path / "r").exists()
+
+
+def test_a_json_of_fewer_arrivals_than_its_run_is_refused(sweeps, tmp_path, capsys):
+    """alma-score --from-log before 2026-11-29 scored an unfinished vision run as a shorter
+    stream: its JSON's CER (3.577 for a run whose whole stream gives 5.298) was published."""
+    data = json.loads((sweeps / "s1.json").read_text())
+    data["series"][0]["arrivals"] = data["series"][0]["arrivals"][:2]  # arrivals 0..1 of B = 2
+    short = tmp_path / "short.json"
+    short.write_text(json.dumps(data))
+    line = _refused(capsys, short, "--out", tmp_path / "o")
+    assert "covers arrivals 0..1 but" in line and "trains on B = 2 mega-batches" in line, line
+    assert line.endswith("finish the run and score it again with alma-score --json")
+    assert not (tmp_path / "o").exists()

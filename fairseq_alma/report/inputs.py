@@ -27,7 +27,7 @@ from ..errors import DataError, UsageError
 from ..stream.progress import AUTO, wait_from_flag
 from ..stream.records import ArrivalRecord
 from ..stream.run_dir import STREAM_LOG
-from ..stream.run_view import RunView
+from ..stream.run_view import RunView, fingerprint_megabatches
 from ..stream.series import series_from_records
 from .result_tables import REPORT_WRITER, series_from_entry
 from .seeds import SEED_KEYS, ReportedRun, canonical, find_key
@@ -240,6 +240,7 @@ def read_score_json(path: Path) -> list[ReportedRun]:
                 fingerprints.append(RunView(member).fingerprint)
             except UsageError:
                 fingerprints.append(None)
+        _check_stream_length(path, s, members, fingerprints)
         known = bool(members) and None not in fingerprints
         mode = str(scoring.get("mode") or "single")
         fingerprint = None  # a single model's is its run's, as a run directory gives it
@@ -253,6 +254,21 @@ def read_score_json(path: Path) -> list[ReportedRun]:
                                scoring=evaluated_scoring(scoring, fingerprints, str(path), metric),
                                runs=tuple(os.path.realpath(m) for m in members), mode=mode))
     return out
+
+
+def _check_stream_length(path: Path, series: Any, members: list[Path],
+                         fingerprints: list[dict | None]) -> None:
+    """A series must cover its runs' whole stream (arrivals 0..B of the B their ``run.json``
+    gives).  Why: ``alma-score --from-log`` before 2026-11-29 scored an unfinished vision run as
+    a stream of the arrivals it had (B = 4 of 8): its JSON's CER 3.577 was published for a run
+    whose finished stream gives 5.298, beside real B = 4 runs, exit 0."""
+    for member, fingerprint in zip(members, fingerprints):
+        b = fingerprint_megabatches(fingerprint)
+        if b is not None and b != series.num_megabatches:
+            raise UsageError(f"{path}: series {series.setting!r} covers arrivals 0..{series.num_megabatches} "
+                             f"but {member} trains on B = {b} mega-batches (an unfinished run scored by "
+                             f"an earlier alma-score?); finish the run and score it again with "
+                             f"alma-score --json")
 
 
 def _eval_slice(scoring: Mapping[str, Any]) -> tuple[int, int] | None:

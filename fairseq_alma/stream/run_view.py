@@ -154,14 +154,7 @@ class RunView:
     def num_megabatches(self) -> int | None:
         """B of the stream this run trains on, from its fingerprint (LM: the data's manifest;
         vision: its ``--num-megabatches``); None for a run without ``run.json``."""
-        fingerprint = self.fingerprint or {}
-        data = fingerprint.get("data")
-        if isinstance(data, dict) and data.get("num_megabatches") is not None:
-            return int(data["num_megabatches"])
-        settings = fingerprint.get("settings")
-        if isinstance(settings, dict) and settings.get("--num-megabatches") is not None:
-            return int(settings["--num-megabatches"])
-        return None
+        return fingerprint_megabatches(self.fingerprint)
 
     def unfinished_reason(self, num_megabatches: int | None = None) -> str | None:
         """Why this run is not finished (arrivals 0..B of its stream's B, ``num_megabatches``
@@ -296,3 +289,15 @@ def recovery_hint(path: str | os.PathLike) -> str:
                 f"command, or {start_over}")
     return start_over
 
+
+def fingerprint_megabatches(fingerprint: Any) -> int | None:
+    """B of the stream a run with this ``run.json`` fingerprint trains on (an LM: its data's
+    manifest; vision: its ``--num-megabatches``); None when the fingerprint does not say."""
+    fingerprint = fingerprint if isinstance(fingerprint, dict) else {}
+    data = fingerprint.get("data")
+    if isinstance(data, dict) and data.get("num_megabatches") is not None:
+        return int(data["num_megabatches"])
+    settings = fingerprint.get("settings")
+    if isinstance(settings, dict) and settings.get("--num-megabatches") is not None:
+        return int(settings["--num-megabatches"])
+    return None
