@@ -18,6 +18,12 @@
     does not.  The stage-1 checkpoint, alma-score's first, is compared.  Also end to end: one
     alma-score over the run (both stages) against one fairseq-eval-lm per stage checkpoint.
     Alternating runs; tokens and seconds pooled over runs.  Target: >= 1.0x.
+(c) Scoring's compute alone, like with like: in this process, on the stage-1 checkpoint and
+    the same pre-collated batches, the CPU seconds (``time.process_time``) of alma-score's
+    ``score_jointly`` against fairseq-eval-lm's own ``eval_lm`` function, alternating.  Why:
+    (b)'s two clocks differ (collation, about 3% of the time, is in alma-score's only) and
+    wall time swings with the machine's load; CPU time on the same batches does neither.  The
+    two perplexities must agree (a check that both scored the same tokens alike).
 
 Data: ``alma-demo-corpus`` (Python stdlib prose, nothing downloaded) prepared with
 ``alma-data-prep`` into a 2-mega-batch stream in a temporary directory.  Every process runs with
@@ -143,6 +149,44 @@ def score_speed(data: str, run_dir: str, repeats: int) -> dict:
     return totals
 
 
+def score_compute(data: str, run_dir: str, repeats: int) -> dict:
+    """CPU seconds of ``score_jointly`` and of fairseq's ``eval_lm`` on the same batches (c)."""
+    import argparse as _argparse
+    import math
+
+    import torch
+    from fairseq import checkpoint_utils, utils
+    from fairseq_cli.eval_lm import eval_lm
+
+    from fairseq_alma.lm.ensemble_eval import score_jointly
+    from fairseq_alma.lm.nll import Batching, eval_batches
+
+    torch.set_num_threads(1)
+    utils.import_user_module(_argparse.Namespace(user_dir=USER_DIR))
+    models, _, task = checkpoint_utils.load_model_ensemble_and_task(
+        [os.path.join(run_dir, "checkpoint_stage1.pt")],
+        arg_overrides={"data": data, "tokens_per_sample": 128})
+    task.load_dataset("eval")
+    batches = list(eval_batches(models, task, task.dataset("eval"), Batching(16, None)))
+    totals = {"alma_cpu": 0.0, "stock_cpu": 0.0}
+    for _ in range(repeats):
+        start = time.process_time()
+        ours = score_jointly(models, iter(batches), task.target_dictionary.pad())
+        totals["alma_cpu"] += time.process_time() - start
+        start = time.process_time()
+        with torch.no_grad():
+            stock = eval_lm(models, task.source_dictionary, iter(batches),
+                            target_dictionary=task.target_dictionary)
+        totals["stock_cpu"] += time.process_time() - start
+        ours_bits = ours.prefix_nll[0] / ours.ntokens / math.log(2)
+        if not math.isclose(ours_bits, stock["loss"], rel_tol=1e-6):
+            sys.exit(f"stream_overhead: the two scorers disagree ({ours_bits} vs {stock['loss']} "
+                     f"bits per token)")
+    print(f"  {ours.ntokens:,} tokens x {repeats}: score_jointly {totals['alma_cpu']:.2f} CPU s, "
+          f"eval_lm {totals['stock_cpu']:.2f} CPU s", flush=True)
+    return totals | {"tokens": ours.ntokens * repeats}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--updates", type=int, default=100,
@@ -164,6 +208,8 @@ def main() -> None:
         train = train_speed(data, scratch, args.updates, args.repeats, args.log_interval)
         print("(b) scoring the stream's stage checkpoints:", flush=True)
         score = score_speed(data, train["stream_run"], args.repeats)
+        print("(c) scoring's compute alone, same batches, CPU time:", flush=True)
+        compute = score_compute(data, train["stream_run"], 2 * args.repeats)
     per_run = int(score["tokens"]) // args.repeats
     rows = [  # (measure, ours, value, stock, value, ratio, target)
         ("training updates/s (all runs pooled)", "alma_stream", train["alma_stream"],
@@ -172,6 +218,9 @@ def main() -> None:
         (f"scoring tokens/s ({per_run:,} tokens, pooled)", "alma-score",
          score["tokens"] / score["alma_s"], "fairseq-eval-lm", score["tokens"] / score["stock_s"],
          score["stock_s"] / score["alma_s"], 1.0),
+        ("scoring compute alone, tokens/CPU s (same batches)", "score_jointly",
+         compute["tokens"] / compute["alma_cpu"], "eval_lm", compute["tokens"] / compute["stock_cpu"],
+         compute["stock_cpu"] / compute["alma_cpu"], 1.0),
         ("scoring both checkpoints, wall s per run", "alma-score",
          score["alma_wall"] / args.repeats, "fairseq-eval-lm x2", score["stock_wall"] / args.repeats,
          score["stock_wall"] / score["alma_wall"], 1.0),
