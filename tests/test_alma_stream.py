@@ -195,6 +195,11 @@ def test_growth_stream_copies_experts_and_reports_loss(stream_dir, tmp_path):
     records = [json.loads(line) for line in (save / "stream.jsonl").read_text().splitlines()]
     per_expert = (records[2]["params_active"] - records[1]["params_active"]) // 2
     assert per_expert > 0 and records[2]["params_active"] == growth[0]["params_active"]
+    # Comp counts each stage at the model that trained it (it charged stage 1 at the grown size)
+    stage_tokens = [records[1]["train_tokens_cum"], records[2]["train_tokens_cum"] - records[1]["train_tokens_cum"]]
+    assert records[2]["infer_flops_per_token"] > records[1]["infer_flops_per_token"]
+    assert records[2]["train_flops_cum"] == 3 * (stage_tokens[0] * records[1]["infer_flops_per_token"]
+                                                 + stage_tokens[1] * records[2]["infer_flops_per_token"])
     # fairseq's own log says "num. expert model params: 0": ours says where the experts are
     ffn = 2 * (per_expert - 64)  # two experts' FFNs: each grown expert brings a d-64 router row too
     assert f"Switch experts: {ffn:,} parameters in 1 MoE block; {ffn:,} more in slots kept for " \

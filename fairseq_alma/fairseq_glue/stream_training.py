@@ -295,9 +295,11 @@ class StreamTraining:
         model = self.task.model
         counts = model.parameter_counts() if hasattr(model, "parameter_counts") else {}
         params = counts.get("active", sum(p.numel() for p in model.parameters()))
-        train_tokens = sum(self.task.train_tokens(s.index) for s in self.task.plan.schedule[: info.stage])
+        stage_tokens = {s.index: self.task.train_tokens(s.index) for s in self.task.plan.schedule[: info.stage]}
+        train_tokens = sum(stage_tokens.values())
         convention = str(self.cfg.flops_convention)
-        infer, train = model_flops(model, self.cfg.tokens_per_sample, train_tokens, convention)
+        infer, _ = model_flops(model, self.cfg.tokens_per_sample, 0, convention)
+        train = self.train_flops_cum(info.stage, stage_tokens, infer)
         return ArrivalRecord(
             arrival=info.arrival, stage=info.stage, trained=info.trained, megabatches_seen=info.megabatches_seen,
             params_active=int(params), train_flops_cum=float(train), infer_flops_per_token=float(infer),
@@ -309,6 +311,20 @@ class StreamTraining:
                    "skipped_updates": self.session.clock.skipped_by_stage.get(info.stage, 0),
                    **self.stage_extras(info.stage),
                    **(self.session.waits.record_extra(info.arrival) if self.session.waits else {})})
+
+    def train_flops_cum(self, stage: int, stage_tokens: Dict[int, int], infer: int) -> int:
+        """Training FLOPs of stages 1..``stage``, each stage's tokens at the cost per token of
+        the model that trained it (3 x its forward, ``transformer_flops.train_flops``): the
+        earlier stages' from their records' ``infer_flops_per_token``, this stage's ``infer``.
+
+        Why not all tokens at the current model's cost: after ``--grow-experts`` that charged
+        every earlier stage at the grown size (735,215,616 recorded for 734,330,880 trained at
+        arrival 3 of a 2 -> 4 -> 6 run), and Comp counts what was trained.  Integers
+        throughout: a run that never grows records exactly what it did before."""
+        cost = {record.stage: int(record.infer_flops_per_token) for record in self.session.progress.ordered()
+                if 1 <= record.stage < stage}
+        return sum(3 * tokens * cost.get(index, infer) if index < stage else 3 * tokens * infer
+                   for index, tokens in stage_tokens.items())
 
     def stage_extras(self, stage: int) -> Dict[str, Any]:
         """What a record says about the stage that answers it: its replayed counted updates

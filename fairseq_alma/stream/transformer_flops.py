@@ -36,7 +36,7 @@ read as one 512-token sequence, V = 50,000, 4 experts and Switch layers every ot
 
   model                              full      kaplan    params    paper
   base  (6 layers, d 512, f 2048)    48.77     47.16     45.55     42
-  large (12 layers, d 768, f 3072)  135.98    131.15    126.32    126
+  large (12 layers, d 768, f 3072)  135.98    131.15    126.31    126
 
 ``params`` reproduces the large model's 126 GFLOPs.  No count that includes the token's expert
 reproduces the base model's 42: ``params`` without the Switch experts gives 39.1, and 42 is about
