@@ -10,6 +10,7 @@ inputs give the same document order, hence the same seeded split, on every machi
 
 from __future__ import annotations
 
+import errno
 import gzip
 import hashlib
 import os
@@ -79,6 +80,9 @@ def _stat_source(path: str, real: str, given: str) -> os.stat_result:
                             "exist; fix the link or remove it") from None
         raise DataError(f"{where}: no such file or directory") from None
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise DataError(f"{where}: a loop of symbolic links; fix the link or remove it") \
+                from None
         raise DataError(f"{where}: cannot read ({exc.strerror or exc})") from None
     if stat.S_ISREG(st.st_mode) and not os.access(real, os.R_OK):  # now, not mid-extraction
         raise DataError(f"{where}: cannot read (Permission denied); make it readable (chmod) "
@@ -112,8 +116,23 @@ def _walk_sorted(root: str) -> list[str]:
     files = []
     for dirpath, dirnames, filenames in os.walk(root, onerror=refuse, followlinks=True):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        _refuse_link_back_up(root, dirpath, dirnames)
         files.extend(os.path.join(dirpath, f) for f in sorted(filenames) if not f.startswith("."))
     return files
+
+
+def _refuse_link_back_up(root: str, dirpath: str, dirnames: list[str]) -> None:
+    """A linked sub-directory that leads back to a directory above it is refused: followed,
+    it nests the same files deeper and deeper until the path is too long to open, and the
+    error then names a path of forty repeats as "a special file"."""
+    here = os.path.realpath(dirpath)
+    for name in dirnames:
+        link = os.path.join(dirpath, name)
+        target = os.path.realpath(link)
+        if here == target or here.startswith(target.rstrip(os.sep) + os.sep):
+            raise DataError(f"input {root}: directory {link} is a link back to {target}, "
+                            "which holds it (a loop); remove the link or move it out of "
+                            f"{root}")
 
 
 def is_gzip(path: str) -> bool:

@@ -405,6 +405,21 @@ def test_discover_sources_refuses_what_a_directory_holds_but_cannot_be_read(tmp_
                                         f"{tmp_path / 'nowhere.txt'}, which does not exist"):
         discover_sources([str(dangling)])
 
+    # a link loop: a file that links to itself, and a directory linked back to its parent
+    # (followed, it nested "sub/up/sub/up/..." until the path was "a special file")
+    looped = corpus("looped")
+    os.symlink("self", looped / "self")
+    with pytest.raises(DataError, match=f"input {looped / 'self'} .*a loop of symbolic links"):
+        discover_sources([str(looped)])
+    (looped / "self").unlink()
+    os.symlink("..", looped / "sub" / "up")
+    with pytest.raises(DataError, match=f"directory {looped / 'sub' / 'up'} is a link back to "
+                                        f"{os.path.realpath(looped)}, which holds it"):
+        discover_sources([str(looped)])
+    (looped / "sub" / "up").unlink()
+    os.symlink(looped / "sub", looped / "again")  # the same files twice: read once, no loop
+    assert len(discover_sources([str(looped)])) == 2
+
     fifo = corpus("fifo")
     os.mkfifo(fifo / "sub" / "pipe")
     with pytest.raises(DataError, match=f"input {fifo / 'sub' / 'pipe'} .*a FIFO \\(named "
