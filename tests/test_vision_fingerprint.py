@@ -124,3 +124,42 @@ def test_a_run_json_of_earlier_versions_still_resumes_and_is_reused(tmp_path):
     with RunDirectory.for_training(other) as run_dir:
         continued = run_vision_stream(_run(members=2, gating="hard"), run_dir, data)
     assert _arrivals(continued) == _arrivals(whole)
+
+
+def test_gmoe_grows_the_first_two_layers_and_old_records_keep_their_meaning(tmp_path):
+    """§5: gMoE "adds modules (at the first two layers)", the same on CIFAR-10: a VGG gMoE
+    left without --moe-mixture-layers grew all 16 conv layers, while the shipped CIFAR-10 config
+    said 0,1.  The default is now the first two for both backbones and every record names them;
+    an old record (no layers named) keeps its day's meaning: an old MLP run still resumes to an
+    uninterrupted run's numbers, an old VGG run is never taken for a new default one."""
+    from fairseq_alma.stream.run_dir import same_run
+    from fairseq_alma.vision.learners_growing import GrowingMoE
+
+    vgg = GrowingMoE(LearnerSpec("gmoe", "vgg", 4), (3, 32, 32), 10)
+    assert vgg.model.mixture_layers == (0, 1)
+
+    def record(arch: str, layers: list[int]) -> dict:
+        return {"settings": {"learner": {"method": "gmoe", "arch": arch, "width": 4,
+                                         "gating": "soft", "mixture_layers": layers}}}
+
+    assert not same_run(record("vgg", []), record("vgg", [0, 1]))
+    assert same_run(record("vgg", []), record("vgg", list(range(16))))
+    assert same_run(record("mlp", []), record("mlp", [0, 1]))
+
+    data = load_vision_data("digits")
+    digest = data_digest(data)
+    run = _run("gmoe")
+    assert vision_fingerprint(run, digest)["settings"]["learner"]["mixture_layers"] == [0, 1]
+    with RunDirectory.for_training(tmp_path / "whole") as run_dir:
+        whole = run_vision_stream(run, run_dir, data)
+    path = tmp_path / "old"
+    with RunDirectory.for_training(path) as run_dir:
+        run_vision_stream(run, run_dir, data, stop_after=1)
+    old = {"settings": run.settings(), "data": digest}
+    old["settings"]["learner"]["mixture_layers"] = []  # as versions before 2026-11-29 wrote it
+    (path / "run.json").write_text(json.dumps({"fingerprint": old, "hash": fingerprint_hash(old)}))
+    state = torch.load(path / "checkpoint_last.pt", weights_only=False)
+    state["learner"]["spec"]["mixture_layers"] = None
+    torch.save(state, path / "checkpoint_last.pt")
+    with RunDirectory.for_training(path) as run_dir:
+        assert _arrivals(run_vision_stream(run, run_dir, data)) == _arrivals(whole)

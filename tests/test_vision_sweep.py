@@ -110,3 +110,16 @@ def test_sweep_missing_data_dir_in_process(tmp_path, capsys):
     )
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "nowhere: not a directory" in err
+
+
+def test_sweep_backbone_follows_the_data_set_as_the_optimizer_does():
+    """``--dataset cifar10`` alone trained an MLP with the paper's CIFAR optimizer and
+    augmentation; the backbone now follows the data set too (§5: VGG on CIFAR-10)."""
+    from fairseq_alma.cli.vision_sweep import build_parser
+    from fairseq_alma.vision.sweep_runs import _arch
+
+    parse = build_parser().parse_args
+    assert _arch(parse(["--out", "o", "--dataset", "cifar10"])) == "vgg"
+    assert _arch(parse(["--out", "o", "--dataset", "cifar10", "--arch", "mlp"])) == "mlp"
+    assert _arch(parse(["--out", "o", "--dataset", "mnist"])) == "mlp"
+    assert _arch(parse(["--out", "o"])) == "mlp"

@@ -36,9 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--arch",
-        default="mlp",
+        default=None,
         choices=("mlp", "vgg"),
-        help="backbone (paper: mlp on MNIST, vgg on CIFAR)",
+        help="backbone (default, as the paper: vgg on cifar10, mlp otherwise)",
     )
     parser.add_argument(
         "--methods", nargs="+", default=["sm"], choices=METHODS, help="learners to run"
@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--members", type=int, default=5, help="N for ens and umix (paper: 5)")
     parser.add_argument("--gating", default="soft", choices=("soft", "hard"), help="gMoE gating")
+    parser.add_argument("--mixture-layers", default="", metavar="I,J,...",
+                        help="gMoE layers that grow, 0-based (default: the first two, paper §5)")
     parser.add_argument(
         "--optimizer",
         default=None,

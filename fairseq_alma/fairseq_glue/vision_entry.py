@@ -26,7 +26,7 @@ from ..stream.progress import StreamPlan, wait_from_flag
 from ..stream.session import StreamSession
 from ..stream.stop import StopSignal, stage_limit
 from ..vision.devices import planned_device, resolve_device
-from ..vision.learners import LearnerSpec
+from ..vision.learners import LearnerSpec, parse_mixture_layers
 from ..vision.runner import VisionRun, run_vision_session
 from ..vision.stage_trainer import OptimizerSpec, StageTrainConfig
 from .config import component_name, given, refuse_flags
@@ -40,18 +40,6 @@ DATASETS = ("digits", "mnist", "cifar10", "npz")
 def _text(value: Any) -> str:
     """fairseq keeps ChoiceEnum values as enum members; the vision library takes strings."""
     return str(getattr(value, "value", value))
-
-
-def _mixture_layers(text: str) -> tuple[int, ...] | None:
-    if not text.strip():
-        return None
-    try:
-        layers = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise UsageError(f"--moe-mixture-layers takes comma-separated layer indices, e.g. '0,1' "
-                         f"(got {text!r})") from None
-    require(all(layer >= 0 for layer in layers), f"--moe-mixture-layers indices must be >= 0 (got {text!r})")
-    return layers
 
 
 def _optimizer(dataset: str, name: str, lr: float) -> OptimizerSpec:
@@ -214,7 +202,7 @@ def vision_run(task_cfg: Any, model_cfg: Any, machine_checks: bool = True) -> Vi
     learner = LearnerSpec(
         method=_text(model_cfg.vision_method), arch=_text(model_cfg.vision_arch),
         width=int(model_cfg.vision_width), members=int(model_cfg.ensemble_members),
-        gating=_text(model_cfg.moe_gating), mixture_layers=_mixture_layers(model_cfg.moe_mixture_layers),
+        gating=_text(model_cfg.moe_gating), mixture_layers=parse_mixture_layers(model_cfg.moe_mixture_layers),
         growth_rate=float(model_cfg.ff_growth_rate),
         ff_new_layers=int(model_cfg.ff_new_layers), seed=int(task_cfg.seed))
     return VisionRun(

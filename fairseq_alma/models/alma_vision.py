@@ -45,8 +45,8 @@ class AlmaVisionConfig(FairseqDataclass):
     moe_gating: ChoiceEnum(["soft", "hard"]) = field(default="soft", metadata={"help": (
         "gmoe tree gating: soft, or hard with straight-through (App. B.1.1: soft)")})
     moe_mixture_layers: str = field(default="", metadata={"help": (
-        "gmoe layers that grow, comma-separated 0-based indices; default: the first two layers of the "
-        "MLP (paper §5), every conv layer of the VGG")})
+        "gmoe layers that grow, comma-separated 0-based indices; default: the first two layers, of the "
+        "MLP and the VGG alike (paper §5; e.g. 0,1,2,3 grows four of the VGG's 16 conv layers)")})
     ff_growth_rate: float = field(default=0.25, metadata={"help": (
         "ff parameters added per stage, as a fraction of the initial count (App. B.1: 0.25)")})
     ff_new_layers: int = field(default=1, metadata={"help": (

@@ -8,6 +8,12 @@ Two settings are written more than one way without changing the run:
   the same SM run with the default 5 (the sweep refused to reuse it, ``alma-report`` split one
   setting's seeds into rows), though the numbers are bit-identical.  New ``run.json`` files
   leave them out (``vision/fingerprint.py``); directories written before hold them;
+* a vision gMoE's growing layers: run directories written before 2026-11-29 record none when
+  ``--moe-mixture-layers`` was left out, which meant every conv layer of a VGG (the first two
+  of an MLP, its only two); the default is now the first two for both backbones (§5: "adds
+  modules (at the first two layers)"; CIFAR-10's "methods ... are the same") and every new
+  record names its layers.  An old VGG record reads as its sixteen layers, so it is never
+  taken for a new default run (``recorded_mixture_layers``);
 * an LM's growth plan: ``--grow-experts 2`` and ``2,2`` (and ``--grow-at-stages`` left out or
   given as its default) are one plan (``growth_plan.py``); ``run.json`` keeps the flags as typed,
   since its hash is stamped in every stage checkpoint.
@@ -44,6 +50,21 @@ READ_BY_METHOD: dict[str, frozenset[str]] = {
 }
 
 
+# what ``--moe-mixture-layers`` means when left out (``LearnerSpec``), and what it meant for a
+# VGG before 2026-11-29: all of reduced VGG19's convolutions (``models_moe.VGG19_CONV_LAYERS``)
+PAPER_MIXTURE_LAYERS = (0, 1)
+OLD_VGG_MIXTURE_LAYERS = tuple(range(16))
+
+
+def recorded_mixture_layers(arch: Any, recorded: Any) -> list[int]:
+    """The layers a gMoE learner record (``run.json``, a checkpoint's spec) grew: the ones it
+    names, or for a record that names none (written before the default was the paper's) the
+    default of its day: the first two of an MLP, every conv layer of a VGG."""
+    if recorded:
+        return [int(layer) for layer in recorded]
+    return list(OLD_VGG_MIXTURE_LAYERS if arch == "vgg" else PAPER_MIXTURE_LAYERS)
+
+
 def comparable_form(fingerprint: Any) -> Any:
     """``fingerprint`` without the learner settings its method does not read (module doc); an
     ensemble's (``{"mode": ..., "members": [...]}``, as ``alma-score --json`` keeps it) with
@@ -63,4 +84,7 @@ def comparable_form(fingerprint: Any) -> Any:
         return with_parsed_growth_plan(fingerprint)
     learner = {key: value for key, value in learner.items()
                if key not in METHOD_SETTINGS or key in read}
+    if "mixture_layers" in learner:
+        learner["mixture_layers"] = recorded_mixture_layers(learner.get("arch"),
+                                                            learner["mixture_layers"])
     return {**fingerprint, "settings": {**settings, "learner": learner}}

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import UsageError
-from ..stream.fingerprint_forms import comparable_form
+from ..stream.fingerprint_forms import PAPER_MIXTURE_LAYERS, comparable_form
 from .devices import placement, upcast
 from .mac_count import count_forward_macs, count_parameters, inference_flops
 from .models import build_backbone
@@ -38,6 +38,20 @@ from .models_moe import GATINGS, mixture_layer_count
 from .normalization import InputNormalizer
 
 METHODS = ("sm", "ens", "umix", "gens", "gmoe", "ff")
+
+
+def parse_mixture_layers(text: str, flag: str = "--moe-mixture-layers") -> tuple[int, ...] | None:
+    """``flag``'s comma-separated gMoE layer indices; None when empty (the paper's default)."""
+    if not text.strip():
+        return None
+    try:
+        layers = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise UsageError(f"{flag} takes comma-separated layer indices, e.g. '0,1' "
+                         f"(got {text!r})") from None
+    if not all(layer >= 0 for layer in layers):
+        raise UsageError(f"{flag} indices must be >= 0 (got {text!r})")
+    return layers
 
 
 @dataclass(frozen=True)
@@ -50,8 +64,10 @@ class LearnerSpec:
         width: h or c (paper: 4 … 64).
         members: N for Ens and UMix (paper: 5).
         gating: gMoE gating, soft or hard (paper: soft on MNIST and CIFAR).
-        mixture_layers: gMoE layers that grow; default the first two (paper, MNIST) for the
-            MLP and every conv layer for the VGG.
+        mixture_layers: gMoE layers that grow; default the first two, for the MLP (all it
+            has) and the VGG alike (§5: "adds modules (at the first two layers)", and on
+            CIFAR-10 "the methods ... are the same").  Filled in here so that every record
+            names them (``fingerprint_forms.recorded_mixture_layers`` reads older ones).
         growth_rate: FF parameters added per step as a fraction of the initial count (0.25).
         ff_new_layers: FF residual layers inserted per growth step (depth growth; 0: width
             only).  Their parameters count towards the step's budget.
@@ -95,6 +111,8 @@ class LearnerSpec:
         if self.ff_new_layers < 0:
             raise UsageError(f"--ff-new-layers must be >= 0 (0: width growth only), got "
                              f"{self.ff_new_layers}")
+        if self.method == "gmoe" and not self.mixture_layers:
+            object.__setattr__(self, "mixture_layers", PAPER_MIXTURE_LAYERS)
         if self.mixture_layers is not None:
             count = mixture_layer_count(self.arch)
             bad = [layer for layer in self.mixture_layers if not 0 <= layer < count]

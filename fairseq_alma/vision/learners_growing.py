@@ -100,9 +100,8 @@ class GrowingMoE(SingleModelLearner):
 
     def __init__(self, spec: LearnerSpec, input_shape: tuple[int, ...], num_classes: int) -> None:
         super().__init__(spec, input_shape, num_classes)
-        layers = spec.mixture_layers
-        if layers is None:
-            layers = (0, 1) if spec.arch == "mlp" else tuple(range(16))
+        layers = spec.mixture_layers  # LearnerSpec fills in the paper's default
+        assert layers, "a gmoe LearnerSpec always names its mixture layers"
         if spec.arch not in ("mlp", "vgg"):
             raise UsageError(f"--vision-arch {spec.arch!r} is unknown; use mlp or vgg")
         if spec.arch == "vgg":

@@ -31,6 +31,7 @@ import torch
 from ..checkpoint_load import load_checkpoint
 from ..errors import Preempted, RunDirError, UsageError
 from ..ranks import any_rank
+from ..stream.fingerprint_forms import recorded_mixture_layers
 from ..stream.progress import StreamPlan
 from ..stream.records import ArrivalRecord
 from ..stream.run_dir import RunDirectory
@@ -154,8 +155,11 @@ class _VisionStream:
         if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
             raise RunDirError(f"{path} is not a vision stream checkpoint of this version; use "
                               f"another --save-dir")
-        spec = LearnerSpec(**{**state["learner"]["spec"], "mixture_layers": _tuple(
-            state["learner"]["spec"]["mixture_layers"])})
+        saved = state["learner"]["spec"]
+        layers = saved["mixture_layers"]
+        if saved.get("method") == "gmoe":  # a checkpoint that names none grew its day's default
+            layers = recorded_mixture_layers(saved.get("arch"), layers)
+        spec = LearnerSpec(**{**saved, "mixture_layers": _tuple(layers)})
         self.learner.load_checkpoint_state({**state["learner"], "spec": spec})
         self.learner.to(self.device)
         self.stages = {int(s): dict(info) for s, info in state["stages"].items()}

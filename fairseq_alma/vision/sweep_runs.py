@@ -40,7 +40,8 @@ from .data import load_vision_data
 from .dataset import VisionData
 from .devices import resolve_device
 from .fingerprint import vision_fingerprint
-from .learners import LearnerSpec
+from .learners import LearnerSpec, parse_mixture_layers
+from .models_moe import mixture_layer_count
 from .runner import VisionRun, data_digest, run_vision_stream
 from .stage_trainer import OptimizerSpec, StageTrainConfig
 
@@ -147,11 +148,24 @@ def _check_lists(args: argparse.Namespace) -> None:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
     if args.members < 1:
         raise UsageError(f"--members must be >= 1 (the N of ens and umix), got {args.members}")
+    layers = parse_mixture_layers(args.mixture_layers, "--mixture-layers") or ()
+    beyond = [layer for layer in layers if layer >= mixture_layer_count(_arch(args))]
+    if beyond:
+        raise UsageError(f"--mixture-layers {args.mixture_layers}: layer {beyond[0]} is not in "
+                         f"the {_arch(args)} backbone (layers "
+                         f"0-{mixture_layer_count(_arch(args)) - 1})")
     check_dir_path(args.out, "--out")
+
+
+def _arch(args: argparse.Namespace) -> str:
+    """The backbone: ``--arch``, or the paper's for the data set (VGG on CIFAR-10, §5), as the
+    optimizer and the augmentation follow the data set."""
+    return args.arch or ("vgg" if args.dataset == "cifar10" else "mlp")
 
 
 def _runs(args: argparse.Namespace, data: VisionData) -> list[VisionRun]:
     cifar = args.dataset == "cifar10"
+    layers = parse_mixture_layers(args.mixture_layers, "--mixture-layers")
     name = args.optimizer or ("sgd" if cifar else "adadelta")
     optimizer = OptimizerSpec.paper_cifar() if name == "sgd" else OptimizerSpec.paper_mnist()
     training = StageTrainConfig(epochs=args.epochs_per_stage, optimizer=optimizer, augment=cifar,
@@ -160,8 +174,8 @@ def _runs(args: argparse.Namespace, data: VisionData) -> list[VisionRun]:
     return [
         VisionRun(dataset=args.dataset, data_path=args.data_path,
                   plan=StreamPlan(args.num_megabatches, wait, args.replay),
-                  learner=LearnerSpec(method, args.arch, width, members=args.members,
-                                      gating=args.gating, seed=seed),
+                  learner=LearnerSpec(method, _arch(args), width, members=args.members,
+                                      gating=args.gating, mixture_layers=layers, seed=seed),
                   training=training, seed=seed, device=device)
         for method in args.methods for width in args.widths for wait in args.waits
         for seed in args.seeds
