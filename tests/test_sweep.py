@@ -255,6 +255,8 @@ def stream_submit(tmp_path, monkeypatch):
     (["--grid", "wait=1,5"], "wait=5",
      "--wait must be in [1, 2] (the stream's mega-batches); got 5"),
     (["--grid", "capacity-factor=0"], "capacity-factor=0", "--capacity-factor must be > 0"),
+    (["--grid", "wait=1,auto", "--grid", "eval-subset=valid"], "wait=auto, eval-subset=valid",
+     "--wait auto with --eval-subset valid: its decisions read 'valid', which would then be scored"),
     (["--grid", "moe-max-experts=8", "--grid", "grow-experts=3"],
      "moe-max-experts=8, grow-experts=3", "--grow-experts 3: stage 2 would copy 3 experts but the model has 2 then"),
     (["--grid", "wait=2", "--grid", "replay=true"], "wait=2, replay=True",

@@ -256,8 +256,11 @@ def check_members(runs: list[StreamRun], mode: str) -> None:
                              f"but {first.path} has B = {len(first.records) - 1}; members must "
                              f"run the same stream")
         if [r.trained for r in run.records] != [r.trained for r in first.records]:
+            # --wait auto is one setting whose seeds may decide differently (task.wait None)
+            auto = all(r.cfg.task.get("wait", 1) is None for r in (first, run))
+            why = "--wait auto decided other arrivals for each seed" if auto else "--wait differs"
             raise UsageError(f"--mode ens: {run.path} trains at other arrivals than {first.path} "
-                             f"(--wait differs); members must share the stream settings")
+                             f"({why}); members must share one schedule")
     _check_ens_seeds(runs)
 
 

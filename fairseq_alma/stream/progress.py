@@ -66,12 +66,21 @@ AUTO_CONFLICTS = {
 }
 
 
+# the split an LM's --wait auto decisions read (``StreamTraining.measure``'s validation NLL)
+DECISION_SUBSET = "valid"
+
+
 def auto_wait_conflict(flags: Mapping[str, Any]) -> str | None:
     """The one-line refusal for the first flag in ``flags`` (name without dashes -> value)
     that ``--wait auto`` cannot honour, or None."""
     for flag, why in AUTO_CONFLICTS.items():
         if flags.get(flag):
             return f"--wait auto with --{flag}: not supported ({why}); use a fixed --wait"
+    if str(flags.get("eval-subset") or "").strip() == DECISION_SUBSET:
+        # the scored split would be the one every decision read: a schedule picked on its test
+        return (f"--wait auto with --eval-subset {DECISION_SUBSET}: its decisions read "
+                f"'{DECISION_SUBSET}', which would then be scored; score another split "
+                "(the default, eval) or use a fixed --wait")
     return None
 
 

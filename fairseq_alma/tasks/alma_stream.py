@@ -104,7 +104,8 @@ def check_wait_auto(cfg: AlmaStreamConfig, manifest: dict) -> None:
     periods)."""
     conflict = auto_wait_conflict({"scale-updates-by-wait": cfg.scale_updates_by_wait,
                                    "grow-experts": cfg.grow_experts, "replay-ratio": cfg.replay_ratio,
-                                   "update-freq": len(set(cfg.update_freq)) > 1})
+                                   "update-freq": len(set(cfg.update_freq)) > 1,
+                                   "eval-subset": cfg.eval_subset})
     require(conflict is None, conflict or "")
     require(manifest.get("order", "shuffle") == "shuffle",
             "--wait auto on a stream prepared with --order given: not supported (its validation "
