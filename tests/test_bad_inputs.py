@@ -247,6 +247,8 @@ LM_CASES = [
          r"--wait auto with --grow-experts: not supported"),
     Case("wait auto with a per-stage update-freq", lambda c: (lm(c, c.data, c.tmp / "r", "--wait", "auto", "--update-freq", "1,2"), []),
          r"--wait auto with --update-freq: not supported \(a per-stage list"),
+    Case("wait auto scored on its decisions' split", lambda c: (lm(c, c.data, c.tmp / "r", "--wait", "auto", "--eval-subset", "valid"), []),
+         r"--wait auto with --eval-subset valid: its decisions read 'valid', which would then be scored"),
     Case("wait auto with partial replay", lambda c: (lm(c, c.data, c.tmp / "r", "--wait", "auto", "--replay-ratio", "0.25"), []),
          r"--wait auto with --replay-ratio: not supported"),
     Case("wait auto on a drifting stream", lambda c: (lm(c, data_copy(c, "d", _drifting), c.tmp / "r", "--wait", "auto"), [c.tmp / "d"]),
@@ -339,6 +341,14 @@ LM_CASES = [
     Case("eval subset missing", lambda c: (lm(c, c.data, c.tmp / "r", "--eval-subset", "test"), []), r"--eval-subset test: .*test.bin.* missing"),
     Case("checkpoint of another architecture", lambda c: (lm(c, c.data, _last_only(c), "--decoder-layers", "4"), [c.tmp / "r"]),
          r"checkpoint_last.pt holds another model \(model.decoder_layers: 2 -> 4\); move it aside"),
+    Case("fairseq validation turned on and off", lambda c: (lm(c, c.data, c.tmp / "r", "--fairseq-validation", "--disable-validation"), []),
+         r"--fairseq-validation with --disable-validation: one runs fairseq's own validation"),
+    Case("checkpoint of stock fairseq-train", lambda c: (lm(c, c.data, _last_only(c, task="language_modeling")), [c.tmp / "r"]),
+         r"checkpoint_last.pt is a checkpoint of a --task language_modeling run, not of a stream; move it aside"),
+    Case("checkpoint of another seed", lambda c: (lm(c, c.data, _last_only(c, "stream.jsonl"), "--seed", "2"), [c.tmp / "r"]),
+         r"checkpoint_last.pt holds a run with other settings \(common.seed: 1 -> 2"),
+    Case("another run's stage checkpoint", lambda c: (lm(c, c.data, _only(c, "checkpoint_stage1.pt")), [c.tmp / "r"]),
+         r"checkpoint_stage1.pt has neither run.json nor stream.jsonl beside it"),
     Case("checkpoint of another expert count", lambda c: (lm(c, c.data, _last_only(c), "--moe-experts", "4"), [c.tmp / "r"]),
          r"checkpoint_last.pt .*another model .*moe_experts: 2 -> 4.*move it aside"),
     Case("DATA of two directories", lambda c: (lm(c, f"{c.data}:{c.other_data}", c.tmp / "r"), [c.data, c.other_data]),
@@ -460,11 +470,23 @@ def _existing_dir(ctx: Ctx) -> Path:
     return ctx.tmp / "r"
 
 
-def _last_only(ctx: Ctx) -> Path:
-    """A --save-dir holding only the finished run's checkpoint_last.pt (no run.json to compare)."""
+def _only(ctx: Ctx, *names: str) -> Path:
+    """A --save-dir holding only these files of the finished run (no run.json to compare)."""
     save = ctx.tmp / "r"
     save.mkdir()
-    shutil.copy(ctx.done / "checkpoint_last.pt", save / "checkpoint_last.pt")
+    for name in names:
+        shutil.copy(ctx.done / name, save / name)
+    return save
+
+
+def _last_only(ctx: Ctx, *more: str, task: str | None = None) -> Path:
+    """The finished run's checkpoint_last.pt (and ``more`` files) alone; ``task``: as if
+    written by a fairseq-train of that task (stock fairseq also saves to checkpoints/)."""
+    save = _only(ctx, "checkpoint_last.pt", *more)
+    if task is not None:
+        state = torch.load(save / "checkpoint_last.pt", weights_only=False)
+        state["cfg"]["task"]["_name"] = task
+        torch.save(state, save / "checkpoint_last.pt")
     return save
 
 

@@ -102,6 +102,11 @@ class StreamTraining:
             logger.info("alma_stream: --wait auto: at each of the %d arrivals, train on the mega-"
                         "batches waiting (%d updates) or wait, from the validation NLL "
                         "(fairseq_alma/stream/wait_policy.py)", plan.num_megabatches, budget)
+            if str(getattr(self.task.cfg.stage_init, "value", self.task.cfg.stage_init)) == "scratch":
+                # the run cannot know it will be scored as gEns; say what its decisions weigh
+                logger.warning("alma_stream: --wait auto with --stage-init scratch decides from "
+                               "the newest model's validation NLL alone; scored as gEns "
+                               "(alma-score --mode gens) the ensemble is not what it planned for")
         processes = world()[0]
         if self.session.resuming and processes >= 3 and \
                 str(given(self.cfg, "distributed_training", "ddp_backend") or "") == "pytorch_ddp":
@@ -270,7 +275,8 @@ class StreamTraining:
             common = section(self.cfg, "common") or {}
             print_arrivals(new, common.get("log_format"), common.get("log_file"),
                            bool(common.get("no_progress_bar")))
-            log_arrivals(self.cfg.tensorboard_logdir, self.session.progress.ordered())
+            log_arrivals(self.cfg.tensorboard_logdir, self.session.progress.ordered(),
+                         str(self.run_dir.path))
 
     def measure(self) -> Dict[str, float]:
         """Perplexity of the model on the evaluation mega-batch and on the validation set; once

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..errors import REQUEUE_EXIT_STATUS, CheckpointError, UsageError
 from ..out_paths import check_dir_path, check_file_path, check_writable
-from .config import component_name, given, section
+from .config import component_name, fairseq_root, given, run_fingerprint, section
 
 # flag -> (section, key): sizes that must be >= 1 when given (None: fairseq's default)
 SIZES = {
@@ -328,27 +328,64 @@ def _model_positions(task: Any) -> int:
 
 
 def check_leftover_checkpoint(save_dir: str, node: Any) -> None:
-    """A ``checkpoint_last.pt`` in a --save-dir without ``run.json`` (a run of fairseq-alma 0.1,
-    or a file copied there) is continued; refuse it when it holds another model."""
+    """Checkpoints in a --save-dir without ``run.json``: a run of fairseq-alma 0.1 (its records
+    in ``stream.jsonl`` beside them) of these settings is continued; anything else is refused
+    before the first update.  It was all continued as "a run of 0.1": a stock ``fairseq-train``
+    checkpoint (fairseq saves to ``checkpoints/`` by default, as the stream does) became
+    arrival 0 and its update counter cut stage 1 short, while the records counted the whole
+    stage; another seed's or learning rate's ``checkpoint_last.pt`` copied in was continued
+    under this run's name; another run's stage checkpoint was kept as this run's."""
+    from pathlib import Path
+
     from omegaconf import OmegaConf
 
     from ..checkpoint_load import load_checkpoint
-    from ..stream.run_dir import LAST_CHECKPOINT, RUN_FILE, fingerprint_differences
+    from ..stream.run_dir import LAST_CHECKPOINT, RUN_FILE, STREAM_LOG
 
-    last = os.path.join(save_dir, LAST_CHECKPOINT)
-    if not os.path.isfile(last) or os.path.exists(os.path.join(save_dir, RUN_FILE)):
+    run_dir = Path(save_dir)
+    if (run_dir / RUN_FILE).exists():
         return
-    state = load_checkpoint(last, mmap=True)
-    old = (state.get("cfg") or {}).get("model") if isinstance(state, dict) else None
-    model = section(node, "model")
-    if not isinstance(old, dict) or model is None:
+    last = run_dir / LAST_CHECKPOINT
+    held = ([last] if last.is_file() else []) + sorted(run_dir.glob("checkpoint_stage*.pt"))
+    if not held:
         return
-    model = OmegaConf.to_container(model, resolve=True, enum_to_str=True)
-    # settings the checkpoint does not know were added to the model later: not compared
-    changed = fingerprint_differences(_plain(old), {k: v for k, v in model.items() if k in old}, "model")
-    if changed:
-        raise CheckpointError(f"{last} holds another model ({'; '.join(changed[:3])}); move it "
-                              "aside or use another --save-dir, or add --restart-stream")
+    advice = "move it aside or use another --save-dir, or add --restart-stream"
+    if last.is_file():
+        state = load_checkpoint(last, mmap=True)
+        cfg = state.get("cfg") if isinstance(state, dict) else None
+        old = _plain(cfg) if cfg is not None else None
+        if isinstance(old, dict):
+            task = (old.get("task") or {}).get("_name")
+            if task != "alma_stream":
+                raise CheckpointError(f"{last} is a checkpoint of a --task {task} run, not of a "
+                                      f"stream; {advice}")
+            changed = _settings_changed(old, OmegaConf.to_container(fairseq_root(node), resolve=True,
+                                                                    enum_to_str=True))
+            if changed:
+                what = "another model" if changed[0].startswith("model.") else "a run with other settings"
+                raise CheckpointError(f"{last} holds {what} ({'; '.join(changed[:3])}); {advice}")
+    if not (run_dir / STREAM_LOG).is_file():
+        raise CheckpointError(f"{held[0]} has neither run.json nor {STREAM_LOG} beside it, so it is "
+                              f"no stream run this command can continue (another run's, or a copied "
+                              f"file); {advice}")
+
+
+def _settings_changed(old: dict, new: dict) -> list[str]:
+    """``key: old -> new`` for the settings that change results (``run_fingerprint``) of a
+    checkpoint's config ``old`` against the command's ``new``; settings one side does not know
+    (added or removed since it was written) and execution settings are not compared."""
+    from omegaconf import OmegaConf
+
+    from ..stream.run_dir import fingerprint_differences, without_execution_settings
+
+    prints = [without_execution_settings({"config": run_fingerprint(OmegaConf.create(side))})["config"]
+              for side in (old, new)]
+    both = [{name: {key: part[key] for key in part if key in other.get(name, {})}
+             for name, part in mine.items() if isinstance(part, dict) and isinstance(other.get(name), dict)}
+            for mine, other in (prints, prints[::-1])]
+    changed = fingerprint_differences(both[0], both[1])
+    # the model first: what the message calls "another model"
+    return sorted(changed, key=lambda item: not item.startswith("model."))
 
 
 def _plain(value: Any) -> Any:
@@ -712,6 +749,10 @@ def check_stream_run_flags(node: Any) -> None:
                          "loss stops improving, and an alma_stream run does not run that validation: "
                          "the LR would never change; add --fairseq-validation, or use --lr-scheduler "
                          "alma_stage_linear")
+    if given(node, "task", "fairseq_validation") and given(node, "dataset", "disable_validation"):
+        # one turns fairseq's validation on, the other off: its best checkpoints never came
+        raise UsageError("--fairseq-validation with --disable-validation: one runs fairseq's own "
+                         "validation after every stage, the other turns it off; drop one of them")
     if not given(node, "task", "fairseq_validation"):
         for section_name, key, set_ in FAIRSEQ_VALIDATION_FLAGS:
             value = given(node, section_name, key)

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Optional, Sequence
 
 from ..stream.records import ArrivalRecord
 
 
-def log_arrivals(logdir: Optional[str], records: Sequence[ArrivalRecord]) -> None:
-    """Rewrite the ``stream`` run of ``logdir`` from all records (idempotent across resumes)."""
+def run_suffix(save_dir: str) -> str:
+    """The events-file suffix of the run in ``save_dir``: its own files are the ones it
+    rewrites.  Two runs given one ``--tensorboard-logdir`` (as fairseq allows: both write
+    ``train/``) each keep their curves; without it the second deleted the first's."""
+    return "." + hashlib.sha1(os.path.realpath(save_dir).encode()).hexdigest()[:12]
+
+
+def log_arrivals(logdir: Optional[str], records: Sequence[ArrivalRecord], save_dir: str) -> None:
+    """Rewrite this run's file in the ``stream`` run of ``logdir`` from all its records
+    (idempotent across resumes): what ``stream.jsonl`` records per arrival, as scalars."""
     if not logdir:
         return
     try:
@@ -18,14 +27,18 @@ def log_arrivals(logdir: Optional[str], records: Sequence[ArrivalRecord]) -> Non
         return
     path = os.path.join(logdir, "stream")
     os.makedirs(path, exist_ok=True)
+    suffix = run_suffix(save_dir)
     for name in os.listdir(path):
-        if name.startswith("events.out"):
+        if name.startswith("events.out") and name.endswith(suffix):
             os.remove(os.path.join(path, name))
-    writer = SummaryWriter(path)
+    writer = SummaryWriter(path, filename_suffix=suffix)
     for r in records:
-        writer.add_scalar("stream/eval_ppl", r.eval_ppl, r.arrival)
-        for key, value in r.valid.items():
-            writer.add_scalar(f"stream/{key}", value, r.arrival)
-        writer.add_scalar("stream/params_active", r.params_active, r.arrival)
-        writer.add_scalar("stream/train_tflops_cum", r.train_flops_cum / 1e12, r.arrival)
+        scalars = {"stage": r.stage, "trained": int(r.trained), "megabatches_seen": r.megabatches_seen,
+                   "eval_ppl": r.eval_ppl, "eval_nll": r.eval_nll, **r.valid,
+                   "params_active": r.params_active, "train_tflops_cum": r.train_flops_cum / 1e12,
+                   "infer_flops_per_token": r.infer_flops_per_token,
+                   "infer_flops_per_sequence": r.extra.get("infer_flops_per_sequence")}
+        for key, value in scalars.items():
+            if value is not None:
+                writer.add_scalar(f"stream/{key}", value, r.arrival)
     writer.close()
