@@ -17,9 +17,10 @@ import io
 import os
 import re
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from itertools import chain, pairwise
-from multiprocessing import Pool
 from typing import Protocol
 
 import numpy as np
@@ -286,17 +287,33 @@ def _encode_range_star(task: tuple) -> tuple[int, int, int, list[str]]:
 def encode_ranges(docs_path: str, encoder: LineEncoder, ranges: list[tuple[int, int]],
                   prefixes: list[str], workers: int) -> None:
     """Encode each byte range into its prefix with ``workers`` processes (each range is read
-    and written by one worker: the main process ships no text)."""
+    and written by one worker: the main process ships no text).
+
+    A pool of ``concurrent.futures``, not ``multiprocessing.Pool``: when a worker dies (the
+    out-of-memory killer, a signal) the latter waits for its result forever, with no word;
+    this one raises ``BrokenProcessPool``, turned into one line."""
     tasks = [(docs_path, a, b, encoder, prefix) for (a, b), prefix in zip(ranges, prefixes)]
     progress = Progress("encode")
-    pool = Pool(workers) if workers > 1 and len(tasks) > 1 else None
-    try:
-        for result in (pool.imap(_encode_range_star, tasks) if pool
-                       else map(_encode_range_star, tasks)):
+    if workers <= 1 or len(tasks) <= 1:
+        for result in map(_encode_range_star, tasks):
             progress.update(result[0], result[2])
+        progress.finish()
+        return
+    pool = ProcessPoolExecutor(workers)
+    finished = False
+    try:
+        for result in pool.map(_encode_range_star, tasks):
+            progress.update(result[0], result[2])
+        finished = True
+    except BrokenProcessPool:
+        raise DataError(f"encoding {docs_path}: a --workers process died (killed, or out of "
+                        "memory?); run the same command again, or "
+                        "with fewer --workers") from None
     finally:
-        if pool is not None:
-            pool.terminate()
+        if not finished:  # stop the other workers now, as Pool.terminate did (3.11 has no API)
+            for process in list((getattr(pool, "_processes", None) or {}).values()):
+                process.terminate()
+        pool.shutdown(wait=finished, cancel_futures=True)
     progress.finish()
 
 

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from fairseq_alma.console import OneLineArgumentParser, run_console
-from fairseq_alma.errors import DataError
+from fairseq_alma.errors import DataError, no_room_named
 from fairseq_alma.text_table import format_table
 
 from .out_dir import check_output_dir
@@ -339,7 +339,8 @@ def _registered_run(args: argparse.Namespace, command: str, argv: list[str]) -> 
     from fairseq_alma import register
 
     register()
-    return _run(args, command, argv)
+    with no_room_named(f"--out {args.out}"):
+        return _run(args, command, argv)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import tokenize
 from collections.abc import Iterator
 
 from fairseq_alma.console import OneLineArgumentParser, run_console
-from fairseq_alma.errors import DataError, UsageError
+from fairseq_alma.errors import DataError, UsageError, no_room_named
 from fairseq_alma.stream.atomic import atomic_output
 
 DEFAULT_FILE_NAME = "demo_corpus.txt"
@@ -190,7 +190,12 @@ def main(argv: list[str] | None = None) -> int:
                         "MB of UTF-8 text (default: 5; the whole Python 3.11 stdlib gives about "
                         "3.3 MB, enough for a 4-mega-batch stream with a 2000-piece BPE)")
     args = parser.parse_args(argv)
-    return run_console(parser.prog, lambda: _report(*write_demo_corpus(args.out, args.max_mb)))
+
+    def write() -> None:
+        with no_room_named(f"--out {args.out}"):
+            _report(*write_demo_corpus(args.out, args.max_mb))
+
+    return run_console(parser.prog, write)
 
 
 def _report(path: str, written: bool) -> None:

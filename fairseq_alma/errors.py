@@ -11,6 +11,10 @@ and keeps its traceback.
 
 from __future__ import annotations
 
+import errno
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 # sysexits.h EX_TEMPFAIL: "a temporary failure, the user is invited to retry".  A preempted
 # training exits with it after saving, and slurm/sweep.sbatch.in requeues on it.
 REQUEUE_EXIT_STATUS = 75
@@ -56,6 +60,29 @@ class Preempted(AlmaError):
     command continues.  Exits with ``REQUEUE_EXIT_STATUS`` so a scheduler requeues the job."""
 
     exit_status = REQUEUE_EXIT_STATUS
+
+
+class OutputError(AlmaError):
+    """An output that cannot be written for lack of room: a full disk, a file-size limit, a quota."""
+
+
+# what a write reports when there is no room for it (ENOSPC; EFBIG under `ulimit -f`; EDQUOT)
+NO_ROOM_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
+
+
+@contextmanager
+def no_room_named(where: str, again: str = "run the same command again") -> Iterator[None]:
+    """A write that finds no room becomes one ``OutputError`` naming the file (or ``where``,
+    when the error names none: a write to an open file) instead of a traceback.  The writers
+    (``stream/atomic.py``) have removed their temporaries by then, so ``again`` gives the
+    uninterrupted result once there is room."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno not in NO_ROOM_ERRNOS:
+            raise
+        raise OutputError(f"{err.filename or where}: cannot write ({err.strerror}); free space "
+                          f"(or raise the file-size limit, ulimit -f) and {again}") from None
 
 
 class StreamFinished(Exception):

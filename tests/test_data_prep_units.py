@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import textwrap
 import time
 from itertools import pairwise
@@ -544,3 +545,33 @@ def test_sentencepiece_errors_are_explained_in_the_flag_terms():
                 "trainer_spec_.bos_piece())]")
     assert _explain_spm_error(internal, 1).startswith("--vocab-size 1 is too small")
     assert "342 pieces" in _explain_spm_error("smaller than required_chars. 4 vs 342.", 4)
+
+
+class _DyingEncoder:
+    """A tokenizer whose worker process is killed as it starts a range (the OOM killer)."""
+
+    def __init__(self, parent: int) -> None:
+        self.parent = parent
+
+    def load(self):
+        if os.getpid() != self.parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return lambda lines: [[1] for _ in lines]
+
+    def piece_table(self) -> list[str]:
+        return ["a", "b"]
+
+
+def test_a_killed_encode_worker_is_one_line_not_a_hang(tmp_path):
+    """multiprocessing.Pool waited forever for a dead worker's result (no message, no exit)."""
+    from data_prep.bpe import encode_ranges
+
+    docs = tmp_path / "docs.txt"
+    docs.write_text("a b\n\nb a\n\n", encoding="utf-8")
+    signal.alarm(60)  # the old hang ends the test process instead of the CI job
+    try:
+        with pytest.raises(DataError, match=r"a --workers process died .*run the same command"):
+            encode_ranges(str(docs), _DyingEncoder(os.getpid()), [(0, 5), (5, 10)],
+                          [str(tmp_path / "p0"), str(tmp_path / "p1")], workers=2)
+    finally:
+        signal.alarm(0)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lm_fixtures import stream_cmd
+from lm_fixtures import stream_cmd, tool
 
 
 @pytest.fixture
@@ -43,3 +43,31 @@ def test_full_disk_is_one_line_and_keeps_earlier_checkpoints(stream_dir, small_d
     assert checkpoints, "nothing was saved before the disk filled"
     for path in checkpoints:  # complete files only: every one of them loads
         torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _file_size_limit(kib: int):
+    """preexec_fn: writes past ``kib`` KiB fail with EFBIG (Python ignores SIGXFSZ), as on a
+    full disk; needs no mount, so it runs everywhere."""
+    import resource
+
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (kib * 1024, kib * 1024))
+
+
+@pytest.mark.parametrize("name", ["alma-demo-corpus", "alma-data-prep"])
+def test_preparing_data_with_no_room_is_one_line_and_leaves_nothing(tmp_path, name):
+    """alma-data-prep and alma-demo-corpus ended in a traceback (OSError EFBIG / ENOSPC)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"document {i} says words and more words.\n\n" for i in range(4000)))
+    out = tmp_path / "out"
+    argv = ([tool(name), "--out", str(out), "--max-mb", "0.3"] if name == "alma-demo-corpus" else
+            [tool(name), str(corpus), "--out", str(out), "--vocab-size", "100",
+             "--num-megabatches", "2", "--workers", "1"])
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300,
+                          preexec_fn=_file_size_limit(64))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert lines[-1].startswith(f"{name}: error: --out {out}: cannot write (File too large); "
+                                "free space"), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    left = [p.name for p in out.rglob("*") if p.is_file()] if out.is_dir() else []
+    assert not any(name.endswith(".tmp") or ".tmp" in name for name in left), left
