@@ -600,6 +600,10 @@ SCORE_CASES = [
     Case("score from-log with ens", lambda c: ([tool("alma-score"), str(c.done), "--from-log", "--mode", "ens"], [c.done]), r"--from-log works with --mode single only", prog="alma-score"),
     Case("score fp16 on CPU", lambda c: ([tool("alma-score"), str(c.done), "--fp16", "--cpu"], [c.done]), r"--fp16", prog="alma-score"),
     Case("score json is a directory", lambda c: ([tool("alma-score"), str(c.done), "--from-log", "--json", str(c.tmp)], [c.done, c.tmp]), r"--json .*: is a directory; give the path of a file to write", prog="alma-score"),
+    Case("score csv inside the run's own stream", lambda c: ([tool("alma-score"), str(c.done), "--from-log", "--csv", str(c.data / "scores.csv")], [c.done, c.data]),
+         r"--csv .*/scores.csv: inside the stream directory .*, whose files it would replace; write it outside the stream directory", prog="alma-score"),
+    Case("score json onto the --data manifest", lambda c: ([tool("alma-score"), str(c.done), "--data", str(data_copy(c, "d", lambda p: None)), "--json", str(c.tmp / "d" / "manifest.json")], [c.done, c.tmp / "d"]),
+         r"--json .*d/manifest.json: inside the stream directory .*/d, whose files it would replace", prog="alma-score"),
     Case("score unfinished run", lambda c: ([tool("alma-score"), str(_unfinished(c)), "--from-log"], [c.tmp / "r"]), r"stream.jsonl", prog="alma-score"),
 ]
 
@@ -747,6 +751,8 @@ TOOL_CASES = [
     Case("report json unreadable", lambda c: ([tool("alma-report"), str(_file(c, "s.json", "{")), "--out", str(c.tmp / "o")], [c.tmp]), r"s.json", prog="alma-report"),
     Case("report input in out", lambda c: ([tool("alma-report"), str(_in_out(c, "table2.json")), str(c.done), "--out", str(c.tmp / "o")], [c.tmp / "o", c.done]),
          r"--out .*/o would overwrite or remove the input .*/o/table2.json .*use another --out", prog="alma-report"),
+    Case("report out entry under an output name is a directory", lambda c: ([tool("alma-report"), str(c.done), "--out", str(_dir_in_out(c, "table2.csv"))], [c.done, c.tmp / "o"]),
+         r"o/table2.csv: not a file, and alma-report writes table2.csv there; remove or rename it, or use another --out", prog="alma-report"),
     Case("report run without records", lambda c: ([tool("alma-report"), str(_started(c)), "--out", str(c.tmp / "o")], [c.tmp / "r"]),
          r"r/stream.jsonl: training not finished: no arrival recorded yet .*run the same training command again", prog="alma-report"),
     Case("report json without scoring", lambda c: ([tool("alma-report"), str(_file(c, "s.json", '{"metric": "ppl", "series": [{"setting": "SM_w1"}]}')), "--out", str(c.tmp / "o")], [c.tmp]),
@@ -772,6 +778,14 @@ def _in_out(ctx: Ctx, name: str) -> Path:
     """An alma-score JSON saved in the report's --out under a name the report writes."""
     (ctx.tmp / "o").mkdir()
     return _file(ctx, f"o/{name}", '{"metric": "ppl", "series": []}')
+
+
+def _dir_in_out(ctx: Ctx, name: str) -> Path:
+    """A report's --out (with an earlier table in it) where a directory has a report file's name."""
+    (ctx.tmp / "o" / name).mkdir(parents=True)
+    (ctx.tmp / "o" / name / "kept").write_text("mine")
+    (ctx.tmp / "o" / "table2.md").write_text("an earlier report's table")
+    return ctx.tmp / "o"
 
 
 def _started(ctx: Ctx) -> Path:

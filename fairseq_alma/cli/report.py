@@ -34,15 +34,18 @@ import fnmatch
 import logging
 import os
 import re
-import shutil
+import signal
+import stat
 import sys
-import tempfile
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..console import OneLineArgumentParser, run_console
 from ..errors import UsageError
 from ..out_paths import check_dir_path
+from ..stream.atomic import StagedOutputs
 
 logger = logging.getLogger("fairseq_alma.cli.report")
 
@@ -68,10 +71,11 @@ def write_report(args: argparse.Namespace) -> list[str]:
     """Read, group, check, render; returns what was written, in order.  Bad input:
     ``UsageError``, before any file in --out changes.
 
-    Why every file is drawn into a scratch folder inside --out and moved into place only once
-    all of them are: a check that failed after the first file (seeds of one setting with and
-    without an eval matrix) overwrote the earlier report's table and figures and left its
-    Fig. 4 beside them, a mix that no command made."""
+    Why every file is drawn into a staging folder inside --out (``StagedOutputs``) and moved
+    into place only once all of them are: a check that failed after the first file (seeds of one
+    setting with and without an eval matrix) overwrote the earlier report's table and figures
+    and left its Fig. 4 beside them, a mix that no command made.  The staging folder's name
+    holds this process's id, so the next report removes it if this one was killed."""
     from ..report import figures, matrix_table, result_tables
     from ..report.inputs import common_eval_slice, common_split, read_inputs
     from ..report.seeds import group_by_seed, replay_pairs
@@ -89,52 +93,55 @@ def write_report(args: argparse.Namespace) -> list[str]:
         raise UsageError(str(err)) from None
     pairs = replay_pairs(groups)
     out = Path(args.out)
+    stem = "table2" if metric == "ppl" else "cer_table"
+    note = "".join(f"{line}\n" for line in notes)  # under the table, and in the Markdown copy
+    planned: list[tuple[str, Callable[[str], object]]] = [
+        (f"{stem}.md", lambda path: Path(path).write_text(
+            result_tables.format_markdown(groups) + (f"\n{note}" if note else ""), "utf-8")),
+        (f"{stem}.csv", lambda path: result_tables.write_csv(groups, path)),
+        (f"{stem}.json", lambda path: result_tables.write_json(groups, path)),
+    ]
+    if metric == "ppl":
+        planned += [("fig5_tradeoffs.png", lambda path: figures.plot_tradeoffs(groups, path)),
+                    ("fig3_perplexity_curves.png", lambda path: figures.plot_error_curves(groups, path))]
+    else:
+        planned.append(("fig2_cer_tradeoffs.png", lambda path: figures.plot_cer_tradeoffs(groups, path)))
+        sizes = list(dict.fromkeys(g.first.num_experts for g in groups))
+        for size in sizes:
+            name = "fig3_error_curves.png" if len(sizes) == 1 else \
+                f"fig3_error_curves_{_file_tag(size)}.png"
+            members = [g for g in groups if g.first.num_experts == size]
+            planned.append((name, lambda path, members=members: figures.plot_error_curves(members, path)))
+    if matrices:
+        planned += [
+            ("eval_matrix.md", lambda path: Path(path).write_text(
+                matrix_table.format_summary(matrices, markdown=True), "utf-8")),
+            ("eval_matrix.csv", lambda path: matrix_table.write_csv(matrices, path)),
+            ("eval_matrix.json", lambda path: matrix_table.write_json(matrices, path)),
+            ("fig_eval_matrix.png", lambda path: figures.plot_eval_matrix(matrices, path))]
+    if pairs:
+        planned.append(("fig4_replay.png", lambda path: figures.plot_replay(pairs, path)))
+    refuse_non_files_among_outputs(out, [name for name, _ in planned])
     created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
-        scratch = Path(tempfile.mkdtemp(prefix=".alma-report-", dir=out))
     except OSError as err:
         raise UsageError(f"--out {out}: cannot create ({err.strerror})") from None
-    stem = "table2" if metric == "ppl" else "cer_table"
-    names: list[str] = []
-
-    def emit(name: str, write: Callable[[Path], object]) -> None:
-        try:
-            write(scratch / name)
-        except OSError as err:
-            raise UsageError(f"{out / name}: cannot write ({err.strerror or err})") from None
-        names.append(name)
-
-    note = "".join(f"{line}\n" for line in notes)  # under the table, and in the Markdown copy
+    names = [name for name, _ in planned]
     try:
-        emit(f"{stem}.md", lambda path: path.write_text(
-            result_tables.format_markdown(groups) + (f"\n{note}" if note else ""), "utf-8"))
-        emit(f"{stem}.csv", lambda path: result_tables.write_csv(groups, path))
-        emit(f"{stem}.json", lambda path: result_tables.write_json(groups, path))
-        if metric == "ppl":
-            emit("fig5_tradeoffs.png", lambda path: figures.plot_tradeoffs(groups, path))
-            emit("fig3_perplexity_curves.png", lambda path: figures.plot_error_curves(groups, path))
-        else:
-            emit("fig2_cer_tradeoffs.png", lambda path: figures.plot_cer_tradeoffs(groups, path))
-            sizes = list(dict.fromkeys(g.first.num_experts for g in groups))
-            for size in sizes:
-                name = "fig3_error_curves.png" if len(sizes) == 1 else \
-                    f"fig3_error_curves_{_file_tag(size)}.png"
-                members = [g for g in groups if g.first.num_experts == size]
-                emit(name, lambda path, members=members: figures.plot_error_curves(members, path))
-        if matrices:
-            emit("eval_matrix.md", lambda path: path.write_text(
-                matrix_table.format_summary(matrices, markdown=True), "utf-8"))
-            emit("eval_matrix.csv", lambda path: matrix_table.write_csv(matrices, path))
-            emit("eval_matrix.json", lambda path: matrix_table.write_json(matrices, path))
-            emit("fig_eval_matrix.png", lambda path: figures.plot_eval_matrix(matrices, path))
-        if pairs:
-            emit("fig4_replay.png", lambda path: figures.plot_replay(pairs, path))
-        for name in names:  # all drawn: only now does --out change
-            os.replace(scratch / name, out / name)
+        with StagedOutputs(STAGING_PREFIX) as staged:
+            for name, write in planned:
+                try:
+                    write(staged.path_for(out / name))
+                except OSError as err:
+                    raise UsageError(f"{out / name}: cannot write ({err.strerror or err})") from None
+            try:  # all drawn: only now does --out change (all files, or none on a failure)
+                staged.publish()
+            except OSError as err:
+                raise UsageError(f"{err.filename}: cannot replace it ({err.strerror}); --out is as "
+                                 f"it was: remove or rename that entry, or use another --out") from None
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-        if created and not any(out.iterdir()):
+        if created and out.is_dir() and not any(out.iterdir()):
             out.rmdir()  # a report that failed leaves no empty --out behind
     print(table + note, end="", flush=True)
     if matrices:
@@ -183,6 +190,42 @@ def refuse_inputs_among_outputs(inputs: list[str], out: str) -> None:
                                  f"use another --out, or move that file out of it")
 
 
+STAGING_PREFIX = ".alma-report-"  # write_report's staging folder in --out (StagedOutputs)
+
+
+def refuse_non_files_among_outputs(out: Path, names: list[str]) -> None:
+    """One line (``UsageError``), before anything is drawn, when an entry of ``out`` under a name
+    the report is about to write is not a file (a directory, a socket): the move into place
+    would fail only after the other files were drawn.  A symbolic link is replaced, as a file."""
+    for name in names:
+        try:
+            mode = os.lstat(out / name).st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+            raise UsageError(f"{out / name}: not a file, and alma-report writes {name} there; "
+                             f"remove or rename it, or use another --out")
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM (kill, a scheduler's stop) handled as Ctrl-C while the block runs: the staging
+    folder is removed and ``run_console`` prints its one line, instead of an exit by signal that
+    left the staging folder in --out.  Only the main thread can take signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:  # noqa: ARG001
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _remove_stale_outputs(out: Path, written: list[str]) -> None:
     """Delete what an earlier report left in ``out`` that this one did not write (say a Fig. 4
     of runs no longer given): beside the new tables it would pass for part of this report.
@@ -200,7 +243,8 @@ def _remove_stale_outputs(out: Path, written: list[str]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    written = write_report(args)
+    with _sigterm_as_interrupt():
+        written = write_report(args)
     print("wrote " + ", ".join(written), flush=True)
     return 0
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 import warnings
 
@@ -64,6 +65,39 @@ def request_from_args(args: argparse.Namespace,
                         **settings)
 
 
+def stream_dirs(data: str) -> list[str]:
+    """The directories of a ``--data`` (or ``cfg.task.data``) value: fairseq's data path may
+    list several, separated by ``os.pathsep``."""
+    return [part for part in data.split(os.pathsep) if part]
+
+
+def own_stream_dirs(run_dir: str, trust: bool = False) -> list[str]:
+    """The stream a run trained on (``cfg.task.data`` of its last stage checkpoint: scored on
+    it without ``--data``, and trained on it again by the same command; ``trust``:
+    ``--trust-checkpoint``); none when that cannot be read here (scoring then refuses the
+    run with its own one line, before writing anything).
+
+    Why read it now: without it an ``--json DATA/manifest.json`` replaced the stream's manifest
+    after scoring (exit 0), and every later training or scoring on that stream was refused.
+    Only the checkpoint's pickle is read (memory-mapped), not its tensors, nor its CRCs, which
+    scoring checks."""
+    import torch
+
+    from ..checkpoint_load import trusted
+    from ..stream.run_view import RunView
+
+    try:
+        checkpoints = RunView.open(run_dir).stage_checkpoints()
+        if not checkpoints:
+            return []
+        state = torch.load(checkpoints[max(checkpoints)], map_location="cpu", mmap=True,
+                           weights_only=not (trust or trusted()))
+        data = state["cfg"]["task"]["data"]
+    except Exception:  # noqa: BLE001 - unreadable here: load_run refuses it in one line
+        return []
+    return stream_dirs(str(data)) if data else []
+
+
 def _configure_logging(main_rank: bool = True) -> None:
     """fairseq's wav2vec2 module sets the root logger to DEBUG at import: pin levels here.
     Ranks other than 0 of a data-parallel scoring keep warnings only (rank 0 logs progress)."""
@@ -83,14 +117,21 @@ def main(argv: list[str] | None = None) -> int:
 
     def start() -> int:
         request = request_from_args(args, expand_run_dirs(args.run_dirs))
-        # refused now, not after the scoring they record; never onto a run's own files
-        check_output_files([(f"--{flag}", getattr(args, flag)) for flag in OUTPUT_FLAGS],
-                           request.run_dirs)
+        outputs = [(f"--{flag}", getattr(args, flag)) for flag in OUTPUT_FLAGS]
+        # refused now, not after the scoring they record; never onto a run's own files, nor
+        # onto the stream it is scored on (its manifest, dictionary, shards)
+        check_output_files(outputs, request.run_dirs)
+        if request.data is not None:
+            check_output_files(outputs, stream_dirs(request.data), what="stream directory")
         if args.plot:
             check_plot_path("--plot", args.plot)
         from .. import register  # fairseq and torch only now: --help and a bad flag at once
 
         register()
+        if any(path for _, path in outputs):  # the runs' own streams, --data or not
+            own = [data for run_dir in request.run_dirs
+                   for data in own_stream_dirs(run_dir, request.trust_checkpoint)]
+            check_output_files(outputs, own, what="stream directory")
         from ..lm.score_distributed import world_from_env
         from ..scoring.score import score
 
@@ -101,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 print(results_text(results), end="", flush=True)
             except OSError as err:
-                raise cannot_write(err) from None
+                raise cannot_write(err, "stdout") from None
             write_results(results, args.json, args.csv, args.plot)
         return 0
 

@@ -67,26 +67,47 @@ def results_json(results: list[ScoredSeries]) -> dict[str, Any]:
 
 def write_results(results: list[ScoredSeries], json_path: str | None = None,
                   csv_path: str | None = None, plot_path: str | None = None) -> None:
-    """The files asked for (None: not written); one line (``UsageError``) when one cannot be."""
+    """The files asked for (None: not written); one line (``UsageError``) naming the file when
+    one cannot be.
+
+    Why all are drawn first (``StagedOutputs``) and moved into place only once every one is:
+    written one after another, a failure of the figure (full disk, a file-size limit, Ctrl-C)
+    left a JSON and CSV of this scoring beside the Fig. 5 of the previous one."""
     from ..report import figures, result_tables
-    from ..stream.atomic import atomic_write_json
+    from ..stream.atomic import StagedOutputs, atomic_write_json
 
     series = displayed(results)
-    try:
-        if json_path:  # the series' own names: alma-report groups seeds by them
-            atomic_write_json(json_path, results_json(results))
-        if csv_path:
-            result_tables.write_csv(series, csv_path)
-        if plot_path:
-            ppl = series[0].metric == "ppl"
-            draw = figures.plot_tradeoffs if ppl else figures.plot_error_curves
-            draw(series, plot_path)
-    except ValueError as err:
-        raise UsageError(str(err)) from None
-    except OSError as err:
-        raise cannot_write(err) from None
+    ppl = bool(series) and series[0].metric == "ppl"
+    writers = [  # the series' own names in the JSON: alma-report groups seeds by them
+        (json_path, lambda path: atomic_write_json(path, results_json(results))),
+        (csv_path, lambda path: result_tables.write_csv(series, path)),
+        (plot_path, lambda path: (figures.plot_tradeoffs if ppl else figures.plot_error_curves)(
+            series, path)),
+    ]
+    with StagedOutputs(STAGING_PREFIX) as staged:
+        for target, write in writers:
+            if not target:
+                continue
+            path = target
+            try:
+                path = staged.path_for(target)
+                write(path)
+            except ValueError as err:  # the message names the staged file: name the target
+                raise UsageError(str(err).replace(path, target)) from None
+            except OSError as err:
+                raise cannot_write(err, target) from None
+        try:
+            staged.publish()
+        except OSError as err:
+            raise cannot_write(err, err.filename) from None
 
 
-def cannot_write(err: OSError) -> UsageError:
-    """The one line for an output that could not be written (a file, or stdout)."""
-    return UsageError(f"cannot write {err.filename}: {err.strerror}")
+STAGING_PREFIX = ".alma-score-"  # write_results' staging directories, next to each output
+
+
+def cannot_write(err: OSError, path: str | None = None) -> UsageError:
+    """The one line for an output that could not be written (a file, or stdout): ``path``, the
+    file being written (an error of a write to an open file names none)."""
+    what = path or err.filename or "the output"
+    return UsageError(f"{what}: cannot write ({err.strerror or err}); free space or give "
+                      f"another path, and run the same command again")

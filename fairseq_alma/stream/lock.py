@@ -93,7 +93,7 @@ def _slurm_job() -> str:
     return os.environ.get("SLURM_JOB_ID", "")
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -162,7 +162,7 @@ class RunLock:
     def _may_take_over(self, other: Holder, have_flock: bool) -> bool:
         if (other.host, other.pid) == (self.holder.host, self.holder.pid):
             return True
-        if other.host == self.holder.host and (have_flock or not _pid_alive(other.pid)):
+        if other.host == self.holder.host and (have_flock or not pid_alive(other.pid)):
             return True
         if other.slurm_job and other.slurm_job == self.holder.slurm_job:
             return True
