@@ -280,8 +280,13 @@ def test_pre_dataclass_optimizer_trains_resumes_and_scores(stream_dir, tmp_path)
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     run(stream_cmd(stream_dir, whole, *sgd))
     run(stream_cmd(stream_dir, parts, *sgd, "--max-epoch", "1"))
+    legacy = tmp_path / "legacy"  # as fairseq-alma 0.1 left it: no run.json (the Namespace
+    shutil.copytree(parts, legacy)  # in its checkpoint's config was an omegaconf traceback)
+    (legacy / "run.json").unlink()
     run(stream_cmd(stream_dir, parts, *sgd))
     assert_same_stream(whole, parts)
+    run(stream_cmd(stream_dir, legacy, *sgd))
+    assert_same_stream(whole, legacy)
     fingerprint = json.loads((whole / "run.json").read_text())["fingerprint"]["config"]
     assert fingerprint["optimizer"] == {"_name": "sgd", "momentum": 0.9, "weight_decay": 0.0}
     scored = run([tool("alma-score"), str(whole), "--json", str(tmp_path / "s.json")])
@@ -349,3 +354,32 @@ def test_every_arrival_is_one_log_line_and_the_log_file_has_each_line_once(strea
                       r"fairseq's progress counts to 26 \(20 spares", simple.stdout) == [("1", "0"), ("2", "1")]
     assert re.findall(r"\| stream \| arrival (\d+) \| stage (\d) \|.* eval_ppl ([0-9.]+) \|", simple.stdout) == [
         (f"{r['arrival']:03d}", str(r["stage"]), f"{round(r['eval_ppl'], 2):g}") for r in records]
+
+
+def test_a_checkpoint_without_run_json_is_compared_as_run_json_is():
+    """A run directory without run.json (fairseq-alma 0.1) is compared by its checkpoint's
+    config the way run.json fingerprints are: one growth plan spelled two ways is one run (it
+    was refused), another seed is not."""
+    from fairseq_alma.fairseq_glue.train_flags import _settings_changed
+
+    def config(grow: str, seed: int) -> dict:
+        return {"common": {"seed": seed}, "task": {"_name": "alma_stream", "grow_experts": grow,
+                                                   "grow_at_stages": "", "wait": 1}}
+
+    assert _settings_changed(config("1", 1), config("1,1", 1), 3) == []
+    assert _settings_changed(config("1", 1), config("1,1", 2), 3) == ["common.seed: 1 -> 2"]
+
+
+def test_a_vision_checkpoint_without_run_json_is_refused_before_anything_is_written(tmp_path):
+    """An LM command into a vision run's directory without run.json wrote its run.json before
+    the loader refused the checkpoint: the vision run could not be continued any more."""
+    import torch
+
+    from fairseq_alma.errors import CheckpointError
+    from fairseq_alma.fairseq_glue.train_flags import check_leftover_checkpoint
+
+    torch.save({"format": "alma-vision-stream/1", "learner": {}}, tmp_path / "checkpoint_last.pt")
+    (tmp_path / "stream.jsonl").write_text("")
+    with pytest.raises(CheckpointError, match="holds no fairseq config: not a language-model"):
+        check_leftover_checkpoint(str(tmp_path), None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_last.pt", "stream.jsonl"]

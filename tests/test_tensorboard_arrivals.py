@@ -35,11 +35,12 @@ def _record(arrival: int, ppl: float) -> ArrivalRecord:
 
 def test_two_runs_share_a_logdir_and_each_keeps_its_curves(tmp_path):
     """The second run given the same --tensorboard-logdir deleted the first's stream curves;
-    and stage, trained, mega-batches seen, eval NLL and inference FLOPs were not logged."""
+    and stage, trained, mega-batches seen, eval NLL and inference FLOPs were not logged.  A run
+    is known by its run.json hash (a moved run directory still replaces its own file)."""
     logdir = str(tmp_path / "tb")
-    log_arrivals(logdir, [_record(0, 9.0)], str(tmp_path / "a"))
-    log_arrivals(logdir, [_record(0, 7.0)], str(tmp_path / "b"))
-    log_arrivals(logdir, [_record(0, 9.0), _record(1, 5.0)], str(tmp_path / "a"))  # a resumes
+    log_arrivals(logdir, [_record(0, 9.0)], "a" * 16)
+    log_arrivals(logdir, [_record(0, 7.0)], "b" * 16)
+    log_arrivals(logdir, [_record(0, 9.0), _record(1, 5.0)], "a" * 16)  # a resumes
     files = sorted((tmp_path / "tb" / "stream").iterdir())
     assert len(files) == 2
     curves = sorted((_scalars(path) for path in files), key=lambda s: len(s["stream/eval_ppl"]))

@@ -301,3 +301,17 @@ def test_data_given_twice_and_differently_is_refused(tmp_path):
                                          r".*a.npz name different data"):
         tasks.setup_task(cfg.task).build_model(cfg.model)
     assert not (tmp_path / "run" / "stream.jsonl").exists()
+
+
+def test_the_backbone_follows_the_data_set_unless_given():
+    """``--vision-dataset cifar10`` alone trained the MLP with the paper's CIFAR-10 optimizer
+    and augmentation; ``--vision-arch auto`` (the default) is the paper's backbone (§5)."""
+    from fairseq_alma.fairseq_glue.vision_entry import vision_run
+
+    def arch(*extra: str) -> str:
+        cfg = parse(*extra)
+        return vision_run(cfg.task, cfg.model, machine_checks=False).learner.arch
+
+    cifar = ("--vision-dataset", "cifar10", "--vision-data-path", "/nowhere/cifar")
+    assert arch() == "mlp" and arch(*cifar) == "vgg"
+    assert arch(*cifar, "--vision-arch", "mlp") == "mlp"

@@ -275,8 +275,9 @@ class StreamTraining:
             common = section(self.cfg, "common") or {}
             print_arrivals(new, common.get("log_format"), common.get("log_file"),
                            bool(common.get("no_progress_bar")))
+            claimed = self.run_dir.read_fingerprint() or self.session.fingerprint
             log_arrivals(self.cfg.tensorboard_logdir, self.session.progress.ordered(),
-                         str(self.run_dir.path))
+                         fingerprint_hash(claimed))
 
     def measure(self) -> Dict[str, float]:
         """Perplexity of the model on the evaluation mega-batch and on the validation set; once

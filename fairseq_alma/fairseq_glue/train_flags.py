@@ -247,7 +247,7 @@ def check_stream_start(task: Any, stages: int, save_dir: str | None, restart: bo
 
         model_shape(task.model, int(task.cfg.tokens_per_sample))
     if save_dir is not None and not restart:
-        check_leftover_checkpoint(save_dir, task.cfg)
+        check_leftover_checkpoint(save_dir, task.cfg, int(task.manifest["num_megabatches"]))
 
 
 # fairseq's LR schedulers that span the whole run (its length: --max-update, or for cosine
@@ -327,17 +327,17 @@ def _model_positions(task: Any) -> int:
     return int(min(positions, limit) if limit else positions)
 
 
-def check_leftover_checkpoint(save_dir: str, node: Any) -> None:
+def check_leftover_checkpoint(save_dir: str, node: Any, num_megabatches: int | None = None) -> None:
     """Checkpoints in a --save-dir without ``run.json``: a run of fairseq-alma 0.1 (its records
     in ``stream.jsonl`` beside them) of these settings is continued; anything else is refused
     before the first update.  It was all continued as "a run of 0.1": a stock ``fairseq-train``
     checkpoint (fairseq saves to ``checkpoints/`` by default, as the stream does) became
     arrival 0 and its update counter cut stage 1 short, while the records counted the whole
     stage; another seed's or learning rate's ``checkpoint_last.pt`` copied in was continued
-    under this run's name; another run's stage checkpoint was kept as this run's."""
+    under this run's name; another run's stage checkpoint was kept as this run's.
+    ``num_megabatches``: the stream's B, which reads a growth plan spelled either way
+    (``--grow-experts 2`` or ``2,2``) as one."""
     from pathlib import Path
-
-    from omegaconf import OmegaConf
 
     from ..checkpoint_load import load_checkpoint
     from ..stream.run_dir import LAST_CHECKPOINT, RUN_FILE, STREAM_LOG
@@ -354,32 +354,35 @@ def check_leftover_checkpoint(save_dir: str, node: Any) -> None:
         state = load_checkpoint(last, mmap=True)
         cfg = state.get("cfg") if isinstance(state, dict) else None
         old = _plain(cfg) if cfg is not None else None
-        if isinstance(old, dict):
-            task = (old.get("task") or {}).get("_name")
-            if task != "alma_stream":
-                raise CheckpointError(f"{last} is a checkpoint of a --task {task} run, not of a "
-                                      f"stream; {advice}")
-            changed = _settings_changed(old, OmegaConf.to_container(fairseq_root(node), resolve=True,
-                                                                    enum_to_str=True))
-            if changed:
-                what = "another model" if changed[0].startswith("model.") else "a run with other settings"
-                raise CheckpointError(f"{last} holds {what} ({'; '.join(changed[:3])}); {advice}")
+        if not isinstance(old, dict):  # a vision stream's learner, or no fairseq checkpoint
+            raise CheckpointError(f"{last} holds no fairseq config: not a language-model stream's "
+                                  f"checkpoint (a vision stream's?); {advice}")
+        task = (old.get("task") or {}).get("_name")
+        if task != "alma_stream":
+            raise CheckpointError(f"{last} is a checkpoint of a --task {task} run, not of a "
+                                  f"stream; {advice}")
+        changed = _settings_changed(old, fairseq_root(node), num_megabatches)
+        if changed:
+            what = "another model" if changed[0].startswith("model.") else "a run with other settings"
+            raise CheckpointError(f"{last} holds {what} ({'; '.join(changed[:3])}); {advice}")
     if not (run_dir / STREAM_LOG).is_file():
         raise CheckpointError(f"{held[0]} has neither run.json nor {STREAM_LOG} beside it, so it is "
                               f"no stream run this command can continue (another run's, or a copied "
                               f"file); {advice}")
 
 
-def _settings_changed(old: dict, new: dict) -> list[str]:
+def _settings_changed(old: dict, new: Any, num_megabatches: int | None) -> list[str]:
     """``key: old -> new`` for the settings that change results (``run_fingerprint``) of a
-    checkpoint's config ``old`` against the command's ``new``; settings one side does not know
-    (added or removed since it was written) and execution settings are not compared."""
-    from omegaconf import OmegaConf
-
+    checkpoint's config ``old`` (plain values; fairseq's legacy components, ``--optimizer sgd``,
+    as argparse Namespaces) against the command's config ``new``, compared as ``run.json``
+    fingerprints are (``same_run``: execution settings left out, one growth plan spelled one
+    way); settings one side does not know (added or removed since it was written) are not."""
+    from ..stream.fingerprint_forms import comparable_form
+    from ..stream.growth_plan import with_parsed_growth_plan
     from ..stream.run_dir import fingerprint_differences, without_execution_settings
 
-    prints = [without_execution_settings({"config": run_fingerprint(OmegaConf.create(side))})["config"]
-              for side in (old, new)]
+    prints = [comparable_form(with_parsed_growth_plan(without_execution_settings(
+        {"config": run_fingerprint(side)}), num_megabatches))["config"] for side in (old, new)]
     both = [{name: {key: part[key] for key in part if key in other.get(name, {})}
              for name, part in mine.items() if isinstance(part, dict) and isinstance(other.get(name), dict)}
             for mine, other in (prints, prints[::-1])]

@@ -26,7 +26,7 @@ from ..stream.progress import StreamPlan, wait_from_flag
 from ..stream.session import StreamSession
 from ..stream.stop import StopSignal, stage_limit
 from ..vision.devices import planned_device, resolve_device
-from ..vision.learners import LearnerSpec, parse_mixture_layers
+from ..vision.learners import LearnerSpec, paper_backbone, parse_mixture_layers
 from ..vision.runner import VisionRun, run_vision_session
 from ..vision.stage_trainer import OptimizerSpec, StageTrainConfig
 from .config import component_name, given, refuse_flags
@@ -40,6 +40,10 @@ DATASETS = ("digits", "mnist", "cifar10", "npz")
 def _text(value: Any) -> str:
     """fairseq keeps ChoiceEnum values as enum members; the vision library takes strings."""
     return str(getattr(value, "value", value))
+
+
+def _arch(flag: str, dataset: str) -> str:
+    return paper_backbone(dataset) if flag == "auto" else flag
 
 
 def _optimizer(dataset: str, name: str, lr: float) -> OptimizerSpec:
@@ -200,7 +204,7 @@ def vision_run(task_cfg: Any, model_cfg: Any, machine_checks: bool = True) -> Vi
         optimizer=_optimizer(dataset, _text(model_cfg.vision_optimizer), float(model_cfg.vision_lr)),
         augment=crop_flip, amp=_text(model_cfg.vision_amp))
     learner = LearnerSpec(
-        method=_text(model_cfg.vision_method), arch=_text(model_cfg.vision_arch),
+        method=_text(model_cfg.vision_method), arch=_arch(_text(model_cfg.vision_arch), dataset),
         width=int(model_cfg.vision_width), members=int(model_cfg.ensemble_members),
         gating=_text(model_cfg.moe_gating), mixture_layers=parse_mixture_layers(model_cfg.moe_mixture_layers),
         growth_rate=float(model_cfg.ff_growth_rate),

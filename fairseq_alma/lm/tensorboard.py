@@ -2,21 +2,22 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 from typing import Optional, Sequence
 
 from ..stream.records import ArrivalRecord
 
 
-def run_suffix(save_dir: str) -> str:
-    """The events-file suffix of the run in ``save_dir``: its own files are the ones it
-    rewrites.  Two runs given one ``--tensorboard-logdir`` (as fairseq allows: both write
-    ``train/``) each keep their curves; without it the second deleted the first's."""
-    return "." + hashlib.sha1(os.path.realpath(save_dir).encode()).hexdigest()[:12]
+def run_suffix(run_id: str) -> str:
+    """The events-file suffix of the run ``run_id`` (its ``run.json`` hash): its own files are
+    the ones it rewrites.  Two runs given one ``--tensorboard-logdir`` (as fairseq allows: both
+    write ``train/``) each keep their curves, where the second deleted the first's; the hash,
+    not the directory's path, so that a run moved, or requeued where the file system is
+    mounted elsewhere, still replaces its own file."""
+    return "." + run_id[:12]
 
 
-def log_arrivals(logdir: Optional[str], records: Sequence[ArrivalRecord], save_dir: str) -> None:
+def log_arrivals(logdir: Optional[str], records: Sequence[ArrivalRecord], run_id: str) -> None:
     """Rewrite this run's file in the ``stream`` run of ``logdir`` from all its records
     (idempotent across resumes): what ``stream.jsonl`` records per arrival, as scalars."""
     if not logdir:
@@ -27,7 +28,7 @@ def log_arrivals(logdir: Optional[str], records: Sequence[ArrivalRecord], save_d
         return
     path = os.path.join(logdir, "stream")
     os.makedirs(path, exist_ok=True)
-    suffix = run_suffix(save_dir)
+    suffix = run_suffix(run_id)
     for name in os.listdir(path):
         if name.startswith("events.out") and name.endswith(suffix):
             os.remove(os.path.join(path, name))

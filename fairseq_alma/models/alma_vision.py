@@ -35,8 +35,9 @@ class AlmaVisionConfig(FairseqDataclass):
         "B: mega-batches the training set is cut into (paper §5: 500 MNIST, 100 CIFAR-10)")})
     valid_fraction: float = field(default=0.1, metadata={"help": (
         "share of each mega-batch kept as its validation set (paper §5: 10%%)")})
-    vision_arch: ChoiceEnum(["mlp", "vgg"]) = field(default="mlp", metadata={"help": (
-        "backbone: MLP with 2 hidden layers (MNIST) or reduced VGG19 with batch norm (CIFAR-10)")})
+    vision_arch: ChoiceEnum(["auto", "mlp", "vgg"]) = field(default="auto", metadata={"help": (
+        "backbone: MLP with 2 hidden layers (MNIST) or reduced VGG19 with batch norm (CIFAR-10); "
+        "auto (default): the paper's for --vision-dataset, vgg on cifar10, mlp otherwise")})
     vision_method: ChoiceEnum(list(METHODS)) = field(default="sm", metadata={"help": (
         "learner (paper §4): sm, ens, umix, gens, gmoe or ff")})
     vision_width: int = field(default=32, metadata={"help": (

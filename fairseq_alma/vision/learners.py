@@ -40,6 +40,13 @@ from .normalization import InputNormalizer
 METHODS = ("sm", "ens", "umix", "gens", "gmoe", "ff")
 
 
+def paper_backbone(dataset: str) -> str:
+    """The paper's backbone for ``dataset`` (§5): the reduced VGG19 on CIFAR-10, the MLP on
+    MNIST (and the digits, an npz): what ``--vision-arch auto`` and ``alma-vision-sweep``
+    without ``--arch`` train, as the optimizer and the augmentation follow the data set."""
+    return "vgg" if dataset == "cifar10" else "mlp"
+
+
 def parse_mixture_layers(text: str, flag: str = "--moe-mixture-layers") -> tuple[int, ...] | None:
     """``flag``'s comma-separated gMoE layer indices; None when empty (the paper's default)."""
     if not text.strip():

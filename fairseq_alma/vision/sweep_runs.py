@@ -40,7 +40,7 @@ from .data import load_vision_data
 from .dataset import VisionData
 from .devices import resolve_device
 from .fingerprint import vision_fingerprint
-from .learners import LearnerSpec, parse_mixture_layers
+from .learners import LearnerSpec, paper_backbone, parse_mixture_layers
 from .models_moe import mixture_layer_count
 from .runner import VisionRun, data_digest, run_vision_stream
 from .stage_trainer import OptimizerSpec, StageTrainConfig
@@ -158,9 +158,8 @@ def _check_lists(args: argparse.Namespace) -> None:
 
 
 def _arch(args: argparse.Namespace) -> str:
-    """The backbone: ``--arch``, or the paper's for the data set (VGG on CIFAR-10, §5), as the
-    optimizer and the augmentation follow the data set."""
-    return args.arch or ("vgg" if args.dataset == "cifar10" else "mlp")
+    """The backbone: ``--arch``, or the paper's for the data set (``paper_backbone``)."""
+    return args.arch or paper_backbone(args.dataset)
 
 
 def _runs(args: argparse.Namespace, data: VisionData) -> list[VisionRun]:
