@@ -10,6 +10,7 @@ and no traceback.  Anything that is not an ``AlmaError`` is a bug and keeps its 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from typing import NoReturn
@@ -42,6 +43,27 @@ def run_console(prog: str, main: Callable[[], int | None]) -> int:
     finally:
         stop_background_loaders()
     return 0 if status is None else int(status)
+
+
+def write_stdout(text: str) -> None:
+    """``text`` on stdout, all of it, or an ``OSError``.
+
+    Why not ``print``: a table redirected to a file (``alma-score RUN > table.txt``, the
+    ``score.txt`` of ``alma-sweep score``) under a file-size limit or on a full disk was cut
+    short mid-number with exit 0: CPython's buffered writer takes the kernel's short write and
+    drops the rest without an error.  ``os.write`` in a loop gets the error on the write after
+    the short one.  A stdout without a file descriptor (a test's capture) is written as usual."""
+    stream = sys.stdout
+    try:
+        fd = stream.fileno()
+    except (AttributeError, ValueError, OSError):
+        stream.write(text)
+        stream.flush()
+        return
+    stream.flush()
+    data = memoryview(text.encode(stream.encoding or "utf-8", getattr(stream, "errors", None) or "strict"))
+    while data:
+        data = data[os.write(fd, data):]
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):

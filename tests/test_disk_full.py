@@ -71,3 +71,15 @@ def test_preparing_data_with_no_room_is_one_line_and_leaves_nothing(tmp_path, na
     assert "Traceback" not in proc.stderr
     left = [p.name for p in out.rglob("*") if p.is_file()] if out.is_dir() else []
     assert not any(name.endswith(".tmp") or ".tmp" in name for name in left), left
+
+
+def test_a_table_printed_into_a_file_with_no_room_is_an_error_not_cut_short(tmp_path):
+    """``alma-score RUN > table.txt`` under a file-size limit ended mid-number with exit 0:
+    print's buffered writer drops what the kernel's short write did not take."""
+    import sys
+
+    code = "from fairseq_alma.console import write_stdout; write_stdout('257.28 ' * 400)"
+    with open(tmp_path / "table.txt", "w") as out:
+        proc = subprocess.run([sys.executable, "-c", code], stdout=out, stderr=subprocess.PIPE,
+                              text=True, timeout=60, preexec_fn=_file_size_limit(1))
+    assert proc.returncode != 0 and "File too large" in proc.stderr

@@ -691,7 +691,7 @@ def test_status_shows_a_failed_rescore_as_failed_and_json_has_the_scoring_tasks(
 
     fake_sbatch(tmp_path, monkeypatch)  # squeue answers: nothing queued
     sweep_dir = tmp_path / "sw"
-    _sweep_records(sweep_dir, ["seed1", "seed2", "seed3"])
+    _sweep_records(sweep_dir, ["seed1", "seed2", "seed3", "seed4"])
     tasks = []
     for index, (name, planned, scored) in enumerate([
             ("seed1", "now", "old"),     # rescored (inputs changed), the task failed
@@ -708,11 +708,21 @@ def test_status_shows_a_failed_rescore_as_failed_and_json_has_the_scoring_tasks(
                       "run_dirs": [str(run_dir)], "out_dir": str(out_dir),
                       "signature": signatures[planned],
                       "argv": [str(run_dir), "--mode", "single"]})
+    # seed4: submitted, cancelled while pending (Slurm never opened its output): "not run"
+    run_dir, out_dir = sweep_dir / "seed4", sweep_dir / "scores" / "seed4"
+    tasks.append({"index": 3, "name": "seed4", "mode": "single", "runs": ["seed4"],
+                  "run_dirs": [str(run_dir)], "out_dir": str(out_dir),
+                  "signature": input_signature([str(run_dir)], "single", []),
+                  "argv": [str(run_dir), "--mode", "single"]})
     atomic_write_json(sweep_dir / "score_jobs.json", {"tasks": tasks, "submissions": [
-        {"job_id": "60", "tasks": [0, 1]}]})
+        {"job_id": "60", "tasks": [0, 1, 3]}]})
+    (sweep_dir / "logs").mkdir()
+    (sweep_dir / "logs" / "score_60_0.out").write_text("")  # seed1's task ran, and failed
     assert main(["status", str(sweep_dir)]) == 0
     text = capsys.readouterr().out
-    assert "3 task(s): failed 1, scored 1, stale 1\n" in text, text
+    assert "4 task(s): failed 1, not run 1, scored 1, stale 1\n" in text, text
+    assert "3    seed4   single  not run         60_3\n" in text, text
+    assert "tasks not run: cancelled before they started" in text, text
     assert "0    seed1   single  failed          60_0\n" in text, text
     assert "2    seed3   single  stale              -\n" in text, text
     assert (f"failed tasks: see {sweep_dir}/scores/TASK/score.log; alma-sweep score submits them "
@@ -721,9 +731,9 @@ def test_status_shows_a_failed_rescore_as_failed_and_json_has_the_scoring_tasks(
     assert main(["status", str(sweep_dir), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [(row["kind"], row["name"]) for row in rows] == [
-        ("training", "seed1"), ("training", "seed2"), ("training", "seed3"),
-        ("scoring", "seed1"), ("scoring", "seed2"), ("scoring", "seed3")]
-    assert rows[3] == {"kind": "scoring", "index": 0, "name": "seed1", "mode": "single",
+        ("training", "seed1"), ("training", "seed2"), ("training", "seed3"), ("training", "seed4"),
+        ("scoring", "seed1"), ("scoring", "seed2"), ("scoring", "seed3"), ("scoring", "seed4")]
+    assert rows[4] == {"kind": "scoring", "index": 0, "name": "seed1", "mode": "single",
                        "state": "failed", "slurm_job": "60_0",
                        "score_log": f"{sweep_dir}/scores/seed1/score.log", "stale_outputs": True}
-    assert [row["state"] for row in rows[4:]] == ["scored", "stale"]
+    assert [row["state"] for row in rows[5:]] == ["scored", "stale", "not run"]

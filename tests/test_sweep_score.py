@@ -61,7 +61,9 @@ def sweep(slurm, workdir) -> Path:  # noqa: F811
 
 @pytest.fixture(scope="module")
 def scored(slurm, workdir, sweep) -> str:  # noqa: F811
-    """``alma-sweep score sw --max-eval-tokens 600``, run to the end on the cluster."""
+    """``alma-sweep score sw --max-eval-tokens 600``, run to the end on the cluster; a task's
+    folder holds what a cancelled earlier job left (its task removes it)."""
+    (sweep / "scores" / "ens-seeds1-2" / ".partial-1").mkdir(parents=True)
     out = cli(slurm, workdir, "alma-sweep", "score", "sw", *OPTIONS)
     slurm.wait_queue_empty(timeout=300)
     return out

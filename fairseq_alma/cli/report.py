@@ -42,9 +42,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..console import OneLineArgumentParser, run_console
+from ..console import OneLineArgumentParser, run_console, write_stdout
 from ..errors import UsageError
 from ..out_paths import check_dir_path
+from ..scoring.outputs import cannot_write
 from ..stream.atomic import StagedOutputs
 
 logger = logging.getLogger("fairseq_alma.cli.report")
@@ -143,7 +144,10 @@ def write_report(args: argparse.Namespace) -> list[str]:
     finally:
         if created and out.is_dir() and not any(out.iterdir()):
             out.rmdir()  # a report that failed leaves no empty --out behind
-    print(table + note, end="", flush=True)
+    try:
+        write_stdout(table + note)
+    except OSError as err:
+        raise cannot_write(err, "stdout") from None
     if matrices:
         print("\nEach stage on every period (alma-score --matrix; README, Streams that drift)\n"
               + matrix_table.format_summary(matrices), end="", flush=True)

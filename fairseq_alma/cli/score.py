@@ -32,7 +32,7 @@ import os
 import sys
 import warnings
 
-from ..console import OneLineArgumentParser, run_console
+from ..console import OneLineArgumentParser, run_console, write_stdout
 from ..out_paths import check_output_files
 from ..report.figures import check_plot_path
 from ..report.inputs import expand_run_dirs
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         results = score(request, world)
         if world.is_main:
             try:
-                print(results_text(results), end="", flush=True)
+                write_stdout(results_text(results))
             except OSError as err:
                 raise cannot_write(err, "stdout") from None
             write_results(results, args.json, args.csv, args.plot)

@@ -9,7 +9,8 @@ import argparse
 import logging
 from collections.abc import Sequence
 
-from ..console import OneLineArgumentParser, run_console
+from ..console import OneLineArgumentParser, run_console, write_stdout
+from ..scoring.outputs import cannot_write
 from ..stream.progress import parse_wait
 from ..vision.data import DATASET_KINDS
 from ..vision.devices import AMP_MODES
@@ -95,7 +96,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     runner_logger.setLevel(logging.WARNING if args.quiet else logging.INFO)
 
     def sweep() -> None:
-        print(format_sweep_table(run_sweep(args)), end="")
+        table = format_sweep_table(run_sweep(args))
+        try:
+            write_stdout(table)
+        except OSError as err:
+            raise cannot_write(err, "stdout") from None
 
     return run_console("alma-vision-sweep", sweep)
 

@@ -63,11 +63,11 @@ def scoring_status(sweep_dir: Path) -> list[ScoreTaskStatus] | None:
     submissions = plan.get("submissions") or []
     last = submissions[-1] if submissions else None
     queue = query_queue({str(last["job_id"])}) if last else {}
-    return [_task_status(task, last, queue) for task in plan["tasks"]]
+    return [_task_status(task, last, queue, sweep_dir) for task in plan["tasks"]]
 
 
 def _task_status(task: dict[str, Any], last: dict[str, Any] | None,
-                 queue: dict[int, tuple[str, str]] | None) -> ScoreTaskStatus:
+                 queue: dict[int, tuple[str, str]] | None, sweep_dir: Path) -> ScoreTaskStatus:
     queued = (queue or {}).get(task["index"])
     if queued is not None:
         state = "running" if queued[0] == "RUNNING" else queued[0].lower()
@@ -82,6 +82,12 @@ def _task_status(task: dict[str, Any], last: dict[str, Any] | None,
     stale_outputs = (left_queue and state == "stale"
                      and scored_signature(Path(task["out_dir"])) != task["signature"])
     if (left_queue and state == "not scored") or stale_outputs:
+        # Slurm opens a task's output file when it starts: none, and it never ran (cancelled
+        # while pending), so its score.log holds nothing about it (it was called "failed",
+        # pointing at a log whose last line was an earlier success)
+        if not (sweep_dir / "logs" / f"score_{job}.out").exists():
+            return ScoreTaskStatus(task["index"], task["name"], task["mode"], "not run", job,
+                                   None, stale_outputs)
         return ScoreTaskStatus(task["index"], task["name"], task["mode"], "failed", job,
                                str(Path(task["out_dir"]) / "score.log"), stale_outputs)
     return ScoreTaskStatus(task["index"], task["name"], task["mode"], state, job)

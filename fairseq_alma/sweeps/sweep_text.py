@@ -97,6 +97,9 @@ def scoring_status_table(sweep_dir: Path, tasks: list[ScoreTaskStatus]) -> str:
     if stale:
         text += (f"(the outputs of {', '.join(stale)} are an earlier scoring's, of inputs "
                  "changed since: stale until a rescore succeeds)\n")
+    if "not run" in states:
+        text += ("tasks not run: cancelled before they started (no Slurm output in "
+                 f"{sweep_dir}/logs); alma-sweep score submits them again\n")
     return text
 
 
