@@ -101,6 +101,18 @@ def _dry_run(tmp_path, capsys, *extra: str) -> str:
     return capsys.readouterr().out
 
 
+def test_dry_run_without_the_data_says_which_checks_it_could_not_make(tmp_path, capsys,
+                                                                       monkeypatch):
+    """Every shipped config passed --dry-run, exit 0, while its data was missing (a --grid
+    wait=7 too), and the real submit then refused it."""
+    monkeypatch.chdir(tmp_path)  # the config's data-bin/tiny-stream is not here
+    assert main(["submit", str(STREAM_EXAMPLE), "--sweep-dir", "sw", "--dry-run"]) == 0
+    err = capsys.readouterr().err
+    assert (f"alma-sweep: note: data directory {tmp_path}/data-bin/tiny-stream not found here, so "
+            "the checks that read the stream (each run's --wait within its B, ...) were not "
+            "made; submit refuses until it exists") in err, err
+
+
 def test_dry_run_prints_table_commands_script_and_chain(tmp_path, capsys):
     out = _dry_run(tmp_path, capsys, "--max-parallel", "1", "--chain-stages", "3",
                    "--stages-per-link", "2")

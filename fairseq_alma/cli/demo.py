@@ -6,7 +6,8 @@ when its outputs already exist, so re-running after an interruption continues:
   2. ``alma-data-prep``: sentencepiece BPE, seeded split into 4 mega-batches + eval + valid,
      fairseq binaries and manifest.json;
   3. ``fairseq-train --task alma_stream`` with a tiny Switch LM (4 experts), once per setting of
-     Table 2: SM w=1, a second seed (for Ens of 2), SM w=4 with 4x steps, gEns (scratch init per
+     Table 2: SM w=1, a second seed (for Ens of 2), SM w=4 with 4x steps, SM with --wait auto
+     (SM_wauto, beyond the paper: train or wait decided at each arrival), gEns (scratch init per
      stage) and gMoE (experts grown 4 -> 6 -> 8 -> 12 by copying the highest-loss experts);
   4. ``alma-score`` per setting (single / ens / gens), then one Table-2 style table with both
      stream averages (the paper's over trained arrivals, and the anytime one over all arrivals),

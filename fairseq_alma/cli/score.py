@@ -3,8 +3,10 @@
 Reads run directories of ``fairseq-train --task alma_stream`` (``stream.jsonl`` and
 ``checkpoint_stage{s}.pt``), scores every stage checkpoint once on the evaluation mega-batch and
 prints Table 2's layout (App. D): setting, #experts, |θ|, perplexity after each arrival
-t0..t(B-1) ('*' before the first training), average perplexity over the stream, cumulative
-training TFLOPs and parameters (Comp, Mem: Eq. 2); ``--json``/``--csv``/``--plot`` (Fig. 5).
+t0..t(B-1) ('*' before the first training), the two stream averages (the paper's over the
+arrivals trained by then, and the anytime one over every arrival, which charges waiting),
+cumulative training TFLOPs and parameters (Comp, Mem: Eq. 2); ``--json``/``--csv``/``--plot``
+(Fig. 5).
 
 Modes (§4.1, Table 2):
   single  each run dir is a series; an arrival is answered by the last stage trained by then.

@@ -56,6 +56,11 @@ def submit(args: argparse.Namespace) -> int:
     print(sweep_text.submission_plan(plan), end="")
     if args.dry_run:
         print(sweep_text.submission_dry_run(plan), end="")
+        missing = train_submit.missing_data(plan)
+        if missing is not None:  # its grid looked fine, and submit would refuse it
+            print(f"alma-sweep: note: data directory {missing} not found here, so the checks that "
+                  "read the stream (each run's --wait within its B, ...) were not made; submit "
+                  "refuses until it exists", file=sys.stderr, flush=True)
         return 0
     trained = sum(holds_trained_run(job.run_dir) for job in plan.jobs)
     if trained:

@@ -55,10 +55,11 @@ def _add_score_parser(commands: argparse._SubParsersAction, with_score_flags: bo
         "score", help="score every finished run, and every group of seeds as an ensemble, "
         "as one Slurm job array",
         description="Score a sweep as one Slurm job array: one alma-score task per finished run "
-        "(--mode single) and one per group of runs that differ only by their seed (--mode ens, "
+        "(--mode single), one per finished run trained with --stage-init scratch (--mode gens, "
+        "task RUN.gens) and one per group of runs that differ only by their seed (--mode ens, "
         "when all its runs have finished). Writes SWEEP_DIR/score_jobs.json and "
-        "SWEEP_DIR/score.sbatch; each task writes score.json, score.csv, score.txt and "
-        f"scored.json to SWEEP_DIR/{SCORES_DIR}/TASK/. Runs not finished training are skipped "
+        "SWEEP_DIR/score.sbatch; each task writes score.json, score.csv, score.txt, scored.json "
+        f"and its log score.log to SWEEP_DIR/{SCORES_DIR}/TASK/. Runs not finished training are skipped "
         "with the reason. Running it again submits only the tasks not yet scored, or whose "
         "runs changed since.",
         epilog="alma-report SWEEP_DIR/scores/*/score.json --out DIR draws the tables and "
@@ -74,7 +75,8 @@ def _add_score_parser(commands: argparse._SubParsersAction, with_score_flags: bo
     if with_score_flags:
         group = sub.add_argument_group(
             "alma-score options, passed to every task (see alma-score --help; "
-            f"{', '.join(SCORE_OWN_FLAGS)} are set by alma-sweep score)")
+            f"{', '.join(SCORE_OWN_FLAGS)} are alma-sweep score's to set, or of no use to its "
+            "tasks: refused)")
         for flag, options in score_flags():
             if flag in SCORE_OWN_FLAGS:  # parsed only to be refused with the reason
                 keep = {"action": "store_true"} if options.get("action") == "store_true" else {}

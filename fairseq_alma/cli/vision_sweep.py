@@ -24,7 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run vision ALMA streams over methods, sizes and waiting times; print CER.",
     )
     parser.add_argument(
-        "--out", required=True, help="directory for per-run stream.jsonl and summary.json"
+        "--out", required=True,
+        help="directory for per-run stream.jsonl and summary.json (the runs of this call)"
     )
     parser.add_argument(
         "--dataset",
@@ -42,23 +43,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="backbone (default, as the paper: vgg on cifar10, mlp otherwise)",
     )
     parser.add_argument(
-        "--methods", nargs="+", default=["sm"], choices=METHODS, help="learners to run"
+        "--methods", nargs="+", default=["sm"], choices=METHODS,
+        help="learners to run (default: sm)"
     )
     for flag, default, text, kind in (
-        ("--widths", [8], "hidden width h / channels c", int),
-        ("--waits", [1, 2, 5, 10, 20], "waiting times w, or auto (decided at each arrival)",
-         parse_wait),
-        ("--seeds", [1], "seeds (partition, init, data order)", int),
+        ("--widths", [8], "hidden width h / channels c (default: 8)", int),
+        ("--waits", [1, 2, 5, 10, 20], "waiting times w, or auto (decided at each arrival; "
+         "default: 1 2 5 10 20)", parse_wait),
+        ("--seeds", [1], "seeds (partition, init, data order; default: 1)", int),
     ):
         parser.add_argument(flag, nargs="+", type=kind, default=default, help=text)
     parser.add_argument(
-        "--num-megabatches", type=int, default=20, help="B (paper: 500 MNIST, 100 CIFAR)"
+        "--num-megabatches", type=int, default=20,
+        help="B (default 20, a quick sweep; paper: 500 MNIST, 100 CIFAR)"
     )
     parser.add_argument(
         "--replay", action="store_true", help="train on every mega-batch seen so far"
     )
     parser.add_argument(
-        "--epochs-per-stage", type=int, default=20, help="epochs per stage (paper: 100)"
+        "--epochs-per-stage", type=int, default=20,
+        help="epochs per stage (default 20, a quick sweep; paper: 100)"
     )
     parser.add_argument("--members", type=int, default=5, help="N for ens and umix (paper: 5)")
     parser.add_argument("--gating", default="soft", choices=("soft", "hard"), help="gMoE gating")

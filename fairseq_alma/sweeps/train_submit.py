@@ -195,15 +195,24 @@ def plan_submission(request: SubmitRequest, config: RunConfig,
                            max_parallel)
 
 
+def missing_data(plan: TrainSubmission) -> Path | None:
+    """The first data directory of the config that its runs read and that does not exist here
+    (``submit`` refuses it; ``--dry-run`` says which checks it could therefore not make)."""
+    for part in plan.config.data.split(":") if any(map(reads_data, plan.jobs)) else ():
+        if not Path(part).exists():
+            return Path(part).resolve()
+    return None
+
+
 def runs_to_submit(plan: TrainSubmission) -> list[int]:
     """Indices of the runs not done; refuses missing data, another sweep in the same directory,
     runs of this one still in the queue (or a queue that cannot be asked), and a run directory
     that holds another run (``held_runs.py``).  A run is done when its Slurm events say
     ``completed`` and, where it keeps a ``run.json``, its records say it finished."""
     sweep_dir, config, jobs = plan.sweep_dir, plan.config, plan.jobs
-    for part in config.data.split(":") if any(map(reads_data, jobs)) else ():
-        if not Path(part).exists():
-            raise UsageError(f"{config.path}: data directory {Path(part).resolve()} not found")
+    missing = missing_data(plan)
+    if missing is not None:
+        raise UsageError(f"{config.path}: data directory {missing} not found")
     if (sweep_dir / "jobs.json").exists():
         old = load_jobs(sweep_dir)
         # Same runs = same names and flags; the program may change (a fixed wrapper, say).

@@ -85,8 +85,9 @@ class AlmaStreamConfig(LanguageModelingConfig):
         "across stages); off by default: stream.jsonl records the validation perplexity after "
         "every arrival")})
     restart_stream: bool = field(default=False, metadata={"help": (
-        "start the stream again in a --save-dir that holds another run: its files are moved to "
-        "SAVE_DIR/replaced-<time>/ (nothing is deleted); without it such a directory is refused")})
+        "start the stream again in a --save-dir that holds another run, or this run finished: its "
+        "files are moved to SAVE_DIR/replaced-<time>/ (nothing is deleted); without it such a "
+        "directory is refused")})
     save_dir: str = II("checkpoint.save_dir")
     max_epoch: int = II("optimization.max_epoch")
     max_tokens_valid: Optional[int] = II("dataset.max_tokens_valid")
