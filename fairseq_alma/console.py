@@ -19,6 +19,7 @@ from .errors import AlmaError, Preempted
 from .loader_threads import stop_background_loaders
 
 INTERRUPTED_EXIT_STATUS = 130  # the shell's status for Ctrl-C
+READER_GONE_EXIT_STATUS = 141  # the shell's status for a process ended by SIGPIPE
 
 
 def error_line(prog: str, err: AlmaError) -> str:
@@ -40,9 +41,24 @@ def run_console(prog: str, main: Callable[[], int | None]) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted; run the same command again to continue", file=sys.stderr)
         return INTERRUPTED_EXIT_STATUS
+    except BrokenPipeError:
+        # the reader of stdout left (| head, a pager quit): no traceback, no message, the
+        # status of a Unix tool ended by SIGPIPE; what the command writes to files came first
+        _stdout_to_devnull()
+        return READER_GONE_EXIT_STATUS
     finally:
         stop_background_loaders()
     return 0 if status is None else int(status)
+
+
+def _stdout_to_devnull() -> None:
+    """Point stdout at /dev/null: Python's flush of a closed pipe at exit would print another
+    BrokenPipeError (the Python docs' recipe, ``signal`` module notes)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (AttributeError, ValueError, OSError):
+        pass
 
 
 def write_stdout(text: str) -> None:
@@ -61,7 +77,10 @@ def write_stdout(text: str) -> None:
         stream.flush()
         return
     stream.flush()
-    data = memoryview(text.encode(stream.encoding or "utf-8", getattr(stream, "errors", None) or "strict"))
+    # an ASCII-only stdout (PYTHONIOENCODING=ascii) gets \xe9 for é, not a traceback
+    errors = getattr(stream, "errors", None)
+    errors = "backslashreplace" if errors in (None, "strict") else errors
+    data = memoryview(text.encode(stream.encoding or "utf-8", errors))
     while data:
         data = data[os.write(fd, data):]
 

@@ -176,3 +176,40 @@ def test_a_killed_reports_staging_folder_is_removed_by_the_next_never_a_live_one
     finally:
         live.kill()
         live.wait()
+
+
+def test_a_runs_own_stream_is_read_as_scoring_reads_it(tmp_path, monkeypatch):
+    """A relative ``cfg.task.data`` protected a folder of that name under any directory
+    alma-score ran from (an unrelated ``w/d1`` refused), and the message named the bare ``d1``."""
+    import torch
+
+    from fairseq_alma.cli.score import own_stream_dirs
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "d1").mkdir()
+    (tmp_path / "run" / "stream.jsonl").write_text("")
+    torch.save({"cfg": {"task": {"data": "d1"}}}, tmp_path / "run" / "checkpoint_stage1.pt")
+    monkeypatch.chdir(tmp_path)
+    assert own_stream_dirs("run") == [str(tmp_path / "d1")]  # absolute, as scoring opens it
+    (tmp_path / "w").mkdir()
+    monkeypatch.chdir(tmp_path / "w")
+    assert own_stream_dirs("../run") == []  # no w/d1: nothing there is the stream
+
+
+def test_a_reader_that_quits_early_loses_no_file_and_sees_no_traceback(tmp_path):
+    """``alma-score RUN --json s.json | head -1``: the table went first, the EPIPE was 'cannot
+    write ... free space' and the JSON was never written; alma-report's later lines were a
+    BrokenPipeError traceback.  An ASCII-only stdout with a non-ASCII setting: a traceback."""
+    import json
+
+    run = _vision_run(tmp_path / "runs" / "sm_w1", [0.9, 0.5, 0.4])
+    command = [sys.executable, "-m", "fairseq_alma.cli.score", str(run), "--from-log",
+               "--setting", "SMé", "--json", str(tmp_path / "s.json")]
+    reader_gone = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    reader_gone.stdout.close()  # the reader left before the first byte
+    _, err = reader_gone.communicate(timeout=120)
+    assert reader_gone.returncode == 141 and b"Traceback" not in err, err
+    assert json.loads((tmp_path / "s.json").read_text())["series"]
+    ascii_only = subprocess.run(command, capture_output=True, timeout=120,
+                                env={**os.environ, "PYTHONIOENCODING": "ascii"})
+    assert ascii_only.returncode == 0 and b"SM\\xe9" in ascii_only.stdout, ascii_only.stderr

@@ -146,6 +146,8 @@ def write_report(args: argparse.Namespace) -> list[str]:
             out.rmdir()  # a report that failed leaves no empty --out behind
     try:
         write_stdout(table + note)
+    except BrokenPipeError:
+        raise  # the reader left (| head): run_console ends quietly, as Unix tools do
     except OSError as err:
         raise cannot_write(err, "stdout") from None
     if matrices:

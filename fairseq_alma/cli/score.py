@@ -82,7 +82,9 @@ def own_stream_dirs(run_dir: str, trust: bool = False) -> list[str]:
     Why read it now: without it an ``--json DATA/manifest.json`` replaced the stream's manifest
     after scoring (exit 0), and every later training or scoring on that stream was refused.
     Only the checkpoint's pickle is read (memory-mapped), not its tensors, nor its CRCs, which
-    scoring checks."""
+    scoring checks.  Read as scoring reads it without ``--data`` (relative to the current
+    directory), absolute, and only where it exists: with ``--data`` that is the stream read,
+    and a moved stream's old place or a folder of the same relative name elsewhere is none."""
     import torch
 
     from ..checkpoint_load import trusted
@@ -97,7 +99,8 @@ def own_stream_dirs(run_dir: str, trust: bool = False) -> list[str]:
         data = state["cfg"]["task"]["data"]
     except Exception:  # noqa: BLE001 - unreadable here: load_run refuses it in one line
         return []
-    return stream_dirs(str(data)) if data else []
+    return [os.path.abspath(part) for part in stream_dirs(str(data)) if os.path.isdir(part)] \
+        if data else []
 
 
 def _configure_logging(main_rank: bool = True) -> None:
@@ -130,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         from .. import register  # fairseq and torch only now: --help and a bad flag at once
 
         register()
-        if any(path for _, path in outputs):  # the runs' own streams, --data or not
+        if request.data is None and any(path for _, path in outputs):  # the runs' own streams
             own = [data for run_dir in request.run_dirs
                    for data in own_stream_dirs(run_dir, request.trust_checkpoint)]
             check_output_files(outputs, own, what="stream directory")
@@ -140,12 +143,14 @@ def main(argv: list[str] | None = None) -> int:
         world = world_from_env()  # an incomplete torchrun/srun environment: one line
         _configure_logging(world.is_main)
         results = score(request, world)
-        if world.is_main:
+        if world.is_main:  # the files first: a reader of stdout that quits early loses nothing
+            write_results(results, args.json, args.csv, args.plot)
             try:
                 write_stdout(results_text(results))
+            except BrokenPipeError:
+                raise  # the reader left (| head): run_console ends quietly, as Unix tools do
             except OSError as err:
                 raise cannot_write(err, "stdout") from None
-            write_results(results, args.json, args.csv, args.plot)
         return 0
 
     return run_console("alma-score", start)

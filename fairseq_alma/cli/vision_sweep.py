@@ -103,6 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         table = format_sweep_table(run_sweep(args))
         try:
             write_stdout(table)
+        except BrokenPipeError:
+            raise  # the reader left (| head): run_console ends quietly, as Unix tools do
         except OSError as err:
             raise cannot_write(err, "stdout") from None
 
