@@ -21,8 +21,8 @@ import pytest
 
 from fairseq_alma.cli.report import main as report_main
 from fairseq_alma.cli.score import main as score_main
-from fairseq_alma.stream.atomic import StagedOutputs, remove_stale_staging
 from fairseq_alma.stream.records import ArrivalRecord, write_records
+from fairseq_alma.stream.staged_outputs import StagedOutputs, remove_stale_staging
 
 EXTRA = {"method": "sm", "arch": "mlp", "width": 8, "wait": 1, "replay": False}
 

@@ -46,7 +46,7 @@ from ..console import OneLineArgumentParser, run_console, write_stdout
 from ..errors import UsageError
 from ..out_paths import check_dir_path
 from ..scoring.outputs import cannot_write
-from ..stream.atomic import StagedOutputs
+from ..stream.staged_outputs import StagedOutputs
 
 logger = logging.getLogger("fairseq_alma.cli.report")
 

@@ -74,7 +74,8 @@ def write_results(results: list[ScoredSeries], json_path: str | None = None,
     written one after another, a failure of the figure (full disk, a file-size limit, Ctrl-C)
     left a JSON and CSV of this scoring beside the Fig. 5 of the previous one."""
     from ..report import figures, result_tables
-    from ..stream.atomic import StagedOutputs, atomic_write_json
+    from ..stream.atomic import atomic_write_json
+    from ..stream.staged_outputs import StagedOutputs
 
     series = displayed(results)
     ppl = bool(series) and series[0].metric == "ppl"
