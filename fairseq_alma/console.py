@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-from .errors import AlmaError, Preempted
+from .errors import AlmaError, OutputError, Preempted
 from .loader_threads import stop_background_loaders
 
 INTERRUPTED_EXIT_STATUS = 130  # the shell's status for Ctrl-C
@@ -62,7 +62,8 @@ def _stdout_to_devnull() -> None:
 
 
 def write_stdout(text: str) -> None:
-    """``text`` on stdout, all of it, or an ``OSError``.
+    """``text`` on stdout, all of it, or one ``OutputError`` naming stdout; a reader that left
+    (``BrokenPipeError``) is left to ``run_console``, which ends quietly.
 
     Why not ``print``: a table redirected to a file (``alma-score RUN > table.txt``, the
     ``score.txt`` of ``alma-sweep score``) under a file-size limit or on a full disk was cut
@@ -81,8 +82,14 @@ def write_stdout(text: str) -> None:
     errors = getattr(stream, "errors", None)
     errors = "backslashreplace" if errors in (None, "strict") else errors
     data = memoryview(text.encode(stream.encoding or "utf-8", errors))
-    while data:
-        data = data[os.write(fd, data):]
+    try:
+        while data:
+            data = data[os.write(fd, data):]
+    except BrokenPipeError:
+        raise
+    except OSError as err:
+        raise OutputError(f"stdout: cannot write ({err.strerror or err}); free space or give "
+                          "another path, and run the same command again") from None
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):

@@ -45,7 +45,6 @@ from pathlib import Path
 from ..console import OneLineArgumentParser, run_console, write_stdout
 from ..errors import UsageError
 from ..out_paths import check_dir_path
-from ..scoring.outputs import cannot_write
 from ..stream.staged_outputs import StagedOutputs
 
 logger = logging.getLogger("fairseq_alma.cli.report")
@@ -144,12 +143,7 @@ def write_report(args: argparse.Namespace) -> list[str]:
     finally:
         if created and out.is_dir() and not any(out.iterdir()):
             out.rmdir()  # a report that failed leaves no empty --out behind
-    try:
-        write_stdout(table + note)
-    except BrokenPipeError:
-        raise  # the reader left (| head): run_console ends quietly, as Unix tools do
-    except OSError as err:
-        raise cannot_write(err, "stdout") from None
+    write_stdout(table + note)
     if matrices:
         print("\nEach stage on every period (alma-score --matrix; README, Streams that drift)\n"
               + matrix_table.format_summary(matrices), end="", flush=True)

@@ -40,7 +40,7 @@ from ..report.figures import check_plot_path
 from ..report.inputs import expand_run_dirs
 from ..scoring import LOGGER_NAME
 from ..scoring.flags import SCORE_FLAGS
-from ..scoring.outputs import cannot_write, results_text, write_results
+from ..scoring.outputs import results_text, write_results
 from ..scoring.request import ScoreRequest
 
 OUTPUT_FLAGS = ("json", "csv", "plot")  # every file alma-score writes
@@ -145,12 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         results = score(request, world)
         if world.is_main:  # the files first: a reader of stdout that quits early loses nothing
             write_results(results, args.json, args.csv, args.plot)
-            try:
-                write_stdout(results_text(results))
-            except BrokenPipeError:
-                raise  # the reader left (| head): run_console ends quietly, as Unix tools do
-            except OSError as err:
-                raise cannot_write(err, "stdout") from None
+            write_stdout(results_text(results))
         return 0
 
     return run_console("alma-score", start)

@@ -10,7 +10,6 @@ import logging
 from collections.abc import Sequence
 
 from ..console import OneLineArgumentParser, run_console, write_stdout
-from ..scoring.outputs import cannot_write
 from ..stream.progress import parse_wait
 from ..vision.data import DATASET_KINDS
 from ..vision.devices import AMP_MODES
@@ -100,13 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runner_logger.setLevel(logging.WARNING if args.quiet else logging.INFO)
 
     def sweep() -> None:
-        table = format_sweep_table(run_sweep(args))
-        try:
-            write_stdout(table)
-        except BrokenPipeError:
-            raise  # the reader left (| head): run_console ends quietly, as Unix tools do
-        except OSError as err:
-            raise cannot_write(err, "stdout") from None
+        write_stdout(format_sweep_table(run_sweep(args)))
 
     return run_console("alma-vision-sweep", sweep)
 
