@@ -29,6 +29,7 @@ from ..lm.stage_checkpoints import keep_initial_checkpoint, keep_stage_checkpoin
 from ..optim.stage_lr_schedules import describe_schedule, stage_peak
 from ..ranks import any_rank, raise_unless_all_ok, world
 from ..stream.eval_batching import eval_batch_size
+from ..stream.progress import DECISION_SUBSET
 from ..stream.records import ArrivalRecord
 from ..stream.replay import counted_replays
 from ..stream.run_dir import DATA_VERIFIED, RunDirectory, fingerprint_hash
@@ -286,7 +287,8 @@ class StreamTraining:
             return self.measured[1]
         out: Dict[str, float] = {}
         batching = Batching(eval_batch_size(self.cfg.batch_size_valid, self.cfg.batch_size), self.cfg.max_tokens_valid)
-        for name, key in ((self.cfg.eval_subset, "eval"), ("valid", "valid")):
+        # the validation split is what --wait auto decides from (check_wait_auto refuses scoring it)
+        for name, key in ((self.cfg.eval_subset, "eval"), (DECISION_SUBSET, "valid")):
             nll, ntok = total_nll(self.task.model, self.task, self.task.dataset_split(name), batching)
             why = non_finite_loss(nll, self.task.model)
             if why is not None:
